@@ -1,0 +1,57 @@
+# mpsd: `make run` starts the daemon on the example repository, `make test` runs the suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := .stamps
+PROTOS := $(wildcard proto/mpsd/proto/*.proto)
+GENERATED := $(PROTOS:proto/%.proto=%_pb2.py)
+EXAMPLE_REPO := config/models
+SYSTEM_TOOLS := plistutil h2load
+
+.PHONY: install run test lint bench proto models clean system-tools
+
+install: $(STAMP)/venv proto system-tools
+
+$(STAMP)/venv: pyproject.toml constraints-cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[test,dev]'
+	@mkdir -p $(STAMP) && touch $@
+
+# Generated gRPC code lives next to the package and is never edited by hand.
+proto: $(STAMP)/venv $(GENERATED)
+
+mpsd/proto/%_pb2.py: proto/mpsd/proto/%.proto $(STAMP)/venv
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	@touch mpsd/proto/__init__.py
+
+# Tools some tests use as independent checks (plist parser, HTTP/2 load generator).
+system-tools:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing$$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libplist-utils nghttp2-client >/dev/null) \
+	      || echo "could not install$$missing; tests that need them will skip"; \
+	  else echo "not installed:$$missing (tests that need them will skip)"; fi; \
+	fi
+
+models: install
+	$(BIN)/python -m mpsd.examples $(EXAMPLE_REPO)
+
+run: models
+	$(BIN)/mpsd serve --config config/mpsd.yaml
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check mpsd tests bench
+	$(BIN)/ruff format --check mpsd tests bench
+	$(BIN)/mypy mpsd
+
+bench: models
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) $(STAMP) mpsd/proto/*_pb2*.py mpsd/proto/*_pb2*.pyi

@@ -1,0 +1,1 @@
+"""Configuration: the model repository format and the daemon's own settings."""

@@ -1,0 +1,65 @@
+"""The daemon's own settings (`config/mpsd.yaml`), as opposed to a model's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mpsd.config.repository import format_validation_error
+from mpsd.errors import ConfigError
+
+
+class DaemonConfig(BaseModel):
+    """Settings of one mpsd daemon. Paths are resolved relative to the config file's directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_repository: Path = Field(Path("models"), description="Directory holding one folder per model.")
+    grpc_address: str = Field("127.0.0.1:8001", description="host:port (Triton's port by default).")
+    metrics_address: str | None = Field(None, description="host:port of the Prometheus endpoint.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="auto: JSON lines unless stderr is a terminal."
+    )
+    drain_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="How long in-flight requests may take to finish at shutdown or unload."
+    )
+    worker_start_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        300.0, description="Longest a worker may take to load and warm up its model."
+    )
+    worker_stop_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        5.0, description="Grace period between TERM and KILL when stopping a worker."
+    )
+    restart_backoff_initial_s: Annotated[float, Field(gt=0)] = Field(
+        0.5, description="First delay before restarting a dead worker; doubles on each failure."
+    )
+    restart_backoff_max_s: Annotated[float, Field(gt=0)] = Field(
+        30.0, description="Cap on the restart delay."
+    )
+    max_message_bytes: Annotated[int, Field(gt=0)] = Field(
+        256 * 1024 * 1024, description="Largest gRPC message accepted or sent."
+    )
+
+
+def load_daemon_config(path: Path | None) -> DaemonConfig:
+    """Read the daemon config; raises ConfigError with the file and field on any problem."""
+    if path is None:
+        return DaemonConfig()
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings")
+    try:
+        cfg = DaemonConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(path, exc)) from None
+    if not cfg.model_repository.is_absolute():
+        cfg.model_repository = (path.parent / cfg.model_repository).resolve()
+    return cfg

@@ -1,0 +1,195 @@
+"""The schema of a model's `config.yaml`: Triton's field names, validated strictly.
+
+Unknown keys are errors, not silently ignored, because a misspelt field that is ignored is a production
+incident waiting to happen.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
+
+DataType = Literal[
+    "TYPE_BOOL",
+    "TYPE_UINT8",
+    "TYPE_INT8",
+    "TYPE_INT16",
+    "TYPE_INT32",
+    "TYPE_INT64",
+    "TYPE_FP16",
+    "TYPE_BF16",
+    "TYPE_FP32",
+    "TYPE_FP64",
+]
+Kind = Literal["KIND_AUTO", "KIND_GPU", "KIND_MPS", "KIND_CPU"]
+Backend = Literal["torchscript", "torch_export", "python"]
+
+DEFAULT_FILENAMES: dict[str, str] = {
+    "torchscript": "model.pt",
+    "torch_export": "model.pt2",
+    "python": "model.py",
+}
+PLATFORMS: dict[str, str] = {
+    "torchscript": "pytorch_libtorch",
+    "torch_export": "torch_export",
+    "python": "python",
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorConfig(_Strict):
+    """One input or output: name, element type and shape without the batch dimension (-1 = variable)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    data_type: DataType
+    dims: list[int]
+    optional: bool = False
+
+    @field_validator("data_type", mode="before")
+    @classmethod
+    def _explain_unsupported(cls, value: object) -> object:
+        if isinstance(value, str) and value.removeprefix("TYPE_") in UNSUPPORTED:
+            raise ValueError(UNSUPPORTED[value.removeprefix("TYPE_")])
+        return value
+
+    @field_validator("dims")
+    @classmethod
+    def _dims_valid(cls, dims: list[int]) -> list[int]:
+        for d in dims:
+            if d == 0 or d < -1:
+                raise ValueError(f"dimension {d} is not allowed: use a positive size or -1 for variable")
+        return dims
+
+    @property
+    def wire_datatype(self) -> str:
+        return self.data_type.removeprefix("TYPE_")
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.wire_datatype]
+
+
+class InstanceGroup(_Strict):
+    """Where and how many worker processes run this model (one process per instance)."""
+
+    name: str | None = None
+    kind: Kind = "KIND_AUTO"
+    count: Annotated[int, Field(ge=1, le=64)] = 1
+    gpus: list[Annotated[int, Field(ge=0)]] | None = None
+    memory_fraction: float | None = None
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_unique(cls, gpus: list[int] | None) -> list[int] | None:
+        if gpus is not None:
+            if not gpus:
+                raise ValueError("gpus must list at least one GPU index when given")
+            if len(set(gpus)) != len(gpus):
+                raise ValueError(f"gpus lists an index twice: {gpus}")
+        return gpus
+
+
+class LatestPolicy(_Strict):
+    num_versions: Annotated[int, Field(ge=1)] = 1
+
+
+class SpecificPolicy(_Strict):
+    versions: list[Annotated[int, Field(ge=1)]]
+
+
+class AllPolicy(_Strict):
+    pass
+
+
+class VersionPolicy(_Strict):
+    """Which numeric version directories are served: the latest N (default 1), all, or a list."""
+
+    latest: LatestPolicy | None = None
+    all: AllPolicy | None = None
+    specific: SpecificPolicy | None = None
+
+    @model_validator(mode="after")
+    def _one_choice(self) -> VersionPolicy:
+        chosen = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one of latest, all, specific (got {', '.join(chosen)})")
+        return self
+
+    def select(self, available: list[int]) -> list[int]:
+        """The versions to serve out of those present on disk, ascending."""
+        ordered = sorted(available)
+        if self.all is not None:
+            return ordered
+        if self.specific is not None:
+            return [v for v in ordered if v in set(self.specific.versions)]
+        latest = self.latest or LatestPolicy()
+        return ordered[-latest.num_versions :] if ordered else []
+
+
+class DynamicBatching(_Strict):
+    """Triton's dynamic batching fields: requests are merged along the batch dimension."""
+
+    max_queue_delay_microseconds: Annotated[int, Field(ge=0)] = 0
+    preferred_batch_size: list[Annotated[int, Field(ge=1)]] = []
+    max_queue_size: Annotated[int, Field(ge=0)] = 0
+    default_timeout_microseconds: Annotated[int, Field(ge=0)] = 0
+
+
+class ModelConfig(_Strict):
+    """A model's configuration as read from `<repo>/<model>/config.yaml`."""
+
+    name: str | None = None
+    backend: Backend = "torchscript"
+    max_batch_size: Annotated[int, Field(ge=0)] = 0
+    input: list[TensorConfig]
+    output: list[TensorConfig]
+    instance_group: list[InstanceGroup] = [InstanceGroup()]
+    version_policy: VersionPolicy = VersionPolicy()
+    default_model_filename: str | None = None
+    parameters: dict[str, str] = {}
+    dynamic_batching: DynamicBatching | None = None
+    max_device_memory_bytes: Annotated[int, Field(gt=0)] | None = None
+    max_rss_bytes: Annotated[int, Field(gt=0)] | None = None
+    allow_pickle: bool = False
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _parameters_as_strings(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {str(k): (v if isinstance(v, str) else str(v)) for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelConfig:
+        for field in ("input", "output"):
+            names = [t.name for t in getattr(self, field)]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"{field} names must be unique; repeated: {', '.join(dupes)}")
+        if not self.input:
+            raise ValueError("input: at least one input is required")
+        if not self.output:
+            raise ValueError("output: at least one output is required")
+        if self.dynamic_batching is not None and self.max_batch_size == 0:
+            raise ValueError("dynamic_batching needs max_batch_size > 0")
+        return self
+
+    @property
+    def model_filename(self) -> str:
+        return self.default_model_filename or DEFAULT_FILENAMES[self.backend]
+
+    @property
+    def platform(self) -> str:
+        return PLATFORMS[self.backend]
+
+    def input_by_name(self) -> dict[str, TensorConfig]:
+        return {t.name: t for t in self.input}
+
+    def output_by_name(self) -> dict[str, TensorConfig]:
+        return {t.name: t for t in self.output}

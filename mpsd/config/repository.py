@@ -1,0 +1,148 @@
+"""Reading a model repository: `<repo>/<model>/config.yaml` plus numeric version directories.
+
+Scanning never raises for a single broken model: the model is returned with the reason, so every other
+model keeps serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from mpsd.config.model_config import ModelConfig
+
+CONFIG_FILE = "config.yaml"
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_TEMP_SUFFIXES = ("~", ".swp", ".swx", ".tmp", ".part", ".crdownload", ".partial")
+
+
+def is_ignored_name(name: str) -> bool:
+    """Dotfiles, editor backups and partial downloads are never part of a model."""
+    return name.startswith(".") or name.endswith(_TEMP_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What the repository says about one model directory right now."""
+
+    name: str
+    path: Path
+    config: ModelConfig | None = None
+    versions: tuple[int, ...] = ()
+    error: str | None = None
+    version_fingerprints: dict[int, str] = field(default_factory=dict)
+    config_fingerprint: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.config is not None
+
+
+def format_validation_error(path: Path, exc: ValidationError) -> str:
+    """One line per problem, each naming the file and the field."""
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        problems.append(f"{path}: field '{loc}': {msg}")
+    return "; ".join(problems)
+
+
+def parse_model_config(path: Path, text: str, dir_name: str) -> ModelConfig:
+    """Parse and validate a config.yaml; raises ValueError with a message naming file and field."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of config fields, got {type(raw).__name__}")
+    try:
+        config = ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(path, exc)) from None
+    if config.name is not None and config.name != dir_name:
+        raise ValueError(
+            f"{path}: field 'name': '{config.name}' does not match the model directory '{dir_name}'"
+        )
+    return config
+
+
+def _fingerprint_dir(directory: Path) -> str:
+    """Changes whenever a file in the version directory is added, removed, resized or rewritten."""
+    digest = hashlib.sha256()
+    for p in sorted(directory.rglob("*")):
+        rel = p.relative_to(directory)
+        if any(is_ignored_name(part) for part in rel.parts) or "__pycache__" in rel.parts:
+            continue
+        if p.is_file():
+            st = p.stat()
+            digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def load_model_source(model_dir: Path) -> ModelSource:
+    """Read one model directory; problems come back in `error`, never as exceptions."""
+    name = model_dir.name
+    if not MODEL_NAME_RE.match(name):
+        return ModelSource(name, model_dir, error=f"{model_dir}: invalid model name '{name}'")
+    cfg_path = model_dir / CONFIG_FILE
+    try:
+        text = cfg_path.read_text()
+    except FileNotFoundError:
+        return ModelSource(name, model_dir, error=f"{cfg_path}: file is missing")
+    except OSError as exc:
+        return ModelSource(name, model_dir, error=f"{cfg_path}: cannot read: {exc.strerror}")
+    cfg_fp = hashlib.sha256(text.encode()).hexdigest()
+    try:
+        config = parse_model_config(cfg_path, text, name)
+    except ValueError as exc:
+        return ModelSource(name, model_dir, error=str(exc), config_fingerprint=cfg_fp)
+
+    available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    versions = config.version_policy.select(available)
+    if not versions:
+        return ModelSource(
+            name,
+            model_dir,
+            config=None,
+            error=f"{model_dir}: no version directory matches the version policy "
+            f"(found {sorted(available) or 'none'})",
+            config_fingerprint=cfg_fp,
+        )
+    fingerprints: dict[int, str] = {}
+    for v in versions:
+        model_file = model_dir / str(v) / config.model_filename
+        if not model_file.is_file():
+            return ModelSource(
+                name, model_dir, error=f"{model_file}: model file is missing", config_fingerprint=cfg_fp
+            )
+        fingerprints[v] = _fingerprint_dir(model_dir / str(v))
+    return ModelSource(
+        name,
+        model_dir,
+        config=config,
+        versions=tuple(versions),
+        version_fingerprints=fingerprints,
+        config_fingerprint=cfg_fp,
+    )
+
+
+def scan_repository(repo: Path) -> dict[str, ModelSource]:
+    """Every model directory in the repository, broken ones included (with their reason)."""
+    models: dict[str, ModelSource] = {}
+    for entry in sorted(repo.iterdir()):
+        if entry.is_dir() and not is_ignored_name(entry.name):
+            models[entry.name] = load_model_source(entry)
+    return models

@@ -1,0 +1,1 @@
+"""The IPC protocol between the daemon and its workers: the only code both sides share."""

@@ -1,0 +1,146 @@
+"""Messages exchanged between the daemon and one worker over that worker's private socket.
+
+Only small control messages travel here; tensor bytes live in shared memory regions owned by the daemon
+and are described by `TensorRef` (offset and length inside a region).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Exit codes are part of the protocol: the supervisor treats "failed to load" differently from a crash.
+EXIT_OK = 0
+EXIT_LOAD_FAILED = 3
+EXIT_PARENT_GONE = 4
+EXIT_PROTOCOL_ERROR = 5
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A configured input or output: protocol datatype and dims without the batch dimension."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything a worker needs to load one version of a model."""
+
+    name: str
+    version: int
+    backend: str
+    model_path: str
+    max_batch_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    parameters: dict[str, str] = field(default_factory=dict)
+    allow_pickle: bool = False
+
+
+@dataclass(frozen=True)
+class RegionRef:
+    """A shared-memory region by name; the worker attaches on first sight of a new name."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor stored in a region: where its bytes start and how many there are."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+# daemon -> worker
+
+
+@dataclass(frozen=True)
+class Init:
+    model: ModelSpec
+    instance: int
+    kind: str
+    memory_fraction: float | None
+
+
+@dataclass(frozen=True)
+class Infer:
+    req_id: int
+    inputs: tuple[TensorRef, ...]
+    outputs: tuple[str, ...]
+    input_region: RegionRef
+    output_region: RegionRef
+
+
+@dataclass(frozen=True)
+class OutputRegion:
+    """Answer to NeedOutput: a larger region for the outputs of the request in progress."""
+
+    region: RegionRef
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# worker -> daemon
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+    device: dict[str, object]
+    load_ms: float
+    warmup_ms: float
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class NeedOutput:
+    """The outputs of request `req_id` need `nbytes`, more than the current output region holds."""
+
+    req_id: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class InferDone:
+    req_id: int
+    outputs: tuple[TensorRef, ...]
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+@dataclass(frozen=True)
+class InferFailed:
+    req_id: int
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    memory: dict[str, int]
+    device: dict[str, object]
+
+
+ToWorker = Init | Infer | OutputRegion | StatsRequest | Shutdown
+FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | StatsReply

@@ -1,0 +1,115 @@
+"""POSIX shared-memory regions for tensor bytes.
+
+The daemon creates every region and unlinks its name as soon as the worker has mapped it, so no segment
+survives the daemon, even after kill -9. `multiprocessing.shared_memory` is not used because attaching from
+a worker registers the segment with a resource tracker that unlinks it when that worker exits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import re
+from pathlib import Path
+
+import _posixshmem
+
+PREFIX = "mpsd-"
+_counter = itertools.count()
+_NAME_RE = re.compile(r"^mpsd-(\d+)-\d+$")
+_DEV_SHM = Path("/dev/shm")
+
+
+def new_name() -> str:
+    """Short enough for macOS (31 characters) and tagged with our pid for stale-segment cleanup."""
+    return f"/{PREFIX}{os.getpid()}-{next(_counter)}"
+
+
+def page_round(n: int) -> int:
+    page = mmap.PAGESIZE
+    return max(page, (n + page - 1) // page * page)
+
+
+class Region:
+    """A mapped shared-memory segment."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        self.name = name
+        self.size = size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = _posixshmem.shm_open(name, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                _posixshmem.shm_unlink(name)
+            raise
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self._linked = create
+
+    @classmethod
+    def create(cls, size: int) -> Region:
+        return cls(new_name(), page_round(size), create=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> Region:
+        return cls(name, size, create=False)
+
+    def unlink(self) -> None:
+        """Remove the name; mappings stay valid until closed."""
+        if self._linked:
+            self._linked = False
+            try:
+                _posixshmem.shm_unlink(self.name)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> bool:
+        """Unmap; returns False while tensors still borrow the memory (try again later)."""
+        try:
+            self.buf.release()
+            self._mmap.close()
+        except BufferError:
+            return False
+        return True
+
+
+def cleanup_stale() -> list[str]:
+    """Unlink segments left by mpsd daemons that no longer run (Linux lists them under /dev/shm)."""
+    removed: list[str] = []
+    if not _DEV_SHM.is_dir():
+        return removed
+    for entry in _DEV_SHM.iterdir():
+        m = _NAME_RE.match(entry.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        if _pid_alive(int(m.group(1))):
+            continue
+        try:
+            _posixshmem.shm_unlink("/" + entry.name)
+            removed.append(entry.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_segments() -> list[str]:
+    """Names of mpsd segments currently present (Linux only; empty elsewhere)."""
+    if not _DEV_SHM.is_dir():
+        return []
+    return sorted(e.name for e in _DEV_SHM.iterdir() if e.name.startswith(PREFIX))

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for mpsd; `make proto` regenerates them from proto/."""

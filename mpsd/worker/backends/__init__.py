@@ -1,0 +1,60 @@
+"""Model backends: how a model file becomes a callable from input tensors to named output tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from mpsd.ipc.protocol import ModelSpec
+
+
+class Backend(Protocol):
+    """A loaded model: positional inputs in config order in, named outputs out."""
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+def map_outputs(result: object, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Map what a TorchScript/export module returned to configured output names.
+
+    A tensor is the first output; a tuple/list maps by position; a dict maps by name.
+    """
+    if isinstance(result, torch.Tensor):
+        return {names[0]: result}
+    if isinstance(result, (tuple, list)):
+        if len(result) < len(names):
+            raise ValueError(f"model returned {len(result)} values but the config lists {len(names)} outputs")
+        mapped = dict(zip(names, result, strict=False))
+    elif isinstance(result, Mapping):
+        missing = [n for n in names if n not in result]
+        if missing:
+            raise ValueError(
+                f"model returned a dict without output(s) {', '.join(missing)} "
+                f"(it has {', '.join(map(str, result)) or 'none'})"
+            )
+        mapped = {n: result[n] for n in names}
+    else:
+        raise ValueError(f"model returned {type(result).__name__}; expected a tensor, tuple or dict")
+    for n, v in mapped.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"model output '{n}' is a {type(v).__name__}, not a tensor")
+    return mapped
+
+
+def load_backend(spec: ModelSpec, device: torch.device) -> Backend:
+    """Load the model file named in the spec with the backend its config names."""
+    if spec.backend == "torchscript":
+        from mpsd.worker.backends.torchscript import TorchScriptBackend
+
+        return TorchScriptBackend(spec, device)
+    if spec.backend == "torch_export":
+        from mpsd.worker.backends.torch_export import TorchExportBackend
+
+        return TorchExportBackend(spec, device)
+    if spec.backend == "python":
+        from mpsd.worker.backends.python_model import PythonBackend
+
+        return PythonBackend(spec, device)
+    raise ValueError(f"unknown backend '{spec.backend}'")

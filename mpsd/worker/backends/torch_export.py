@@ -1,0 +1,21 @@
+"""torch.export programs (`model.pt2` written by torch.export.save)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpsd.ipc.protocol import ModelSpec
+from mpsd.worker.backends import map_outputs
+
+
+class TorchExportBackend:
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self._names = [o.name for o in spec.outputs]
+        program = torch.export.load(spec.model_path)
+        module = program.module()
+        self._module = module.to(device)
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return map_outputs(self._module(*inputs), self._names)

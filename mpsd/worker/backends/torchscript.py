@@ -1,0 +1,20 @@
+"""TorchScript models (`model.pt` written by torch.jit.save)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mpsd.ipc.protocol import ModelSpec
+from mpsd.worker.backends import map_outputs
+
+
+class TorchScriptBackend:
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self._names = [o.name for o in spec.outputs]
+        self._module = torch.jit.load(spec.model_path, map_location=device)
+        self._module.eval()
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return map_outputs(self._module(*inputs), self._names)

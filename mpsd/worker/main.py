@@ -1,0 +1,128 @@
+"""The worker process: load one model version on one device, then serve requests from the daemon.
+
+Started by exec (`python -m mpsd.worker --fd N --parent-pid P`), never by fork. Everything that touches the
+device runs on the main thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+from mpsd.errors import ErrorCode, MpsdError
+from mpsd.ipc import protocol as p
+from mpsd.ipc.framing import ConnectionClosed, recv_blocking, send_blocking
+from mpsd.worker.parentwatch import watch_parent
+from mpsd.worker.regions import RegionCache
+
+
+def _load(sock: socket.socket, init: p.Init) -> object:
+    """Select the device, load and warm up the model; report Ready or LoadFailed."""
+    import torch
+
+    from mpsd.worker.backends import load_backend
+    from mpsd.worker.device import DeviceUnavailable, select_device
+    from mpsd.worker.inference import Runner, run_warmup
+
+    spec = init.model
+    t0 = time.perf_counter()
+    try:
+        dtypes = ["TYPE_" + t.datatype for t in (*spec.inputs, *spec.outputs)]
+        device, info = select_device(init.kind, init.memory_fraction, dtypes)
+        torch.set_grad_enabled(False)
+        backend = load_backend(spec, device)
+        t1 = time.perf_counter()
+        run_warmup(spec, backend, device)
+        t2 = time.perf_counter()
+    except DeviceUnavailable as exc:
+        _fail_load(sock, str(exc))
+    except Exception as exc:
+        _fail_load(sock, f"{type(exc).__name__}: {exc}")
+    send_blocking(sock, p.Ready(os.getpid(), info.as_dict(), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+    return Runner(spec, backend, device)
+
+
+def _fail_load(sock: socket.socket, reason: str) -> None:
+    try:
+        send_blocking(sock, p.LoadFailed(reason))
+    finally:
+        sys.stderr.flush()
+        os._exit(p.EXIT_LOAD_FAILED)
+
+
+def _serve(sock: socket.socket, runner: object) -> None:
+    from mpsd.worker.device import is_out_of_memory, memory_counters, release_cached_memory
+    from mpsd.worker.inference import Runner, write_outputs
+
+    assert isinstance(runner, Runner)
+    regions = RegionCache()
+    while True:
+        try:
+            msg = recv_blocking(sock)
+        except ConnectionClosed:
+            return
+        if isinstance(msg, p.Infer):
+            try:
+                inputs = regions.get("input", msg.input_region)
+                outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs)
+                t0 = time.perf_counter_ns()
+                tensors = runner.prepare_outputs(outputs, msg.outputs)
+                del outputs
+                needed = sum(t.numel() * t.element_size() for t in tensors)
+                out_ref = msg.output_region
+                if needed > out_ref.size:
+                    send_blocking(sock, p.NeedOutput(msg.req_id, needed))
+                    reply = recv_blocking(sock)
+                    if not isinstance(reply, p.OutputRegion):
+                        raise MpsdError(f"protocol error: expected OutputRegion, got {type(reply).__name__}")
+                    out_ref = reply.region
+                refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors)
+                del tensors
+                out_ns = time.perf_counter_ns() - t0
+                send_blocking(sock, p.InferDone(msg.req_id, refs, in_ns, infer_ns, out_ns))
+            except ConnectionClosed:
+                return
+            except MpsdError as exc:
+                send_blocking(sock, p.InferFailed(msg.req_id, exc.code.value, exc.message))
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    release_cached_memory(runner.device)
+                    code = ErrorCode.RESOURCE_EXHAUSTED
+                else:
+                    code = ErrorCode.INTERNAL
+                send_blocking(sock, p.InferFailed(msg.req_id, code.value, f"{type(exc).__name__}: {exc}"))
+        elif isinstance(msg, p.StatsRequest):
+            from mpsd.worker.device import DeviceInfo  # noqa: F401  (keeps the import graph explicit)
+
+            send_blocking(sock, p.StatsReply(memory_counters(runner.device), {}))
+        elif isinstance(msg, p.Shutdown):
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mpsd-worker", description="mpsd worker process (started by mpsd)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket to the daemon")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    # The daemon stops workers with a Shutdown message or SIGTERM; Ctrl-C in a terminal goes to the daemon.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent(args.parent_pid)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        init = recv_blocking(sock)
+    except ConnectionClosed:
+        return p.EXIT_PARENT_GONE
+    if not isinstance(init, p.Init):
+        return p.EXIT_PROTOCOL_ERROR
+    try:
+        runner = _load(sock, init)
+        _serve(sock, runner)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return p.EXIT_OK
