@@ -1,0 +1,85 @@
+"""The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import mpsd
+from mpsd.errors import ConfigError
+
+EX_CONFIG = 78
+DEFAULT_CONFIG = Path("config/mpsd.yaml")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mpsd.config.daemon_config import load_daemon_config
+    from mpsd.logs import configure
+
+    config_path: Path | None = args.config
+    if config_path is None and DEFAULT_CONFIG.is_file():
+        config_path = DEFAULT_CONFIG
+    try:
+        config = load_daemon_config(config_path)
+        if args.model_repository is not None:
+            config.model_repository = args.model_repository.resolve()
+        if args.grpc_address is not None:
+            config.grpc_address = args.grpc_address
+        if args.log_level is not None:
+            config.log_level = args.log_level
+        if not config.model_repository.is_dir():
+            raise ConfigError(f"model repository {config.model_repository} is not a directory")
+    except ConfigError as exc:
+        print(f"mpsd: configuration error: {exc.message}", file=sys.stderr)
+        return EX_CONFIG
+    configure(config.log_level, config.log_format)
+    from mpsd.daemon.server import serve
+
+    return serve(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpsd",
+        description="Serve PyTorch models over Triton's gRPC inference protocol.",
+        epilog="example: mpsd serve --model-repository config/models --grpc-address 127.0.0.1:8001",
+    )
+    parser.add_argument("--version", action="version", version=f"mpsd {mpsd.__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the daemon in the foreground",
+        epilog="example: mpsd serve --config config/mpsd.yaml",
+    )
+    serve.add_argument("--config", type=Path, help=f"daemon config file (default: {DEFAULT_CONFIG} if present)")
+    serve.add_argument("--model-repository", type=Path, help="directory with one folder per model")
+    serve.add_argument("--grpc-address", help="host:port to listen on (default 127.0.0.1:8001)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+    try:
+        from mpsd.service.cli import add_service_parser
+    except ImportError:
+        pass
+    else:
+        add_service_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.func(args)
+        return result
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"mpsd: {exc}", file=sys.stderr)
+        print("hint: run again with --debug for the full traceback", file=sys.stderr)
+        return 1

@@ -1,0 +1,100 @@
+"""Building protocol responses from the daemon's domain objects and configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.proto import grpc_service_pb2 as pb
+from mpsd.proto import model_config_pb2 as mc
+
+from .model_version import ModelVersion
+from .request import InferResult
+from .stats import Duration
+
+# Triton has no MPS kind: MPS instances are GPU instances whose real kind is recorded in parameters.
+_KIND = {"KIND_AUTO": mc.ModelInstanceGroup.KIND_AUTO, "KIND_GPU": mc.ModelInstanceGroup.KIND_GPU,
+         "KIND_MPS": mc.ModelInstanceGroup.KIND_GPU, "KIND_CPU": mc.ModelInstanceGroup.KIND_CPU}
+
+
+def infer_response(result: InferResult, request_id: str) -> Any:
+    response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version), id=request_id)
+    for out in result.outputs:
+        response.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
+        response.raw_output_contents.append(out.data)
+    return response
+
+
+def model_config_proto(name: str, config: ModelConfig) -> Any:
+    """The effective config in Triton's ModelConfig message."""
+    msg = mc.ModelConfig(
+        name=name,
+        platform=config.platform,
+        backend="pytorch" if config.backend == "torchscript" else config.backend,
+        max_batch_size=config.max_batch_size,
+        default_model_filename=config.model_filename,
+    )
+    for src, dst in ((config.input, msg.input), (config.output, msg.output)):
+        for t in src:
+            dst.add(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
+    for i, group in enumerate(config.instance_group):
+        g = msg.instance_group.add(name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count)
+        if group.gpus:
+            g.gpus.extend(group.gpus)
+        msg.parameters[f"mpsd.instance_group.{i}.kind"].string_value = group.kind
+        if group.memory_fraction is not None:
+            msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(group.memory_fraction)
+    policy = config.version_policy
+    if policy.all is not None:
+        msg.version_policy.all.SetInParent()
+    elif policy.specific is not None:
+        msg.version_policy.specific.versions.extend(policy.specific.versions)
+    else:
+        msg.version_policy.latest.num_versions = policy.latest.num_versions if policy.latest else 1
+    for key, value in config.parameters.items():
+        msg.parameters[key].string_value = value
+    if config.dynamic_batching is not None:
+        db = config.dynamic_batching
+        msg.dynamic_batching.max_queue_delay_microseconds = db.max_queue_delay_microseconds
+        msg.dynamic_batching.preferred_batch_size.extend(db.preferred_batch_size)
+        if db.max_queue_size or db.default_timeout_microseconds:
+            msg.dynamic_batching.default_queue_policy.max_queue_size = db.max_queue_size
+            msg.dynamic_batching.default_queue_policy.default_timeout_microseconds = db.default_timeout_microseconds
+    return msg
+
+
+def _duration(target: Any, d: Duration) -> None:
+    target.count = d.count
+    target.ns = d.ns
+
+
+def version_statistics(mv: ModelVersion) -> Any:
+    s = mv.stats
+    msg = pb.ModelStatistics(
+        name=mv.name,
+        version=str(mv.version),
+        last_inference=s.last_inference_ms,
+        inference_count=s.inference_count,
+        execution_count=s.execution_count,
+    )
+    st = msg.inference_stats
+    _duration(st.success, s.success)
+    _duration(st.fail, s.fail)
+    _duration(st.queue, s.queue)
+    _duration(st.compute_input, s.compute_input)
+    _duration(st.compute_infer, s.compute_infer)
+    _duration(st.compute_output, s.compute_output)
+    for size in sorted(s.batches):
+        b = s.batches[size]
+        bs = msg.batch_stats.add(batch_size=size)
+        _duration(bs.compute_input, b.compute_input)
+        _duration(bs.compute_infer, b.compute_infer)
+        _duration(bs.compute_output, b.compute_output)
+    return msg
+
+
+def tensor_metadata(config: ModelConfig, inputs: bool) -> list[Any]:
+    batch = [-1] if config.max_batch_size > 0 else []
+    tensors = config.input if inputs else config.output
+    return [pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.wire_datatype, shape=batch + t.dims)
+            for t in tensors]

@@ -1,0 +1,135 @@
+"""Supervision of one model instance: keep one worker alive, restart it with capped exponential back-off,
+and feed it requests from the version's queue one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from .worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
+
+if TYPE_CHECKING:
+    from .model_version import ModelVersion
+
+log = structlog.get_logger("mpsd.daemon.supervisor")
+
+STABLE_AFTER_S = 30.0
+
+
+@dataclass(frozen=True)
+class SupervisorSettings:
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 5.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+
+class Instance:
+    def __init__(self, launch: WorkerLaunch, version: ModelVersion, settings: SupervisorSettings) -> None:
+        self.launch = launch
+        self.version = version
+        self.settings = settings
+        self.worker: WorkerProcess | None = None
+        self.state = "starting"
+        self.restarts = 0
+        self.last_exit: str | None = None
+        self.last_error: str | None = None
+        self.started_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    async def start(self) -> None:
+        """First start: a load failure is the model's load failure (raised, not retried)."""
+        self.worker = await self._spawn()
+        self.state = "ready"
+        self._task = asyncio.create_task(self._supervise(), name=f"instance {self.launch.label}")
+
+    async def _spawn(self) -> WorkerProcess:
+        worker = WorkerProcess(self.launch)
+        try:
+            await worker.start(self.settings.start_timeout_s)
+        except BaseException:
+            await worker.kill()
+            raise
+        self.started_at = time.monotonic()
+        return worker
+
+    async def _supervise(self) -> None:
+        backoff = self.settings.backoff_initial_s
+        while not self._stopping:
+            worker = self.worker
+            assert worker is not None
+            dispatch = asyncio.create_task(self._dispatch(worker))
+            died = asyncio.create_task(worker.died.wait())
+            try:
+                await asyncio.wait({dispatch, died}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (dispatch, died):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            if self._stopping:
+                return
+            await worker.died.wait()
+            self.state = "restarting"
+            self.last_exit = worker.exit_description
+            self.version.instance_down()
+            if time.monotonic() - self.started_at > STABLE_AFTER_S:
+                backoff = self.settings.backoff_initial_s
+            while not self._stopping:
+                log.warning(
+                    "restarting worker",
+                    worker=self.launch.label,
+                    after=self.last_exit,
+                    delay_s=round(backoff, 2),
+                    restarts=self.restarts,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.backoff_max_s)
+                if self._stopping:
+                    return
+                try:
+                    self.worker = await self._spawn()
+                except LoadError as exc:
+                    self.last_error = str(exc)
+                    log.error("worker restart failed", worker=self.launch.label, reason=str(exc))
+                    continue
+                self.restarts += 1
+                self.state = "ready"
+                log.info("worker ready again", worker=self.launch.label, pid=self.worker.pid)
+                break
+
+    async def _dispatch(self, worker: WorkerProcess) -> None:
+        queue = self.version.queue
+        while True:
+            item = await queue.get()
+            if item.future.done():
+                continue
+            if worker.died.is_set():
+                queue.put_nowait(item)
+                return
+            try:
+                await self.version.execute(item, worker)
+            except WorkerDied:
+                return
+            except Exception:  # the request's own error; the worker keeps serving
+                continue
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self.state = "stopped"
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.worker is not None:
+            await self.worker.stop(self.settings.stop_timeout_s)

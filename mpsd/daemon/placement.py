@@ -1,0 +1,264 @@
+"""Where a model's instances run, whether their memory fractions fit, and each worker's environment.
+
+Daemon side: torch is never imported here, so placement is decided and checked before any worker starts.
+Which device actually works is decided in the worker by real probes (`mpsd.worker.device`); this module
+decides what can be known from the config and the platform alone: expansion of `instance_group`, fraction
+ranges, the per-device budget and the variables PyTorch reads before it starts.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.errors import ConfigError
+
+BudgetPolicy = Literal["refuse", "warn"]
+
+MPS_FALLBACK_PARAMETER = "mps_fallback"
+ENV_CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+ENV_MPS_FALLBACK = "PYTORCH_ENABLE_MPS_FALLBACK"
+ENV_MPS_HIGH = "PYTORCH_MPS_HIGH_WATERMARK_RATIO"
+ENV_MPS_LOW = "PYTORCH_MPS_LOW_WATERMARK_RATIO"
+
+# PyTorch's defaults on unified memory. The low (soft) watermark is kept at the same proportion of the high
+# (hard) one, which also keeps low <= high: the MPS allocator refuses to start otherwise.
+_MPS_DEFAULT_HIGH = 1.7
+_MPS_DEFAULT_LOW = 1.4
+
+# A sum of fractions this close to 1.0 is 1.0 (0.2 + 0.4 + 0.3 + 0.1 is 1.0000000000000002 in floats).
+_BUDGET_TOLERANCE = 1e-9
+
+_TRUE = frozenset({"true", "1"})
+_FALSE = frozenset({"false", "0"})
+
+
+@dataclass(frozen=True)
+class InstancePlacement:
+    """One worker process of a model: its group, its number within the model and where it should run.
+
+    `index` counts instances across all groups of the model (0, 1, ...). `gpu` is an index into the GPUs the
+    daemon itself may see (its own `CUDA_VISIBLE_DEVICES`, else all), None when not pinned.
+    """
+
+    group: int
+    index: int
+    kind: str
+    gpu: int | None
+    memory_fraction: float | None
+    platform: str = sys.platform
+
+    @property
+    def device_type(self) -> str:
+        """The device the kind prefers on this platform ("cuda", "mps" or "cpu"); the worker may still find
+        it unusable, and KIND_AUTO then falls back."""
+        if self.gpu is not None:
+            return "cuda"
+        if self.kind == "KIND_CPU":
+            return "cpu"
+        if self.kind == "KIND_MPS":
+            return "mps"
+        return "mps" if self.platform == "darwin" else "cuda"
+
+    @property
+    def device_key(self) -> str:
+        """The physical device this instance draws memory from, for the budget check.
+
+        An unpinned GPU instance uses the first GPU it sees, so it shares "cuda:0" with `gpus: [0]`; on macOS
+        KIND_GPU, KIND_MPS and KIND_AUTO all share the one Apple GPU, "mps".
+        """
+        device_type = self.device_type
+        if device_type == "cuda":
+            return f"cuda:{self.gpu if self.gpu is not None else 0}"
+        return device_type
+
+    def label(self, model: str) -> str:
+        """`add_sub/1#0`: the model label the caller uses, then this instance's number."""
+        return f"{model}#{self.index}"
+
+
+def _problem(config: ModelConfig, field: str, message: str) -> ConfigError:
+    prefix = f"model {config.name!r}: " if config.name else ""
+    return ConfigError(f"{prefix}{field}: {message}")
+
+
+def mps_fallback(config: ModelConfig) -> bool:
+    """The model's `mps_fallback` parameter: run ops MPS lacks on the CPU (default) or fail them."""
+    raw = config.parameters.get(MPS_FALLBACK_PARAMETER)
+    if raw is None:
+        return True
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise _problem(config, f"parameters.{MPS_FALLBACK_PARAMETER}", f'expected "true" or "false", got {raw!r}')
+
+
+def _check_fraction(config: ModelConfig, group: int, placement: InstancePlacement) -> None:
+    """Refuse a fraction that the device's `set_per_process_memory_fraction` would refuse; name the range."""
+    fraction = placement.memory_fraction
+    if fraction is None:
+        return
+    field = f"instance_group[{group}].memory_fraction"
+    device_type = placement.device_type
+    where = f"{placement.kind} on {placement.platform} uses {device_type.upper()}"
+    if device_type == "cpu":
+        raise _problem(
+            config,
+            field,
+            "KIND_CPU has no device memory to divide; remove memory_fraction "
+            "(max_rss_bytes caps a worker's memory instead)",
+        )
+    if device_type == "cuda" and not 0.0 < fraction <= 1.0:
+        raise _problem(
+            config,
+            field,
+            f"{fraction} is out of range: {where}, which allows 0 < memory_fraction <= 1 "
+            "(a share of the GPU's total memory)",
+        )
+    if device_type == "mps" and not 0.0 <= fraction <= 2.0:
+        raise _problem(
+            config,
+            field,
+            f"{fraction} is out of range: {where}, which allows 0 <= memory_fraction <= 2 "
+            "(a multiple of Metal's recommended working set; 0 means no limit)",
+        )
+
+
+def plan_instances(config: ModelConfig, platform: str = sys.platform) -> list[InstancePlacement]:
+    """Expand `instance_group` into one placement per worker: `count` instances, or `count` per listed GPU.
+
+    KIND_AUTO with `gpus` becomes KIND_GPU (pinning means CUDA; falling back to CPU would defeat it). `gpus`
+    is refused on macOS, where KIND_GPU means MPS and CUDA does not exist, and with KIND_CPU or KIND_MPS.
+    KIND_MPS on Linux is not refused here: the worker's probe fails the load with the reason.
+    """
+    mps_fallback(config)
+    plans: list[InstancePlacement] = []
+    for g, group in enumerate(config.instance_group):
+        kind = group.kind
+        if group.gpus is not None:
+            if kind in ("KIND_CPU", "KIND_MPS"):
+                raise _problem(
+                    config,
+                    f"instance_group[{g}].gpus",
+                    f"lists CUDA GPUs, which {kind} does not use; remove gpus or use KIND_GPU",
+                )
+            if platform == "darwin":
+                raise _problem(
+                    config,
+                    f"instance_group[{g}].gpus",
+                    "lists CUDA GPUs, but macOS has no CUDA; remove gpus (KIND_GPU uses MPS there)",
+                )
+            kind = "KIND_GPU"
+        gpus: list[int | None] = list(group.gpus) if group.gpus is not None else [None]
+        first = len(plans)
+        for gpu in gpus:
+            for _ in range(group.count):
+                plans.append(
+                    InstancePlacement(
+                        group=g,
+                        index=len(plans),
+                        kind=kind,
+                        gpu=gpu,
+                        memory_fraction=group.memory_fraction,
+                        platform=platform,
+                    )
+                )
+        _check_fraction(config, g, plans[first])
+    return plans
+
+
+def _describe(total: float) -> str:
+    return "0 = no limit" if math.isinf(total) else f"{round(total, 6):g}"
+
+
+def check_memory_budget(plans: Mapping[str, Sequence[InstancePlacement]]) -> list[str]:
+    """One message per device whose instances' fractions add up to more than 1.0, naming every model on it.
+
+    `plans` is keyed by model label (e.g. "add_sub/1"). Instances without a fraction are not counted: they
+    are uncapped by choice. A fraction of 0 on MPS means no limit, so it over-commits the device by itself.
+    """
+    shares: dict[str, dict[str, list[float]]] = {}
+    for model, placements in plans.items():
+        for p in placements:
+            if p.memory_fraction is None or p.device_type == "cpu":
+                continue
+            share = math.inf if p.device_type == "mps" and p.memory_fraction == 0.0 else p.memory_fraction
+            shares.setdefault(p.device_key, {}).setdefault(model, []).append(share)
+    messages: list[str] = []
+    for key in sorted(shares):
+        by_model = shares[key]
+        total = sum(sum(s) for s in by_model.values())
+        if total <= 1.0 + _BUDGET_TOLERANCE:
+            continue
+        parts = []
+        for model, model_shares in by_model.items():
+            count = len(model_shares)
+            noun = "instance" if count == 1 else "instances"
+            parts.append(f"{model} ({count} {noun}, {_describe(sum(model_shares))})")
+        summary = (
+            "memory fractions exceed 1.0 (a fraction of 0 means no limit on MPS)"
+            if math.isinf(total)
+            else f"memory fractions add up to {_describe(total)}, more than 1.0"
+        )
+        messages.append(f"{key}: {summary}: {', '.join(parts)}")
+    return messages
+
+
+def enforce_memory_budget(
+    plans: Mapping[str, Sequence[InstancePlacement]], policy: BudgetPolicy
+) -> list[str]:
+    """Apply the budget policy: "refuse" raises ConfigError listing every over-committed device; "warn"
+    returns the messages for the caller to log and starts the workers anyway."""
+    messages = check_memory_budget(plans)
+    if messages and policy == "refuse":
+        raise ConfigError("memory budget exceeded (policy refuse): " + "; ".join(messages))
+    return messages
+
+
+def _visible_gpu(group: int, gpu: int, base: Mapping[str, str]) -> str:
+    """The `CUDA_VISIBLE_DEVICES` entry for a pinned instance, read through the daemon's own restriction."""
+    visible = base.get(ENV_CUDA_VISIBLE)
+    if visible is None:
+        return str(gpu)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if gpu >= len(entries):
+        raise ConfigError(
+            f"instance_group[{group}].gpus: GPU {gpu} is not among the {len(entries)} "
+            f"GPUs the daemon may use ({ENV_CUDA_VISIBLE}={visible!r})"
+        )
+    return entries[gpu]
+
+
+def worker_environment(
+    placement: InstancePlacement,
+    config: ModelConfig,
+    base: Mapping[str, str],
+    platform: str = sys.platform,
+) -> dict[str, str]:
+    """A copy of `base` with what PyTorch must read before it starts in this worker; nothing else changes.
+
+    - pinned GPU: `CUDA_VISIBLE_DEVICES` names that one GPU (the worker then uses cuda:0);
+    - on macOS, for a kind that may resolve to MPS: `PYTORCH_ENABLE_MPS_FALLBACK` is "1" or "0" from the
+      model's `mps_fallback` parameter (read at `import torch`), and with a fraction f the watermarks are
+      HIGH = f and LOW = f * 1.4 / 1.7 (PyTorch's default proportion), because the allocator refuses to start
+      when LOW > HIGH and the default LOW is 1.4. With f = 0 (no hard limit) any LOW up to 2 is valid, so
+      LOW is left as it is.
+    """
+    env = dict(base)
+    if placement.gpu is not None:
+        env[ENV_CUDA_VISIBLE] = _visible_gpu(placement.group, placement.gpu, base)
+    may_use_mps = placement.gpu is None and placement.kind in ("KIND_AUTO", "KIND_GPU", "KIND_MPS")
+    if platform == "darwin" and may_use_mps:
+        env[ENV_MPS_FALLBACK] = "1" if mps_fallback(config) else "0"
+        fraction = placement.memory_fraction
+        if fraction is not None:
+            env[ENV_MPS_HIGH] = repr(float(fraction))
+            if fraction > 0.0:
+                env[ENV_MPS_LOW] = repr(float(fraction) * _MPS_DEFAULT_LOW / _MPS_DEFAULT_HIGH)
+    return env

@@ -1,0 +1,222 @@
+"""What is loaded and where requests go: model entries, their serving versions, load/unload with swap.
+
+A new version set is started and warmed up beside the old one, routing switches in one assignment, and
+the old versions drain in the background; a failed load leaves the old versions serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import structlog
+
+from mpsd.config.repository import ModelSource, load_model_source, scan_repository
+from mpsd.errors import ConfigError, NotFound, Unavailable
+
+from .instance import SupervisorSettings
+from .launch import version_launches
+from .model_version import ModelVersion, VersionState
+from .worker_process import LoadError
+
+log = structlog.get_logger("mpsd.daemon.registry")
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    source: ModelSource | None = None
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    loading: bool = False
+    error: str | None = None
+
+    @property
+    def state(self) -> ModelState:
+        if any(v.ready for v in self.versions.values()):
+            return ModelState.READY
+        if self.loading:
+            return ModelState.LOADING
+        return ModelState.UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class IndexRow:
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+class Registry:
+    def __init__(self, repository: Path, settings: SupervisorSettings, drain_timeout_s: float) -> None:
+        self.repository = repository
+        self.settings = settings
+        self.drain_timeout_s = drain_timeout_s
+        self.entries: dict[str, ModelEntry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- routing -------------------------------------------------------------------------------
+
+    def route(self, name: str, version: str) -> ModelVersion:
+        """The version that answers a request for (name, version); "" means the latest serving one."""
+        entry = self.entries.get(name)
+        if entry is None or (not entry.versions and entry.source is None):
+            raise NotFound(f"unknown model '{name}'")
+        if not entry.versions:
+            reason = f": {entry.error}" if entry.error else f" ({entry.state.value.lower()})"
+            raise Unavailable(f"model '{name}' is not available{reason}")
+        if version == "":
+            return entry.versions[max(entry.versions)]
+        if not version.isdigit():
+            raise NotFound(f"model '{name}' has no version '{version}' (versions are positive integers)")
+        found = entry.versions.get(int(version))
+        if found is None:
+            have = ", ".join(str(v) for v in sorted(entry.versions))
+            raise NotFound(f"model '{name}' has no version {version} (available: {have})")
+        return found
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            return self.route(name, version).ready
+        except (NotFound, Unavailable):
+            return False
+
+    def server_ready(self) -> bool:
+        """Every model the repository holds is ready (Triton's strict readiness)."""
+        return all(e.state is ModelState.READY for e in self.entries.values())
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    async def load_repository(self) -> None:
+        """Load every model of the repository concurrently; broken ones become UNAVAILABLE with a reason."""
+        sources = scan_repository(self.repository)
+        for name in sources:
+            self.entries.setdefault(name, ModelEntry(name, loading=True))
+        await asyncio.gather(*(self._load_logged(s) for s in sources.values()))
+
+    async def _load_logged(self, source: ModelSource) -> None:
+        try:
+            await self.apply(source)
+        except LoadError:
+            pass
+
+    async def load_model(self, name: str) -> None:
+        """(Re)load one model from the repository; raises NotFound or LoadError."""
+        model_dir = self.repository / name
+        if "/" in name or name in ("", ".", "..") or not model_dir.is_dir():
+            raise NotFound(f"model '{name}' is not in the repository {self.repository}")
+        await self.apply(load_model_source(model_dir))
+
+    async def apply(self, source: ModelSource) -> None:
+        """Bring one model in line with its source. Serialised per model: one change at a time."""
+        async with self._lock(source.name):
+            await self._apply(source)
+
+    async def _apply(self, source: ModelSource) -> None:
+        entry = self.entries.setdefault(source.name, ModelEntry(source.name))
+        if not source.ok:
+            self._fail(entry, source.error or "invalid model")
+        assert source.config is not None
+        keep: dict[int, ModelVersion] = {}
+        fresh: list[ModelVersion] = []
+        try:
+            for v in source.versions:
+                fingerprint = (source.config_fingerprint, source.version_fingerprints[v])
+                old = entry.versions.get(v)
+                if old is not None and old.fingerprint == fingerprint and old.state is VersionState.READY:
+                    keep[v] = old
+                    continue
+                launches = version_launches(source, v)
+                fresh.append(ModelVersion(source.name, v, source.config, fingerprint, launches, self.settings))
+        except ConfigError as exc:
+            self._fail(entry, exc.message)
+        if not fresh and set(keep) == set(entry.versions):
+            entry.source, entry.error, entry.loading = source, None, False
+            return
+        entry.loading = True
+        log.info("loading model", model=source.name, versions=[mv.version for mv in fresh])
+        results = await asyncio.gather(*(mv.load() for mv in fresh), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await asyncio.gather(*(mv.unload(0.0) for mv in fresh if mv.state is VersionState.READY))
+            self._fail(entry, str(failures[0]))
+        retired = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
+        entry.versions = {**keep, **{mv.version: mv for mv in fresh}}
+        entry.source, entry.error, entry.loading = source, None, False
+        for mv in retired:
+            self._spawn(mv.unload(self.drain_timeout_s))
+        log.info("model ready", model=source.name, versions=sorted(entry.versions))
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _fail(self, entry: ModelEntry, reason: str) -> NoReturn:
+        entry.error = reason
+        entry.loading = False
+        if entry.versions:
+            log.error("model update failed; previous version keeps serving", model=entry.name, reason=reason)
+        else:
+            log.error("model failed to load", model=entry.name, reason=reason)
+        raise LoadError(reason)
+
+    def _spawn(self, coro: object) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def unload_model(self, name: str) -> None:
+        """Stop routing to the model at once, let in-flight requests finish, then stop its workers."""
+        async with self._lock(name):
+            entry = self.entries.pop(name, None)
+            if entry is None:
+                raise NotFound(f"unknown model '{name}'")
+            log.info("unloading model", model=name)
+            await asyncio.gather(*(mv.unload(self.drain_timeout_s) for mv in entry.versions.values()))
+
+    async def shutdown(self) -> None:
+        """Stop every worker (requests have already drained through the gRPC server's grace period)."""
+        entries = list(self.entries.values())
+        self.entries.clear()
+        await asyncio.gather(
+                *(mv.unload(0.0) for e in entries for mv in e.versions.values()),
+                *self._background,
+                return_exceptions=True,
+            )
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def index(self, ready_only: bool = False) -> list[IndexRow]:
+        rows: list[IndexRow] = []
+        for name in sorted(self.entries):
+            entry = self.entries[name]
+            if not entry.versions:
+                state = entry.state.value
+                rows.append(IndexRow(name, "", state, entry.error or ""))
+            for v in sorted(entry.versions):
+                mv = entry.versions[v]
+                reason = mv.reason
+                if entry.error:
+                    reason = f"update failed, this version keeps serving: {entry.error}"
+                state = "READY" if mv.ready else mv.state.value
+                if mv.state is VersionState.READY and not mv.ready:
+                    state = "UNAVAILABLE"
+                    reason = reason or mv._why().lstrip(": ")
+                rows.append(IndexRow(name, str(v), state, reason))
+        if ready_only:
+            rows = [r for r in rows if r.state == "READY"]
+        return rows
+
+    def versions(self, name: str) -> list[ModelVersion]:
+        entry = self.entries.get(name)
+        return [entry.versions[v] for v in sorted(entry.versions)] if entry else []

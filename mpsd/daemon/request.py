@@ -1,0 +1,51 @@
+"""Requests and results as the daemon handles them, independent of protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    """A validated input: its bytes are exactly shape x datatype."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    model: str
+    version: str
+    id: str
+    inputs: tuple[InputTensor, ...]  # in config order
+    outputs: tuple[str, ...]  # requested outputs, never empty
+    batch_size: int = 1
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass
+class Timings:
+    """Nanoseconds spent in each phase of one request, as Triton's statistics split them."""
+
+    queue_ns: int = 0
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+
+
+@dataclass(frozen=True)
+class InferResult:
+    model: str
+    version: int
+    outputs: tuple[OutputTensor, ...]
+    timings: Timings = field(default_factory=Timings)

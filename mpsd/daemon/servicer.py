@@ -1,0 +1,234 @@
+"""KServe v2 / Triton `GRPCInferenceService`: thin methods that translate protocol <-> domain."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+import mpsd
+from mpsd.errors import InvalidArgument, MpsdError, NotFound, Unimplemented
+from mpsd.proto import grpc_service_pb2 as pb
+from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
+
+from . import convert
+from .registry import Registry
+from .status import grpc_status
+from .validate import check_name, parse_infer_request
+from .worker_process import LoadError
+
+log = structlog.get_logger("mpsd.daemon.grpc")
+T = TypeVar("T")
+Handler = Callable[..., Awaitable[T]]
+
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data"]
+
+
+def rpc(method: Handler[T]) -> Handler[T]:
+    """Map mpsd errors to their gRPC status in one place; unexpected errors become INTERNAL."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except MpsdError as exc:
+            await context.abort(grpc_status(exc), exc.message)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            log.exception("unexpected error", rpc=method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, registry: Registry, shutting_down: Callable[[], bool]) -> None:
+        self.registry = registry
+        self._shutting_down = shutting_down
+
+    # ---- health and metadata ---------------------------------------------------------------------
+
+    @rpc
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return pb.ServerLiveResponse(live=not self._shutting_down())
+
+    @rpc
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return pb.ServerReadyResponse(ready=not self._shutting_down() and self.registry.server_ready())
+
+    @rpc
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        ready = not self._shutting_down() and self.registry.model_ready(request.name, request.version)
+        return pb.ModelReadyResponse(ready=ready)
+
+    @rpc
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return pb.ServerMetadataResponse(name="mpsd", version=mpsd.__version__, extensions=EXTENSIONS)
+
+    @rpc
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        mv = self.registry.route(request.name, request.version)
+        entry_versions = [str(v.version) for v in self.registry.versions(request.name)]
+        return pb.ModelMetadataResponse(
+            name=request.name,
+            versions=entry_versions,
+            platform=mv.config.platform,
+            inputs=convert.tensor_metadata(mv.config, inputs=True),
+            outputs=convert.tensor_metadata(mv.config, inputs=False),
+        )
+
+    @rpc
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        mv = self.registry.route(request.name, request.version)
+        return pb.ModelConfigResponse(config=convert.model_config_proto(request.name, mv.config))
+
+    @rpc
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        if request.name:
+            if request.version:
+                versions = [self.registry.route(request.name, request.version)]
+            else:
+                self.registry.route(request.name, "")
+                versions = self.registry.versions(request.name)
+        else:
+            versions = [mv for name in sorted(self.registry.entries) for mv in self.registry.versions(name)]
+        return pb.ModelStatisticsResponse(model_stats=[convert.version_statistics(mv) for mv in versions])
+
+    # ---- inference -----------------------------------------------------------------------------------
+
+    async def _infer(self, request: Any) -> Any:
+        check_name("model", request.model_name)
+        mv = self.registry.route(request.model_name, request.model_version)
+        parsed = parse_infer_request(request, mv.config, request.model_version)
+        result = await mv.infer(parsed)
+        return convert.infer_response(result, request.id)
+
+    @rpc
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        return await self._infer(request)
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        """Requests of one stream run concurrently; responses come back in request order, errors in-band."""
+        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+
+        async def one(request: Any) -> Any:
+            try:
+                return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+            except MpsdError as exc:
+                return self._stream_error(request, exc.message)
+            except Exception as exc:
+                log.exception("unexpected error in stream")
+                return self._stream_error(request, f"{type(exc).__name__}: {exc}")
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    pending.put_nowait(asyncio.create_task(one(request)))
+            finally:
+                pending.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (task := await pending.get()) is not None:
+                yield await task
+        finally:
+            reader.cancel()
+            while not pending.empty():
+                leftover = pending.get_nowait()
+                if leftover is not None:
+                    leftover.cancel()
+
+    @staticmethod
+    def _stream_error(request: Any, message: str) -> Any:
+        return pb.ModelStreamInferResponse(
+            error_message=message,
+            infer_response=pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version, id=request.id
+            ),
+        )
+
+    # ---- repository ----------------------------------------------------------------------------------
+
+    @rpc
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        if request.repository_name:
+            raise NotFound(f"unknown repository '{request.repository_name}' (mpsd serves one repository)")
+        rows = self.registry.index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(name=r.name, version=r.version, state=r.state, reason=r.reason)
+                for r in rows
+            ]
+        )
+
+    @rpc
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        self._check_repository(request.repository_name)
+        for key in request.parameters:
+            if key.startswith("file:"):
+                raise InvalidArgument(
+                    f"parameter '{key}': uploading model files is refused; the repository on disk is the "
+                    "source of truth (copy files into it instead)"
+                )
+            raise InvalidArgument(f"parameter '{key}' is not supported by RepositoryModelLoad")
+        check_name("model", request.model_name)
+        try:
+            await self.registry.load_model(request.model_name)
+        except LoadError as exc:
+            raise MpsdError(f"failed to load '{request.model_name}': {exc}") from None
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        self._check_repository(request.repository_name)
+        check_name("model", request.model_name)
+        await self.registry.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @staticmethod
+    def _check_repository(name: str) -> None:
+        if name:
+            raise NotFound(f"unknown repository '{name}' (mpsd serves one repository)")
+
+    # ---- not implemented yet ------------------------------------------------------------------------
+
+    async def _unimplemented(self, what: str) -> Any:
+        raise Unimplemented(f"{what} is not implemented by mpsd")
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("system shared memory")
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("system shared memory")
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("system shared memory")
+
+    @rpc
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("CUDA shared memory")
+
+    @rpc
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("CUDA shared memory")
+
+    @rpc
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("CUDA shared memory")
+
+    @rpc
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("request tracing (TraceSetting)")
+
+    @rpc
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        return await self._unimplemented("runtime log settings (LogSettings)")

@@ -1,0 +1,188 @@
+"""Checking a ModelInferRequest against the model's config before anything reaches a worker.
+
+Every check runs before any allocation sized by the request, and every message names the input and both
+the expected and the received value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mpsd.config.model_config import ModelConfig, TensorConfig
+from mpsd.errors import InvalidArgument, Unimplemented
+from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
+
+from .request import InferRequest, InputTensor
+
+MAX_NAME = 256
+MAX_DIMS = 16
+# Typed `contents` field and numpy dtype per datatype; FP16/BF16 have no typed field in the protocol.
+TYPED_FIELDS: dict[str, tuple[str, Any]] = {
+    "BOOL": ("bool_contents", np.bool_),
+    "UINT8": ("uint_contents", np.uint8),
+    "INT8": ("int_contents", np.int8),
+    "INT16": ("int_contents", np.int16),
+    "INT32": ("int_contents", np.int32),
+    "INT64": ("int64_contents", np.int64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+}
+_ALL_TYPED = (
+    "bool_contents",
+    "int_contents",
+    "int64_contents",
+    "uint_contents",
+    "uint64_contents",
+    "fp32_contents",
+    "fp64_contents",
+    "bytes_contents",
+)
+_KNOWN_OUTPUT_PARAMS = {"binary_data"}
+_SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
+
+
+def _fmt(shape: Any) -> str:
+    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
+
+
+def check_name(kind: str, name: str) -> None:
+    if not name:
+        raise InvalidArgument(f"{kind} name is empty")
+    if len(name) > MAX_NAME:
+        raise InvalidArgument(f"{kind} name is {len(name)} characters long; the limit is {MAX_NAME}")
+
+
+def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int) -> None:
+    name = cfg.name
+    if len(shape) > MAX_DIMS:
+        raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions; the limit is {MAX_DIMS}")
+    for d in shape:
+        if d < 0:
+            raise InvalidArgument(f"input '{name}': shape {_fmt(shape)} has a negative dimension")
+    expected = ([-1] if max_batch > 0 else []) + list(cfg.dims)
+    if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape, strict=True)):
+        where = f" plus the batch dimension (max_batch_size {max_batch})" if max_batch > 0 else ""
+        raise InvalidArgument(
+            f"input '{name}': shape {_fmt(shape)} does not match the model's dims {_fmt(cfg.dims)}{where}"
+        )
+    if max_batch > 0:
+        if shape[0] > max_batch:
+            raise InvalidArgument(
+                f"input '{name}': batch size {shape[0]} exceeds max_batch_size {max_batch} of model '{model}'"
+            )
+        if shape[0] == 0:
+            raise InvalidArgument(f"input '{name}': batch size 0 is not allowed")
+
+
+def _typed_bytes(name: str, datatype: str, contents: Any, count: int) -> bytes:
+    """Convert typed `contents` to raw bytes, checking the field and the element count."""
+    used = [f for f in _ALL_TYPED if len(getattr(contents, f))]
+    typed = TYPED_FIELDS.get(datatype)
+    if typed is None:
+        raise InvalidArgument(f"input '{name}': {datatype} data must be sent in raw_input_contents")
+    field_name, np_type = typed
+    if used and used != [field_name]:
+        raise InvalidArgument(
+            f"input '{name}': {datatype} data belongs in contents.{field_name}, got {', '.join(used)}"
+        )
+    values = getattr(contents, field_name)
+    if len(values) != count:
+        raise InvalidArgument(f"input '{name}': contents has {len(values)} elements, expected {count}")
+    if np_type is np.bool_:
+        return np.asarray(values, dtype=np.bool_).tobytes()
+    wide = np.asarray(values)
+    if np.issubdtype(np.dtype(np_type), np.integer) and wide.size:
+        info = np.iinfo(np_type)
+        lo, hi = int(wide.min()), int(wide.max())
+        if lo < info.min or hi > info.max:
+            raise InvalidArgument(f"input '{name}': value out of range for {datatype} ({lo}..{hi})")
+    return wide.astype(np_type).tobytes()
+
+
+def parse_infer_request(request: Any, config: ModelConfig, version: str) -> InferRequest:
+    """Validate a ModelInferRequest and return the domain request with inputs in config order."""
+    model = request.model_name
+    configured = config.input_by_name()
+    max_batch = config.max_batch_size
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries but the request has {len(request.inputs)} inputs; "
+            "when raw contents are used every input must have one"
+        )
+    seen: dict[str, InputTensor] = {}
+    batch: int | None = None
+    for i, tensor in enumerate(request.inputs):
+        name = tensor.name
+        check_name("input", name)
+        if name in seen:
+            raise InvalidArgument(f"duplicate input '{name}'")
+        cfg = configured.get(name)
+        if cfg is None:
+            raise InvalidArgument(
+                f"unknown input '{name}' for model '{model}' (expected: {', '.join(configured)})"
+            )
+        if set(tensor.parameters) & _SHM_PARAMS:
+            raise Unimplemented(f"input '{name}': shared-memory inputs are not supported by this server yet")
+        if tensor.datatype in UNSUPPORTED:
+            raise InvalidArgument(f"input '{name}': {UNSUPPORTED[tensor.datatype]}")
+        if tensor.datatype != cfg.wire_datatype:
+            raise InvalidArgument(
+                f"input '{name}': expected datatype {cfg.wire_datatype}, got '{tensor.datatype[:32]}'"
+            )
+        shape = list(tensor.shape)
+        _check_shape(model, cfg, shape, max_batch)
+        if max_batch > 0:
+            if batch is not None and shape[0] != batch:
+                raise InvalidArgument(
+                    f"input '{name}': batch size {shape[0]} differs from the other inputs' batch size {batch}"
+                )
+            batch = shape[0]
+        count = math.prod(shape)
+        nbytes = count * ITEMSIZE[cfg.wire_datatype]
+        if raw:
+            data: bytes = raw[i]
+            if len(data) != nbytes:
+                raise InvalidArgument(
+                    f"input '{name}': raw content has {len(data)} bytes, expected {nbytes} "
+                    f"for shape {_fmt(shape)} of {cfg.wire_datatype}"
+                )
+        else:
+            data = _typed_bytes(name, cfg.wire_datatype, tensor.contents, count)
+        seen[name] = InputTensor(name, cfg.wire_datatype, tuple(shape), data)
+    missing = [n for n, c in configured.items() if n not in seen and not c.optional]
+    if missing:
+        raise InvalidArgument(f"missing input(s) {', '.join(missing)} for model '{model}'")
+    if any(c.optional and n not in seen for n, c in configured.items()):
+        raise Unimplemented(f"model '{model}': omitting optional inputs is not supported by this backend")
+    outputs = _requested_outputs(request, config)
+    return InferRequest(
+        model=model,
+        version=version,
+        id=request.id,
+        inputs=tuple(seen[n] for n in configured),
+        outputs=outputs,
+        batch_size=batch or 1,
+    )
+
+
+def _requested_outputs(request: Any, config: ModelConfig) -> tuple[str, ...]:
+    known = config.output_by_name()
+    names: list[str] = []
+    for out in request.outputs:
+        check_name("output", out.name)
+        if out.name not in known:
+            raise InvalidArgument(
+                f"unknown output '{out.name}' for model '{request.model_name}' (expected: {', '.join(known)})"
+            )
+        if out.name in names:
+            raise InvalidArgument(f"output '{out.name}' is requested twice")
+        if set(out.parameters) & _SHM_PARAMS:
+            raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported by this server yet")
+        if out.parameters.get("classification") and out.parameters["classification"].int64_param > 0:
+            raise Unimplemented(f"output '{out.name}': classification outputs are not supported")
+        names.append(out.name)
+    return tuple(names) if names else tuple(known)

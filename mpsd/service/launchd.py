@@ -1,0 +1,68 @@
+"""launchd job definition: where the plist and logs go, and what the plist says.
+
+Pure functions only (no launchctl calls), so the rendered plist can be checked anywhere. Key-by-key
+reasons are in launchd/README.md; `launchd/io.mpsd.daemon.plist.in` is this renderer's output with
+placeholders and is kept identical to it by the tests.
+"""
+
+from __future__ import annotations
+
+import plistlib
+from pathlib import Path
+
+from mpsd.service.spec import Scope, ServiceSpec, Target
+
+# launchd's own default PATH is /usr/bin:/bin:/usr/sbin:/sbin; Homebrew tools are common dependencies.
+BASE_PATH = "/opt/homebrew/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+DEFAULT_SERVICE_USER = "_mpsd"
+SYSTEM_PLIST_DIR = Path("/Library/LaunchDaemons")
+SYSTEM_LOG_DIR = Path("/Library/Logs/mpsd")
+
+
+def plist_path(target: Target) -> Path:
+    """`<Label>.plist` in the directory launchd reads for the scope."""
+    user_dir = target.home / "Library" / "LaunchAgents"
+    directory = SYSTEM_PLIST_DIR if target.scope is Scope.SYSTEM else user_dir
+    return directory / f"{target.label}.plist"
+
+
+def log_dir(target: Target) -> Path:
+    return SYSTEM_LOG_DIR if target.scope is Scope.SYSTEM else target.home / "Library" / "Logs" / "mpsd"
+
+
+def log_paths(target: Target) -> tuple[Path, Path]:
+    """(stdout, stderr) files; named after the label so two installed instances never share a file."""
+    directory = log_dir(target)
+    return directory / f"{target.label}.out.log", directory / f"{target.label}.err.log"
+
+
+def plist_dict(spec: ServiceSpec, target: Target, *, session_type: str | None = None) -> dict[str, object]:
+    """The job as a dict; `session_type="Background"` makes an agent loadable into `user/<uid>`."""
+    stdout_path, stderr_path = log_paths(target)
+    job: dict[str, object] = {
+        "Label": target.label,
+        "ProgramArguments": spec.program_arguments,
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": int(spec.throttle_s),
+        "ExitTimeOut": spec.exit_timeout_s,
+        "ProcessType": "Interactive",
+        "WorkingDirectory": spec.working_dir,
+        "StandardOutPath": str(stdout_path),
+        "StandardErrorPath": str(stderr_path),
+        "EnvironmentVariables": dict(spec.environment),
+    }
+    if target.scope is Scope.SYSTEM:
+        if spec.service_user is None:
+            raise ValueError("a system job needs a service user")
+        job["UserName"] = spec.service_user
+    elif session_type is not None:
+        job["LimitLoadToSessionType"] = session_type
+    return job
+
+
+def render_plist(spec: ServiceSpec, target: Target, *, session_type: str | None = None) -> bytes:
+    """XML plist in key order of the dict above (readable; launchd does not care about order)."""
+    return plistlib.dumps(
+        plist_dict(spec, target, session_type=session_type), fmt=plistlib.FMT_XML, sort_keys=False
+    )

@@ -1,0 +1,143 @@
+"""Fixtures that start the real daemon on loopback, with real worker processes, and talk to it with the
+stock tritonclient."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RunningDaemon:
+    """A real `mpsd serve` process in its own process group, with its log captured to a file."""
+
+    def __init__(self, repo: Path, log_path: Path, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, config: Path | None = None) -> None:
+        self.repo = repo
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        args = [sys.executable, "-m", "mpsd", "serve", "--model-repository", str(repo),
+                "--grpc-address", self.address]
+        if config is not None:
+            args += ["--config", str(config)]
+        args += extra_args or []
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True, cwd=ROOT,
+        )
+        self.client = grpcclient.InferenceServerClient(self.address)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_live(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.client.is_server_live():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"daemon not live after {timeout}s:\n{self.log()}")
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        self.wait_live(timeout)
+        wait_for(lambda: self.client.is_server_ready(), timeout, f"server ready\n{self.log()}")
+
+    def wait_models_settled(self, timeout: float = 120) -> None:
+        """Until no model is LOADING (broken ones become UNAVAILABLE)."""
+        self.wait_live(timeout)
+
+        def settled() -> bool:
+            index = self.client.get_model_repository_index(as_json=True).get("models", [])
+            return bool(index) and all(m.get("state") != "LOADING" for m in index)
+
+        wait_for(settled, timeout, f"models settled\n{self.log()}")
+
+    def worker_pids(self) -> list[int]:
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.client.close()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill_group(self) -> None:
+        """Last-resort cleanup: nothing the test started may outlive it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:
+            last = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what} (last error: {last})")
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[object]:
+    """Factory: start_daemon(repo, ...) -> RunningDaemon; every daemon is stopped at teardown."""
+    started: list[RunningDaemon] = []
+
+    def _start(repo: Path, **kwargs: object) -> RunningDaemon:
+        daemon = RunningDaemon(repo, tmp_path / f"daemon{len(started)}.log", **kwargs)  # type: ignore[arg-type]
+        started.append(daemon)
+        return daemon
+
+    yield _start
+    for daemon in started:
+        daemon.stop()
+        daemon.kill_group()
+
+
+def shm_segments() -> set[str]:
+    """mpsd's shared-memory segments currently in /dev/shm."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir() if p.name.startswith("mpsd-")} if shm.is_dir() else set()

@@ -1,0 +1,296 @@
+"""Worker-side device selection, probes, memory counters and OOM handling.
+
+CPU tests run for real everywhere. MPS cannot exist on the Linux machines these tests run on, so the MPS
+paths that need a usable device replace only `probe` and check what must happen before any Metal call.
+Tests marked `gpu` run only where torch sees a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpsd.errors import ConfigError
+from mpsd.worker import device as dev
+from mpsd.worker.device import (
+    DeviceInfo,
+    DeviceUnavailable,
+    is_out_of_memory,
+    memory_counters,
+    probe,
+    release_cached_memory,
+    select_device,
+    synchronize,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+HAS_CUDA = torch.cuda.is_available()
+HAS_MPS = torch.backends.mps.is_available()
+no_gpu_here = pytest.mark.skipif(HAS_CUDA or HAS_MPS, reason="a GPU is present")
+
+
+@pytest.fixture(autouse=True)
+def fresh_device_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts as a fresh worker whose device no thread has used yet."""
+    monkeypatch.setattr(dev, "_device_thread", dev._DeviceThread())
+    yield
+
+
+def usable_mps_only() -> Callable[[str], str | None]:
+    """A probe that reports MPS usable and asks the real one about everything else."""
+
+    def fake(device_type: str) -> str | None:
+        return None if device_type == "mps" else probe(device_type)
+
+    return fake
+
+
+# --- CPU, for real -----------------------------------------------------------------------------------------
+
+
+def test_cpu_probe_runs_a_kernel() -> None:
+    assert probe("cpu") is None
+
+
+def test_unknown_device_type_is_a_reason_not_a_crash() -> None:
+    assert probe("tpu") == "unknown device type 'tpu'"
+
+
+def test_select_cpu() -> None:
+    device, info = select_device("KIND_CPU", None)
+    assert device == torch.device("cpu")
+    assert (info.kind, info.index, info.memory_fraction) == ("cpu", None, None)
+    assert info.name
+    assert info.as_dict() == {"kind": "cpu", "index": None, "name": info.name, "memory_fraction": None}
+
+
+def test_cpu_does_not_apply_a_fraction() -> None:
+    _, info = select_device("KIND_CPU", 0.5)
+    assert info.memory_fraction is None
+
+
+def test_fp64_is_fine_on_cpu() -> None:
+    device, _ = select_device("KIND_CPU", None, ["TYPE_FP64"])
+    assert device.type == "cpu"
+
+
+@no_gpu_here
+def test_auto_falls_back_to_cpu_without_a_gpu() -> None:
+    device, info = select_device("KIND_AUTO", 0.5)
+    assert device.type == "cpu"
+    assert info == DeviceInfo(kind="cpu", index=None, name=info.name, memory_fraction=None)
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown instance kind 'KIND_TPU'"):
+        select_device("KIND_TPU", None)
+
+
+# --- devices that do not exist here ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.backends.mps.is_built(), reason="this torch build has MPS")
+def test_mps_requested_without_mps_fails_with_the_reason() -> None:
+    assert probe("mps") == "this PyTorch build has no MPS support (MPS exists only in macOS builds)"
+    with pytest.raises(DeviceUnavailable) as info:
+        select_device("KIND_MPS", None)
+    assert str(info.value) == (
+        "KIND_MPS requested but MPS is not available: "
+        "this PyTorch build has no MPS support (MPS exists only in macOS builds)"
+    )
+
+
+@no_gpu_here
+@pytest.mark.skipif(sys.platform == "darwin", reason="KIND_GPU means MPS on macOS")
+def test_gpu_requested_without_cuda_fails_with_the_reason() -> None:
+    with pytest.raises(DeviceUnavailable, match=r"^KIND_GPU requested but CUDA is not available: \S"):
+        select_device("KIND_GPU", None)
+
+
+@pytest.mark.parametrize("kind", ["KIND_MPS", "KIND_AUTO"])
+def test_fp64_on_mps_is_refused_before_any_metal_call(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # MPS cannot exist here: only the probe is replaced. A refusal that came after applying the fraction
+    # would call torch.mps and fail differently.
+    monkeypatch.setattr(dev, "probe", usable_mps_only())
+    with pytest.raises(DeviceUnavailable) as info:
+        select_device(kind, 0.5, ["TYPE_FP32", "TYPE_FP64"])
+    assert str(info.value) == (
+        f"{kind} resolved to MPS, which has no float64 support, but the model declares TYPE_FP64 "
+        "inputs or outputs; declare TYPE_FP32 or use KIND_CPU"
+    )
+
+
+def test_mps_fraction_out_of_range_names_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dev, "probe", usable_mps_only())
+    with pytest.raises(ConfigError, match=r"out of range for mps: allowed \[0\.0, 2\.0\]"):
+        select_device("KIND_MPS", 2.5)
+
+
+def test_cuda_fraction_out_of_range_names_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dev, "probe", lambda device_type: None)
+    monkeypatch.setattr(sys, "platform", "linux")
+    with pytest.raises(ConfigError, match=r"out of range for cuda: allowed \(0\.0, 1\.0\]"):
+        select_device("KIND_GPU", 0.0)
+
+
+# --- one device thread -------------------------------------------------------------------------------------
+
+
+def run_in_thread(fn: Callable[[], object]) -> BaseException | None:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    return errors[0] if errors else None
+
+
+def test_select_device_from_a_second_thread_is_refused() -> None:
+    select_device("KIND_CPU", None)
+    error = run_in_thread(lambda: select_device("KIND_CPU", None))
+    assert isinstance(error, RuntimeError)
+    assert "all device work in a worker must run on one thread" in str(error)
+
+
+def test_gpu_calls_from_a_second_thread_are_refused_before_touching_the_gpu() -> None:
+    select_device("KIND_CPU", None)
+    cuda = torch.device("cuda", 0)
+    for error in (
+        run_in_thread(lambda: synchronize(cuda)),
+        run_in_thread(lambda: release_cached_memory(cuda)),
+    ):
+        assert isinstance(error, RuntimeError)
+        assert "must run on one thread" in str(error)
+
+
+def test_cpu_helpers_and_counters_work_from_any_thread() -> None:
+    select_device("KIND_CPU", None)
+    cpu = torch.device("cpu")
+
+    def cpu_calls() -> None:
+        synchronize(cpu)
+        release_cached_memory(cpu)
+        memory_counters(cpu)
+
+    assert run_in_thread(cpu_calls) is None
+
+
+# --- memory ------------------------------------------------------------------------------------------------
+
+
+def test_cpu_counters_are_rss_only() -> None:
+    counters = memory_counters(torch.device("cpu"))
+    assert set(counters) == {"rss_bytes"}
+    assert counters["rss_bytes"] > 0
+
+
+def test_cuda_style_oom_is_detected() -> None:
+    exc = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "1.10 GiB is free."
+    )
+    assert is_out_of_memory(exc)
+
+
+def test_mps_style_oom_is_detected() -> None:
+    exc = RuntimeError(
+        "MPS backend out of memory (MPS allocated: 17.11 GiB, other allocations: 1.34 GiB, max allowed: "
+        "18.13 GiB). Tried to allocate 256.00 MiB on private pool. Use PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 "
+        "to disable upper limit for memory allocations (may cause system failure)."
+    )
+    assert is_out_of_memory(exc)
+
+
+def test_real_cpu_allocation_failure_is_detected() -> None:
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(1 << 60, dtype=torch.uint8)
+    assert is_out_of_memory(info.value)
+
+
+def test_oom_wrapped_by_a_backend_is_detected() -> None:
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.")
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("forward() failed") from inner
+    except RuntimeError as outer:
+        assert is_out_of_memory(outer)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
+        ValueError("CUDA out of memory"),
+        TypeError("Cannot convert a MPS Tensor to float64 dtype"),
+    ],
+)
+def test_other_errors_are_not_oom(exc: BaseException) -> None:
+    assert not is_out_of_memory(exc)
+
+
+# --- CUDA, where there is one ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_selection_fraction_counters_and_oom_recovery() -> None:
+    assert probe("cuda") is None
+    device, info = select_device("KIND_GPU", 0.25)
+    assert device == torch.device("cuda", 0)
+    assert (info.kind, info.index, info.memory_fraction) == ("cuda", 0, 0.25)
+    assert info.name == torch.cuda.get_device_name(0)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        assert getter(device) == pytest.approx(0.25)
+
+    before = memory_counters(device)
+    assert set(before) == {"allocated_bytes", "reserved_bytes", "total_bytes", "rss_bytes"}
+    block = torch.ones(64 << 20, dtype=torch.uint8, device=device)
+    synchronize(device)
+    during = memory_counters(device)
+    assert during["allocated_bytes"] >= before["allocated_bytes"] + (64 << 20)
+    del block
+
+    # Half the GPU is above the 0.25 cap: the allocator must refuse it even though the GPU has room.
+    with pytest.raises(torch.OutOfMemoryError) as info_oom:
+        torch.empty(before["total_bytes"] // 2, dtype=torch.uint8, device=device)
+    assert is_out_of_memory(info_oom.value)
+    assert "out of memory" in str(info_oom.value).lower()
+    del info_oom
+    release_cached_memory(device)
+    assert memory_counters(device)["reserved_bytes"] <= during["reserved_bytes"]
+
+    # The worker keeps serving after the OOM.
+    x = torch.arange(1024, dtype=torch.float32, device=device)
+    assert float(x.sum().item()) == 1023 * 1024 / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_hidden_gpus_make_gpu_fail_and_auto_fall_back() -> None:
+    script = (
+        "from mpsd.worker.device import select_device, DeviceUnavailable\n"
+        "try:\n    select_device('KIND_GPU', None)\nexcept DeviceUnavailable as e:\n    print('GPU:', e)\n"
+        "print('AUTO:', select_device('KIND_AUTO', 0.5)[1].kind)\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "GPU: KIND_GPU requested but CUDA is not available: " in out
+    assert "CUDA_VISIBLE_DEVICES=''" in out
+    assert "AUTO: cpu" in out

@@ -1,0 +1,291 @@
+"""Every inference RPC through the stock tritonclient against a real daemon with real workers."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from tests import models
+from tests.conftest import RunningDaemon
+
+NP = {
+    "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    repo = tmp_path_factory.mktemp("repo")
+    models.add_sub(repo)
+    models.echo_all_types(repo)
+    models.echo_all_types(repo, "echo_typed", typed_only=True)
+    models.python_model(
+        repo,
+        "failing",
+        """
+        if float(inputs['x'].sum()) != 0:  # warm-up sends zeros
+            raise ValueError('bad input value ' + str(float(inputs['x'].sum())))
+        return {'y': inputs['x']}
+        """,
+    )
+    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+        d.kill_group()
+
+
+def add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, value in (("INPUT0", a), ("INPUT1", b)):
+        inp = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        inp.set_data_from_numpy(value)
+        inputs.append(inp)
+    return inputs
+
+
+def test_server_live_ready_and_metadata(daemon: RunningDaemon) -> None:
+    c = daemon.client
+    assert c.is_server_live()
+    assert c.is_server_ready()
+    assert c.is_model_ready("add_sub")
+    assert c.is_model_ready("add_sub", "1")
+    assert not c.is_model_ready("add_sub", "2")
+    assert not c.is_model_ready("no_such_model")
+    meta = c.get_server_metadata(as_json=True)
+    assert meta["name"] == "mpsd"
+    assert "model_repository" in meta["extensions"]
+    assert "system_shared_memory" not in meta["extensions"]
+
+
+def test_model_metadata_includes_batch_dimension(daemon: RunningDaemon) -> None:
+    meta = daemon.client.get_model_metadata("add_sub", as_json=True)
+    assert meta["platform"] == "pytorch_libtorch"
+    assert meta["versions"] == ["1"]
+    assert [(i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]] == [
+        ("INPUT0", "FP32", ["-1", "16"]),
+        ("INPUT1", "FP32", ["-1", "16"]),
+    ]
+    echo = daemon.client.get_model_metadata("echo_all", as_json=True)
+    assert echo["inputs"][0]["shape"] == ["-1"]
+
+
+def test_model_config_is_effective_config(daemon: RunningDaemon) -> None:
+    cfg = daemon.client.get_model_config("add_sub", as_json=True)["config"]
+    assert cfg["name"] == "add_sub"
+    assert cfg["max_batch_size"] == 8
+    assert cfg["default_model_filename"] == "model.pt"
+    assert [i["name"] for i in cfg["input"]] == ["INPUT0", "INPUT1"]
+    assert cfg["input"][0]["data_type"] == "TYPE_FP32"
+    assert cfg["version_policy"] == {"latest": {"num_versions": 1}}
+
+
+def test_sync_infer_with_request_id_and_all_outputs(daemon: RunningDaemon) -> None:
+    a = np.arange(32, dtype=np.float32).reshape(2, 16)
+    b = np.full((2, 16), 3.0, dtype=np.float32)
+    result = daemon.client.infer("add_sub", add_sub_inputs(a, b), request_id="req-42")
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    response = result.get_response(as_json=True)
+    assert response["id"] == "req-42"
+    assert response["model_version"] == "1"
+
+
+def test_requested_output_subset(daemon: RunningDaemon) -> None:
+    a = np.ones((1, 16), np.float32)
+    result = daemon.client.infer(
+        "add_sub", add_sub_inputs(a, a), outputs=[grpcclient.InferRequestedOutput("OUTPUT1")]
+    )
+    assert result.as_numpy("OUTPUT0") is None
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), np.zeros((1, 16), np.float32))
+
+
+def test_async_infer(daemon: RunningDaemon) -> None:
+    results: queue.Queue[object] = queue.Queue()
+    a = np.random.rand(1, 16).astype(np.float32)
+    b = np.random.rand(1, 16).astype(np.float32)
+    for _ in range(4):
+        daemon.client.async_infer("add_sub", add_sub_inputs(a, b), callback=lambda result, error: results.put((result, error)))
+    for _ in range(4):
+        result, error = results.get(timeout=30)  # type: ignore[misc]
+        assert error is None
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b)
+
+
+def test_stream_infer_survives_a_failed_request(daemon: RunningDaemon) -> None:
+    results: queue.Queue[object] = queue.Queue()
+    client = grpcclient.InferenceServerClient(daemon.address)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        a = np.ones((1, 16), np.float32)
+        client.async_stream_infer("add_sub", add_sub_inputs(a, a), request_id="s1")
+        bad = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        bad.set_data_from_numpy(a)
+        client.async_stream_infer("add_sub", [bad], request_id="s2")  # INPUT1 missing
+        client.async_stream_infer("add_sub", add_sub_inputs(a * 2, a), request_id="s3")
+        got = [results.get(timeout=30) for _ in range(3)]
+    finally:
+        client.stop_stream()
+        client.close()
+    (r1, e1), (r2, e2), (r3, e3) = got  # type: ignore[misc]
+    assert e1 is None and r1.get_response().id == "s1"
+    np.testing.assert_array_equal(r1.as_numpy("OUTPUT0"), a * 2)
+    assert r2 is None and "missing input(s) INPUT1" in str(e2)
+    assert e3 is None and r3.get_response().id == "s3"
+    np.testing.assert_array_equal(r3.as_numpy("OUTPUT0"), a * 3)
+
+
+def _echo_values(dtype: str, n: int = 7) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    if dtype == "BOOL":
+        return rng.integers(0, 2, n).astype(bool)
+    if dtype == "BF16":
+        return rng.integers(0, 2**16, n).astype(np.uint16)  # raw bf16 bit patterns
+    np_type = NP[dtype]
+    if np.issubdtype(np_type, np.integer):
+        info = np.iinfo(np_type)
+        return rng.integers(info.min, info.max, n, dtype=np_type, endpoint=True)
+    return (rng.standard_normal(n) * 1e3).astype(np_type)
+
+
+def _echo_inputs(values: dict[str, np.ndarray], raw: bool) -> list[grpcclient.InferInput]:
+    inputs = []
+    for dtype, v in values.items():
+        inp = grpcclient.InferInput(f"IN_{dtype}", list(v.shape), dtype)
+        if dtype == "BF16":
+            inp._raw_content = v.tobytes()  # tritonclient has no numpy bf16; send the bit patterns raw
+        elif raw:
+            inp.set_data_from_numpy(v)
+        else:
+            _set_typed(inp, dtype, v)
+        inputs.append(inp)
+    return inputs
+
+
+def _set_typed(inp: grpcclient.InferInput, dtype: str, v: np.ndarray) -> None:
+    """Fill the typed `contents` field the way a KServe client without raw support would."""
+    tensor = inp._get_tensor()
+    inp._raw_content = None
+    field = {
+        "BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents", "INT16": "int_contents",
+        "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+    }[dtype]
+    getattr(tensor.contents, field).extend(v.tolist())
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+def test_every_datatype_round_trips_exactly(daemon: RunningDaemon, raw: bool) -> None:
+    """Raw: all ten datatypes in one request. Typed `contents`: the eight that have a typed field."""
+    values = {t: _echo_values(t) for t in (models.DTYPES if raw else models.TYPED_DTYPES)}
+    result = daemon.client.infer("echo_all" if raw else "echo_typed", _echo_inputs(values, raw))
+    response = result.get_response()
+    raw_out = {o.name: response.raw_output_contents[i] for i, o in enumerate(response.outputs)}
+    for dtype, v in values.items():
+        out = response.outputs[[o.name for o in response.outputs].index(f"OUT_{dtype}")]
+        assert out.datatype == dtype
+        assert list(out.shape) == [len(v)]
+        assert raw_out[f"OUT_{dtype}"] == v.tobytes(), dtype
+
+
+def test_model_exception_is_internal_and_worker_keeps_serving(daemon: RunningDaemon) -> None:
+    x = grpcclient.InferInput("x", [3], "FP32")
+    x.set_data_from_numpy(np.ones(3, np.float32))
+    pids = daemon.worker_pids()
+    for _ in range(2):
+        with pytest.raises(InferenceServerException) as err:
+            daemon.client.infer("failing", [x])
+        assert err.value.status() == "StatusCode.INTERNAL"
+        assert "ValueError: bad input value 3.0" in err.value.message()
+    assert daemon.worker_pids() == pids
+    assert daemon.client.is_model_ready("failing")
+
+
+def test_statistics_move(daemon: RunningDaemon) -> None:
+    def stats() -> dict[str, object]:
+        return daemon.client.get_inference_statistics("add_sub", as_json=True)["model_stats"][0]  # type: ignore[no-any-return]
+
+    before = stats()
+    a = np.ones((3, 16), np.float32)
+    daemon.client.infer("add_sub", add_sub_inputs(a, a))
+    after = stats()
+    assert int(after["inference_count"]) == int(before.get("inference_count", 0)) + 3
+    assert int(after["execution_count"]) == int(before.get("execution_count", 0)) + 1
+    s = after["inference_stats"]
+    for key in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert int(s[key]["count"]) >= 1, key
+        assert int(s[key]["ns"]) > 0, key
+    assert int(after["last_inference"]) > 0
+    all_stats = daemon.client.get_inference_statistics(as_json=True)["model_stats"]
+    assert {m["name"] for m in all_stats} >= {"add_sub", "echo_all"}
+    with pytest.raises(InferenceServerException) as err:
+        daemon.client.get_inference_statistics("nope")
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_unimplemented_rpcs_say_so(daemon: RunningDaemon) -> None:
+    for call in (
+        daemon.client.get_system_shared_memory_status,
+        daemon.client.get_cuda_shared_memory_status,
+        partial(daemon.client.get_trace_settings),
+    ):
+        with pytest.raises(InferenceServerException) as err:
+            call()
+        assert err.value.status() == "StatusCode.UNIMPLEMENTED"
+        assert "not implemented by mpsd" in err.value.message()
+
+
+def test_concurrent_clients(daemon: RunningDaemon) -> None:
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        client = grpcclient.InferenceServerClient(daemon.address)
+        try:
+            for k in range(10):
+                a = np.full((1, 16), seed * 100 + k, np.float32)
+                r = client.infer("add_sub", add_sub_inputs(a, a))
+                np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a * 2)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_repository_index_and_load_unload(daemon: RunningDaemon, tmp_path: Path) -> None:
+    c = daemon.client
+    index = {m["name"]: m for m in c.get_model_repository_index(as_json=True)["models"]}
+    assert index["add_sub"]["state"] == "READY"
+    assert index["add_sub"]["version"] == "1"
+    c.unload_model("failing")
+    assert not c.is_model_ready("failing")
+    with pytest.raises(InferenceServerException) as err:
+        x = grpcclient.InferInput("x", [1], "FP32")
+        x.set_data_from_numpy(np.ones(1, np.float32))
+        c.infer("failing", [x])
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+    c.load_model("failing")
+    assert c.is_model_ready("failing")
+    with pytest.raises(InferenceServerException) as err:
+        c.load_model("not_in_repo")
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException) as err:
+        c.load_model("add_sub", files={"file:1/model.pt": b"\x00"})
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "repository" in err.value.message()

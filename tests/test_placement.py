@@ -1,0 +1,304 @@
+"""Daemon-side placement: instance expansion, fraction ranges, the per-device budget and worker environments.
+
+Nothing here imports torch or touches a device: "darwin" is passed as the platform to check the MPS decisions.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import pytest
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.placement import (
+    ENV_CUDA_VISIBLE,
+    ENV_MPS_FALLBACK,
+    ENV_MPS_HIGH,
+    ENV_MPS_LOW,
+    InstancePlacement,
+    check_memory_budget,
+    enforce_memory_budget,
+    plan_instances,
+    worker_environment,
+)
+from mpsd.errors import ConfigError
+
+
+def config(*groups: dict[str, Any], parameters: dict[str, str] | None = None, name: str = "m") -> ModelConfig:
+    tensor = {"name": "x", "data_type": "TYPE_FP32", "dims": [4]}
+    raw: dict[str, Any] = {"name": name, "input": [tensor], "output": [{**tensor, "name": "y"}]}
+    if groups:
+        raw["instance_group"] = list(groups)
+    if parameters is not None:
+        raw["parameters"] = parameters
+    return ModelConfig.model_validate(raw)
+
+
+BASE = {"PATH": "/usr/bin", "HOME": "/var/mpsd"}
+
+
+# --- expansion ---------------------------------------------------------------------------------------------
+
+
+def test_default_group_is_one_auto_instance() -> None:
+    plans = plan_instances(config(), platform="linux")
+    assert plans == [InstancePlacement(0, 0, "KIND_AUTO", None, None, "linux")]
+
+
+def test_count_is_per_listed_gpu_and_index_counts_across_groups() -> None:
+    plans = plan_instances(
+        config({"kind": "KIND_GPU", "count": 2, "gpus": [0, 2]}, {"kind": "KIND_CPU", "count": 1}),
+        platform="linux",
+    )
+    assert [(p.group, p.index, p.kind, p.gpu) for p in plans] == [
+        (0, 0, "KIND_GPU", 0),
+        (0, 1, "KIND_GPU", 0),
+        (0, 2, "KIND_GPU", 2),
+        (0, 3, "KIND_GPU", 2),
+        (1, 4, "KIND_CPU", None),
+    ]
+    assert [p.device_key for p in plans] == ["cuda:0", "cuda:0", "cuda:2", "cuda:2", "cpu"]
+    assert plans[3].label("add_sub/1") == "add_sub/1#3"
+
+
+def test_auto_with_gpus_is_pinned_gpu() -> None:
+    (plan,) = plan_instances(config({"kind": "KIND_AUTO", "gpus": [1]}), platform="linux")
+    assert (plan.kind, plan.gpu, plan.device_key) == ("KIND_GPU", 1, "cuda:1")
+
+
+@pytest.mark.parametrize("kind", ["KIND_CPU", "KIND_MPS"])
+def test_gpus_refused_with_kinds_that_do_not_use_cuda(kind: str) -> None:
+    with pytest.raises(ConfigError, match=rf"instance_group\[1\]\.gpus: lists CUDA GPUs, which {kind}"):
+        plan_instances(config({"kind": "KIND_CPU"}, {"kind": kind, "gpus": [0]}), platform="linux")
+
+
+def test_gpus_refused_on_macos() -> None:
+    with pytest.raises(ConfigError, match=r"instance_group\[0\]\.gpus: .*macOS has no CUDA"):
+        plan_instances(config({"kind": "KIND_GPU", "gpus": [0]}), platform="darwin")
+
+
+def test_mps_on_linux_is_left_to_the_worker_probe() -> None:
+    (plan,) = plan_instances(config({"kind": "KIND_MPS"}), platform="linux")
+    assert plan.device_key == "mps"
+
+
+@pytest.mark.parametrize(
+    ("kind", "platform", "key"),
+    [
+        ("KIND_GPU", "linux", "cuda:0"),
+        ("KIND_AUTO", "linux", "cuda:0"),
+        ("KIND_GPU", "darwin", "mps"),
+        ("KIND_AUTO", "darwin", "mps"),
+        ("KIND_MPS", "darwin", "mps"),
+        ("KIND_CPU", "darwin", "cpu"),
+    ],
+)
+def test_unpinned_device_keys_follow_the_platform(kind: str, platform: str, key: str) -> None:
+    (plan,) = plan_instances(config({"kind": kind}), platform=platform)
+    assert plan.device_key == key
+
+
+# --- fraction ranges ---------------------------------------------------------------------------------------
+
+CUDA_RANGE = "0 < memory_fraction <= 1"
+MPS_RANGE = "0 <= memory_fraction <= 2"
+
+
+@pytest.mark.parametrize(
+    ("kind", "platform", "fraction", "expected_range"),
+    [
+        ("KIND_GPU", "linux", 0.0, CUDA_RANGE),
+        ("KIND_GPU", "linux", 1.01, CUDA_RANGE),
+        ("KIND_AUTO", "linux", 1.5, CUDA_RANGE),
+        ("KIND_GPU", "darwin", 2.5, MPS_RANGE),
+        ("KIND_AUTO", "darwin", -0.1, MPS_RANGE),
+        ("KIND_MPS", "linux", 2.01, MPS_RANGE),
+        ("KIND_GPU", "linux", math.nan, CUDA_RANGE),
+    ],
+)
+def test_fraction_out_of_range_names_field_and_device_range(
+    kind: str, platform: str, fraction: float, expected_range: str
+) -> None:
+    cfg = config({"kind": "KIND_CPU"}, {"kind": kind, "memory_fraction": fraction}, name="add_sub")
+    with pytest.raises(ConfigError) as info:
+        plan_instances(cfg, platform=platform)
+    message = str(info.value)
+    assert message.startswith("model 'add_sub': instance_group[1].memory_fraction: ")
+    assert expected_range in message
+
+
+@pytest.mark.parametrize(
+    ("kind", "platform", "fraction"),
+    [
+        ("KIND_GPU", "linux", 1.0),
+        ("KIND_GPU", "linux", 0.01),
+        ("KIND_GPU", "darwin", 1.5),
+        ("KIND_AUTO", "darwin", 0.0),
+        ("KIND_MPS", "darwin", 2.0),
+        ("KIND_MPS", "linux", 1.5),
+    ],
+)
+def test_fraction_in_range_is_kept(kind: str, platform: str, fraction: float) -> None:
+    (plan,) = plan_instances(config({"kind": kind, "memory_fraction": fraction}), platform=platform)
+    assert plan.memory_fraction == fraction
+
+
+def test_fraction_on_cpu_is_a_config_error() -> None:
+    with pytest.raises(
+        ConfigError, match=r"instance_group\[0\]\.memory_fraction: KIND_CPU has no device memory"
+    ):
+        plan_instances(config({"kind": "KIND_CPU", "memory_fraction": 0.5}), platform="linux")
+
+
+# --- budget ------------------------------------------------------------------------------------------------
+
+
+def plans_for(platform: str, **models: dict[str, Any]) -> dict[str, list[InstancePlacement]]:
+    return {name: plan_instances(config(group), platform=platform) for name, group in models.items()}
+
+
+def test_over_committed_gpu_names_every_model_and_the_sum() -> None:
+    plans = {
+        "add_sub/1": plan_instances(
+            config({"kind": "KIND_GPU", "count": 2, "gpus": [0, 1], "memory_fraction": 0.3}), platform="linux"
+        ),
+        "resnet/3": plan_instances(config({"kind": "KIND_GPU", "memory_fraction": 0.5}), platform="linux"),
+        "cpu_only/1": plan_instances(config({"kind": "KIND_CPU"}), platform="linux"),
+    }
+    # cuda:0 carries 2 x 0.3 from add_sub (pinned) and 0.5 from resnet (unpinned: first GPU); cuda:1 only 0.6.
+    assert check_memory_budget(plans) == [
+        "cuda:0: memory fractions add up to 1.1, more than 1.0: "
+        "add_sub/1 (2 instances, 0.6), resnet/3 (1 instance, 0.5)"
+    ]
+
+
+def test_fractions_adding_up_to_one_fit_despite_float_rounding() -> None:
+    # 0.2 + 0.4 + 0.3 + 0.1 is 1.0000000000000002 in floats.
+    plans = {
+        name: plan_instances(config({"kind": "KIND_GPU", "memory_fraction": f}), platform="linux")
+        for name, f in (("a", 0.2), ("b", 0.4), ("c", 0.3), ("d", 0.1))
+    }
+    plans["uncapped"] = plan_instances(config({"kind": "KIND_GPU", "count": 3}), platform="linux")
+    assert check_memory_budget(plans) == []
+    plans["e"] = plan_instances(config({"kind": "KIND_GPU", "memory_fraction": 0.01}), platform="linux")
+    assert len(check_memory_budget(plans)) == 1
+
+
+def test_on_macos_gpu_auto_and_mps_share_one_device() -> None:
+    plans = plans_for(
+        "darwin",
+        gpu={"kind": "KIND_GPU", "memory_fraction": 0.5},
+        auto={"kind": "KIND_AUTO", "memory_fraction": 0.25},
+        mps={"kind": "KIND_MPS", "memory_fraction": 0.5},
+    )
+    (message,) = check_memory_budget(plans)
+    assert message.startswith("mps: memory fractions add up to 1.25, more than 1.0: ")
+    for model in ("gpu (", "auto (", "mps ("):
+        assert model in message
+
+
+def test_mps_fraction_zero_means_no_limit_and_over_commits() -> None:
+    plans = plans_for("darwin", big={"kind": "KIND_MPS", "memory_fraction": 0.0})
+    assert check_memory_budget(plans) == [
+        "mps: memory fractions exceed 1.0 (a fraction of 0 means no limit on MPS): "
+        "big (1 instance, 0 = no limit)"
+    ]
+
+
+def test_budget_policy_refuse_raises_and_warn_returns() -> None:
+    plans = plans_for("linux", a={"kind": "KIND_GPU", "count": 3, "memory_fraction": 0.4})
+    with pytest.raises(ConfigError, match=r"memory budget exceeded .*cuda:0: .*a \(3 instances, 1\.2\)"):
+        enforce_memory_budget(plans, "refuse")
+    assert enforce_memory_budget(plans, "warn") == check_memory_budget(plans) != []
+
+
+# --- worker environment ------------------------------------------------------------------------------------
+
+
+def test_pinned_instance_sees_exactly_its_gpu() -> None:
+    cfg = config({"kind": "KIND_GPU", "gpus": [0, 3]})
+    plans = plan_instances(cfg, platform="linux")
+    envs = [worker_environment(p, cfg, BASE, platform="linux") for p in plans]
+    assert envs == [{**BASE, ENV_CUDA_VISIBLE: "0"}, {**BASE, ENV_CUDA_VISIBLE: "3"}]
+    assert BASE == {"PATH": "/usr/bin", "HOME": "/var/mpsd"}
+
+
+def test_gpu_index_goes_through_the_daemons_own_visible_list() -> None:
+    cfg = config({"kind": "KIND_GPU", "gpus": [1, 2]})
+    first, second = plan_instances(cfg, platform="linux")
+    base = {**BASE, ENV_CUDA_VISIBLE: "4,5"}
+    assert worker_environment(first, cfg, base, platform="linux")[ENV_CUDA_VISIBLE] == "5"
+    with pytest.raises(ConfigError, match=r"instance_group\[0\]\.gpus: GPU 2 is not among the 2 GPUs"):
+        worker_environment(second, cfg, base, platform="linux")
+
+
+@pytest.mark.parametrize("kind", ["KIND_AUTO", "KIND_GPU", "KIND_MPS", "KIND_CPU"])
+def test_unpinned_linux_environment_is_unchanged(kind: str) -> None:
+    fraction = None if kind == "KIND_CPU" else 0.5
+    cfg = config({"kind": kind, "memory_fraction": fraction})
+    (plan,) = plan_instances(cfg, platform="linux")
+    assert worker_environment(plan, cfg, BASE, platform="linux") == BASE
+
+
+@pytest.mark.parametrize("kind", ["KIND_AUTO", "KIND_GPU", "KIND_MPS"])
+def test_macos_fallback_defaults_on(kind: str) -> None:
+    cfg = config({"kind": kind})
+    (plan,) = plan_instances(cfg, platform="darwin")
+    assert worker_environment(plan, cfg, BASE, platform="darwin") == {**BASE, ENV_MPS_FALLBACK: "1"}
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("false", "0"), ("False", "0"), ("true", "1"), ("TRUE", "1")]
+)
+def test_macos_fallback_follows_the_parameter_and_overrides_the_daemons(value: str, expected: str) -> None:
+    cfg = config({"kind": "KIND_MPS"}, parameters={"mps_fallback": value})
+    (plan,) = plan_instances(cfg, platform="darwin")
+    env = worker_environment(plan, cfg, {**BASE, ENV_MPS_FALLBACK: "1"}, platform="darwin")
+    assert env[ENV_MPS_FALLBACK] == expected
+
+
+def test_bad_fallback_value_is_a_config_error() -> None:
+    with pytest.raises(
+        ConfigError, match=r"parameters\.mps_fallback: expected \"true\" or \"false\", got 'sometimes'"
+    ):
+        plan_instances(config(parameters={"mps_fallback": "sometimes"}), platform="darwin")
+
+
+def test_macos_cpu_instance_environment_is_unchanged() -> None:
+    cfg = config({"kind": "KIND_CPU"})
+    (plan,) = plan_instances(cfg, platform="darwin")
+    assert worker_environment(plan, cfg, BASE, platform="darwin") == BASE
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0, 1.4, 1.7, 2.0])
+def test_macos_watermarks_follow_the_fraction_with_low_not_above_high(fraction: float) -> None:
+    cfg = config({"kind": "KIND_GPU", "memory_fraction": fraction})
+    (plan,) = plan_instances(cfg, platform="darwin")
+    env = worker_environment(plan, cfg, {**BASE, ENV_MPS_LOW: "1.4"}, platform="darwin")
+    high, low = float(env[ENV_MPS_HIGH]), float(env[ENV_MPS_LOW])
+    assert high == fraction
+    assert 0.0 < low <= high
+    assert low == pytest.approx(fraction * 1.4 / 1.7)
+
+
+def test_macos_fraction_zero_disables_the_limit_and_keeps_low() -> None:
+    cfg = config({"kind": "KIND_MPS", "memory_fraction": 0.0})
+    (plan,) = plan_instances(cfg, platform="darwin")
+    base = {**BASE, ENV_MPS_LOW: "1.0"}
+    env = worker_environment(plan, cfg, base, platform="darwin")
+    assert env == {**base, ENV_MPS_FALLBACK: "1", ENV_MPS_HIGH: "0.0"}
+
+
+def test_macos_without_fraction_leaves_watermarks_alone() -> None:
+    cfg = config({"kind": "KIND_MPS"})
+    (plan,) = plan_instances(cfg, platform="darwin")
+    env = worker_environment(plan, cfg, BASE, platform="darwin")
+    assert ENV_MPS_HIGH not in env
+    assert ENV_MPS_LOW not in env
+
+
+def test_platform_defaults_to_this_one() -> None:
+    (plan,) = plan_instances(config())
+    assert plan.platform == sys.platform
