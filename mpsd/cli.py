@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the daemon in the foreground",
         epilog="example: mpsd serve --config config/mpsd.yaml",
     )
-    serve.add_argument("--config", type=Path, help=f"daemon config file (default: {DEFAULT_CONFIG} if present)")
+    serve.add_argument(
+        "--config", type=Path, help=f"daemon config file (default: {DEFAULT_CONFIG} if present)"
+    )
     serve.add_argument("--model-repository", type=Path, help="directory with one folder per model")
     serve.add_argument("--grpc-address", help="host:port to listen on (default 127.0.0.1:8001)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

@@ -3,6 +3,7 @@ stock tritonclient."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,21 +28,40 @@ def free_port() -> int:
 class RunningDaemon:
     """A real `mpsd serve` process in its own process group, with its log captured to a file."""
 
-    def __init__(self, repo: Path, log_path: Path, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, config: Path | None = None) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        log_path: Path,
+        extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        config: Path | None = None,
+    ) -> None:
         self.repo = repo
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = [sys.executable, "-m", "mpsd", "serve", "--model-repository", str(repo),
-                "--grpc-address", self.address]
+        args = [
+            sys.executable,
+            "-m",
+            "mpsd",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--grpc-address",
+            self.address,
+        ]
         if config is not None:
             args += ["--config", str(config)]
         args += extra_args or []
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True, cwd=ROOT,
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+            cwd=ROOT,
         )
         self.client = grpcclient.InferenceServerClient(self.address)
 
@@ -101,10 +121,8 @@ class RunningDaemon:
 
     def kill_group(self) -> None:
         """Last-resort cleanup: nothing the test started may outlive it."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]

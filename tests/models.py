@@ -84,7 +84,9 @@ def identity(repo: Path, name: str, data_type: str, dims: list[int], max_batch_s
     return model_dir
 
 
-def python_model(repo: Path, name: str, body: str, config: dict[str, Any] | None = None, version: int = 1) -> Path:
+def python_model(
+    repo: Path, name: str, body: str, config: dict[str, Any] | None = None, version: int = 1
+) -> Path:
     """A `backend: python` model whose `infer` body is given as source (inputs dict `inputs`)."""
     model_dir = repo / name
     write_config(
@@ -123,18 +125,42 @@ DTYPES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "F
 class EchoAll(nn.Module):
     def forward(
         self,
-        a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, e: torch.Tensor,
-        f: torch.Tensor, g: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        d: torch.Tensor,
+        e: torch.Tensor,
+        f: torch.Tensor,
+        g: torch.Tensor,
+        h: torch.Tensor,
+        i: torch.Tensor,
+        j: torch.Tensor,
     ) -> list[torch.Tensor]:
-        return [a.clone(), b.clone(), c.clone(), d.clone(), e.clone(),
-                f.clone(), g.clone(), h.clone(), i.clone(), j.clone()]
+        return [
+            a.clone(),
+            b.clone(),
+            c.clone(),
+            d.clone(),
+            e.clone(),
+            f.clone(),
+            g.clone(),
+            h.clone(),
+            i.clone(),
+            j.clone(),
+        ]
 
 
 class EchoTyped(nn.Module):
     def forward(
         self,
-        a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
-        e: torch.Tensor, f: torch.Tensor, g: torch.Tensor, h: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        d: torch.Tensor,
+        e: torch.Tensor,
+        f: torch.Tensor,
+        g: torch.Tensor,
+        h: torch.Tensor,
     ) -> list[torch.Tensor]:
         return [a.clone(), b.clone(), c.clone(), d.clone(), e.clone(), f.clone(), g.clone(), h.clone()]
 

@@ -17,8 +17,15 @@ from tests import models
 from tests.conftest import RunningDaemon
 
 NP = {
-    "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
-    "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
 }
 
 
@@ -116,7 +123,9 @@ def test_async_infer(daemon: RunningDaemon) -> None:
     a = np.random.rand(1, 16).astype(np.float32)
     b = np.random.rand(1, 16).astype(np.float32)
     for _ in range(4):
-        daemon.client.async_infer("add_sub", add_sub_inputs(a, b), callback=lambda result, error: results.put((result, error)))
+        daemon.client.async_infer(
+            "add_sub", add_sub_inputs(a, b), callback=lambda result, error: results.put((result, error))
+        )
     for _ in range(4):
         result, error = results.get(timeout=30)  # type: ignore[misc]
         assert error is None
@@ -178,8 +187,14 @@ def _set_typed(inp: grpcclient.InferInput, dtype: str, v: np.ndarray) -> None:
     tensor = inp._get_tensor()
     inp._raw_content = None
     field = {
-        "BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents", "INT16": "int_contents",
-        "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+        "BOOL": "bool_contents",
+        "UINT8": "uint_contents",
+        "INT8": "int_contents",
+        "INT16": "int_contents",
+        "INT32": "int_contents",
+        "INT64": "int64_contents",
+        "FP32": "fp32_contents",
+        "FP64": "fp64_contents",
     }[dtype]
     getattr(tensor.contents, field).extend(v.tolist())
 

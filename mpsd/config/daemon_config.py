@@ -39,6 +39,10 @@ class DaemonConfig(BaseModel):
     restart_backoff_max_s: Annotated[float, Field(gt=0)] = Field(
         30.0, description="Cap on the restart delay."
     )
+    memory_budget_policy: Literal["refuse", "warn"] = Field(
+        "refuse",
+        description="What to do when the memory fractions on one device add up to more than 1.0.",
+    )
     max_message_bytes: Annotated[int, Field(gt=0)] = Field(
         256 * 1024 * 1024, description="Largest gRPC message accepted or sent."
     )

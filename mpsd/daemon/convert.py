@@ -13,12 +13,18 @@ from .request import InferResult
 from .stats import Duration
 
 # Triton has no MPS kind: MPS instances are GPU instances whose real kind is recorded in parameters.
-_KIND = {"KIND_AUTO": mc.ModelInstanceGroup.KIND_AUTO, "KIND_GPU": mc.ModelInstanceGroup.KIND_GPU,
-         "KIND_MPS": mc.ModelInstanceGroup.KIND_GPU, "KIND_CPU": mc.ModelInstanceGroup.KIND_CPU}
+_KIND = {
+    "KIND_AUTO": mc.ModelInstanceGroup.KIND_AUTO,
+    "KIND_GPU": mc.ModelInstanceGroup.KIND_GPU,
+    "KIND_MPS": mc.ModelInstanceGroup.KIND_GPU,
+    "KIND_CPU": mc.ModelInstanceGroup.KIND_CPU,
+}
 
 
 def infer_response(result: InferResult, request_id: str) -> Any:
-    response = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version), id=request_id)
+    response = pb.ModelInferResponse(
+        model_name=result.model, model_version=str(result.version), id=request_id
+    )
     for out in result.outputs:
         response.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
         response.raw_output_contents.append(out.data)
@@ -38,12 +44,16 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
         for t in src:
             dst.add(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
     for i, group in enumerate(config.instance_group):
-        g = msg.instance_group.add(name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count)
+        g = msg.instance_group.add(
+            name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count
+        )
         if group.gpus:
             g.gpus.extend(group.gpus)
         msg.parameters[f"mpsd.instance_group.{i}.kind"].string_value = group.kind
         if group.memory_fraction is not None:
-            msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(group.memory_fraction)
+            msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(
+                group.memory_fraction
+            )
     policy = config.version_policy
     if policy.all is not None:
         msg.version_policy.all.SetInParent()
@@ -59,7 +69,9 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
         msg.dynamic_batching.preferred_batch_size.extend(db.preferred_batch_size)
         if db.max_queue_size or db.default_timeout_microseconds:
             msg.dynamic_batching.default_queue_policy.max_queue_size = db.max_queue_size
-            msg.dynamic_batching.default_queue_policy.default_timeout_microseconds = db.default_timeout_microseconds
+            msg.dynamic_batching.default_queue_policy.default_timeout_microseconds = (
+                db.default_timeout_microseconds
+            )
     return msg
 
 
@@ -96,5 +108,7 @@ def version_statistics(mv: ModelVersion) -> Any:
 def tensor_metadata(config: ModelConfig, inputs: bool) -> list[Any]:
     batch = [-1] if config.max_batch_size > 0 else []
     tensors = config.input if inputs else config.output
-    return [pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.wire_datatype, shape=batch + t.dims)
-            for t in tensors]
+    return [
+        pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.wire_datatype, shape=batch + t.dims)
+        for t in tensors
+    ]

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 
-from mpsd.config.model_config import ModelConfig, TensorConfig
+from mpsd.config.model_config import TensorConfig
 from mpsd.config.repository import ModelSource
 from mpsd.ipc.protocol import ModelSpec, TensorSpec
 
-from .placement import plan_instances, worker_environment
+from .placement import InstancePlacement, plan_instances, worker_environment
 from .worker_process import WorkerLaunch
+
+# Variables meant for the daemon alone: a worker that inherited them could talk to systemd as if it were
+# the service's main process.
+DAEMON_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 
 
 def _tensor_spec(t: TensorConfig) -> TensorSpec:
@@ -32,13 +36,18 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
     )
 
 
-def version_launches(source: ModelSource, version: int) -> list[WorkerLaunch]:
-    """One launch per instance of the version, each with its device placement and environment."""
-    config: ModelConfig | None = source.config
+def worker_base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in DAEMON_ONLY_ENV}
+
+
+def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacement], list[WorkerLaunch]]:
+    """Placements (for the memory budget) and one launch per instance (spec, device, environment)."""
+    config = source.config
     assert config is not None
     spec = model_spec(source, version)
-    base = dict(os.environ)
-    return [
+    base = worker_base_env()
+    placements = plan_instances(config)
+    launches = [
         WorkerLaunch(
             model=spec,
             instance=placement.index,
@@ -46,5 +55,6 @@ def version_launches(source: ModelSource, version: int) -> list[WorkerLaunch]:
             memory_fraction=placement.memory_fraction,
             env=worker_environment(placement, config, base),
         )
-        for placement in plan_instances(config)
+        for placement in placements
     ]
+    return placements, launches

@@ -13,6 +13,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.errors import MpsdError, Unavailable
 
 from .instance import Instance, SupervisorSettings
+from .placement import InstancePlacement
 from .request import InferRequest, InferResult, Timings
 from .stats import VersionStats
 from .worker_process import LoadError, WorkerLaunch, WorkerProcess
@@ -44,6 +45,7 @@ class ModelVersion:
         version: int,
         config: ModelConfig,
         fingerprint: tuple[str, str],
+        placements: list[InstancePlacement],
         launches: list[WorkerLaunch],
         settings: SupervisorSettings,
     ) -> None:
@@ -51,6 +53,7 @@ class ModelVersion:
         self.version = version
         self.config = config
         self.fingerprint = fingerprint
+        self.placements = placements
         self.settings = settings
         self.state = VersionState.LOADING
         self.reason = ""
@@ -81,7 +84,12 @@ class ModelVersion:
             self.reason = str(first) if isinstance(first, LoadError) else f"{type(first).__name__}: {first}"
             raise LoadError(self.reason)
         self.state = VersionState.READY
-        log.info("model version ready", model=self.name, version=self.version, load_s=round(time.perf_counter() - t0, 3))
+        log.info(
+            "model version ready",
+            model=self.name,
+            version=self.version,
+            load_s=round(time.perf_counter() - t0, 3),
+        )
 
     async def infer(self, request: InferRequest) -> InferResult:
         """Queue the request for the next free instance and wait for its result."""
@@ -94,8 +102,8 @@ class ModelVersion:
         self._idle.clear()
         try:
             result = await future
-        except MpsdError:
-            self.stats.record_failure(time.perf_counter_ns() - start)
+        except MpsdError as exc:
+            self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
             raise
         finally:
             self.inflight -= 1
@@ -124,18 +132,24 @@ class ModelVersion:
         except BaseException as exc:
             if not item.future.done():
                 item.future.set_exception(
-                    Unavailable(f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})")
+                    Unavailable(
+                        f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})"
+                    )
                 )
             raise
         t = item.timings
-        self.stats.record_execution(req.batch_size, t.compute_input_ns, t.compute_infer_ns, t.compute_output_ns, 1)
+        self.stats.record_execution(
+            req.batch_size, t.compute_input_ns, t.compute_infer_ns, t.compute_output_ns, 1
+        )
         if not item.future.done():
             item.future.set_result(InferResult(self.name, self.version, outputs, t))
 
     def instance_down(self) -> None:
-        """No request may wait for an instance that is not coming back soon: fail the queue when none is up."""
+        """No request may wait for an instance that is not coming back soon: fail the queue if none is up."""
         if not any(i.ready for i in self.instances):
-            self.fail_queued(Unavailable(f"model '{self.name}' version {self.version} is not ready{self._why()}"))
+            self.fail_queued(
+                Unavailable(f"model '{self.name}' version {self.version} is not ready{self._why()}")
+            )
 
     def fail_queued(self, error: MpsdError) -> None:
         while not self.queue.empty():

@@ -7,6 +7,7 @@ the old versions drain in the background; a failed load leaves the old versions 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +19,9 @@ from mpsd.config.repository import ModelSource, load_model_source, scan_reposito
 from mpsd.errors import ConfigError, NotFound, Unavailable
 
 from .instance import SupervisorSettings
-from .launch import version_launches
+from .launch import plan_version
 from .model_version import ModelVersion, VersionState
+from .placement import BudgetPolicy, check_memory_budget, enforce_memory_budget
 from .worker_process import LoadError
 
 log = structlog.get_logger("mpsd.daemon.registry")
@@ -58,8 +60,15 @@ class IndexRow:
 
 
 class Registry:
-    def __init__(self, repository: Path, settings: SupervisorSettings, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        repository: Path,
+        settings: SupervisorSettings,
+        drain_timeout_s: float,
+        budget_policy: BudgetPolicy = "refuse",
+    ) -> None:
         self.repository = repository
+        self.budget_policy = budget_policy
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.entries: dict[str, ModelEntry] = {}
@@ -106,10 +115,8 @@ class Registry:
         await asyncio.gather(*(self._load_logged(s) for s in sources.values()))
 
     async def _load_logged(self, source: ModelSource) -> None:
-        try:
+        with contextlib.suppress(LoadError):  # the reason is logged and kept in the index
             await self.apply(source)
-        except LoadError:
-            pass
 
     async def load_model(self, name: str) -> None:
         """(Re)load one model from the repository; raises NotFound or LoadError."""
@@ -137,14 +144,28 @@ class Registry:
                 if old is not None and old.fingerprint == fingerprint and old.state is VersionState.READY:
                     keep[v] = old
                     continue
-                launches = version_launches(source, v)
-                fresh.append(ModelVersion(source.name, v, source.config, fingerprint, launches, self.settings))
+                placements, launches = plan_version(source, v)
+                fresh.append(
+                    ModelVersion(
+                        source.name, v, source.config, fingerprint, placements, launches, self.settings
+                    )
+                )
+            retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
+            side_by_side = self._check_budget(entry.name, fresh, retiring)
         except ConfigError as exc:
             self._fail(entry, exc.message)
         if not fresh and set(keep) == set(entry.versions):
             entry.source, entry.error, entry.loading = source, None, False
             return
         entry.loading = True
+        if not side_by_side:
+            log.warning(
+                "old and new versions do not fit on the device together: stopping the old version first; "
+                "the model is not ready until the new one is",
+                model=entry.name,
+            )
+            await asyncio.gather(*(mv.unload(self.drain_timeout_s) for mv in retiring))
+            entry.versions = dict(keep)
         log.info("loading model", model=source.name, versions=[mv.version for mv in fresh])
         results = await asyncio.gather(*(mv.load() for mv in fresh), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -157,6 +178,20 @@ class Registry:
         for mv in retired:
             self._spawn(mv.unload(self.drain_timeout_s))
         log.info("model ready", model=source.name, versions=sorted(entry.versions))
+
+    def _check_budget(self, name: str, fresh: list[ModelVersion], retiring: list[ModelVersion]) -> bool:
+        """Apply the memory budget to the state after the change; say whether old and new fit side by side."""
+        others = {
+            mv.label: mv.placements
+            for entry in self.entries.values()
+            for mv in entry.versions.values()
+            if mv not in retiring
+        }
+        after = {**others, **{mv.label + " (new)": mv.placements for mv in fresh}}
+        for message in enforce_memory_budget(after, self.budget_policy):
+            log.warning("memory budget exceeded", model=name, problem=message)
+        during = {**after, **{mv.label: mv.placements for mv in retiring}}
+        return not check_memory_budget(during) or self.budget_policy == "warn"
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -189,10 +224,10 @@ class Registry:
         entries = list(self.entries.values())
         self.entries.clear()
         await asyncio.gather(
-                *(mv.unload(0.0) for e in entries for mv in e.versions.values()),
-                *self._background,
-                return_exceptions=True,
-            )
+            *(mv.unload(0.0) for e in entries for mv in e.versions.values()),
+            *self._background,
+            return_exceptions=True,
+        )
 
     # ---- reporting -----------------------------------------------------------------------------
 

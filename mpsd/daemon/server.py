@@ -35,12 +35,15 @@ class Daemon:
             backoff_initial_s=config.restart_backoff_initial_s,
             backoff_max_s=config.restart_backoff_max_s,
         )
-        self.registry = Registry(config.model_repository, settings, config.drain_timeout_s)
+        self.registry = Registry(
+            config.model_repository, settings, config.drain_timeout_s, config.memory_budget_policy
+        )
         self.health = health.aio.HealthServicer()
         self.shutting_down = False
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        self._hurry: asyncio.Future[None] | None = None
 
     def _build_server(self) -> grpc.aio.Server:
         limit = self.config.max_message_bytes
@@ -51,7 +54,7 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
             InferenceServicer(self.registry, lambda: self.shutting_down), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -92,8 +95,10 @@ class Daemon:
         await self._update_health()
         await self.registry.load_repository()
         await self._update_health()
-        log.info("ready" if self.registry.server_ready() else "started with unavailable models",
-                 models=len(self.registry.entries))
+        log.info(
+            "ready" if self.registry.server_ready() else "started with unavailable models",
+            models=len(self.registry.entries),
+        )
         while not self._stop.is_set():
             reload_wait = asyncio.create_task(self._reload.wait())
             stop_wait = asyncio.create_task(self._stop.wait())
@@ -109,10 +114,10 @@ class Daemon:
 
     def _on_stop_signal(self) -> None:
         if self._stop.is_set():
-            log.warning("second stop signal: shortening the drain")
-            self.config.drain_timeout_s = 0.0 if self.config.drain_timeout_s else 0.0
+            log.warning("second stop signal: ending the drain now")
+            self.config.drain_timeout_s = 0.0
             if self._server is not None:
-                asyncio.ensure_future(self._server.stop(0))
+                self._hurry = asyncio.ensure_future(self._server.stop(0))
             return
         log.info("stopping: draining in-flight requests", drain_timeout_s=self.config.drain_timeout_s)
         self.shutting_down = True

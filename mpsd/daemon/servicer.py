@@ -113,7 +113,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         return await self._infer(request)
 
-    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[Any], context: Any
+    ) -> AsyncIterator[Any]:
         """Requests of one stream run concurrently; responses come back in request order, errors in-band."""
         pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
 
@@ -162,7 +164,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         rows = self.registry.index(ready_only=request.ready)
         return pb.RepositoryIndexResponse(
             models=[
-                pb.RepositoryIndexResponse.ModelIndex(name=r.name, version=r.version, state=r.state, reason=r.reason)
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=r.name, version=r.version, state=r.state, reason=r.reason
+                )
                 for r in rows
             ]
         )

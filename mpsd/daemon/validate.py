@@ -181,7 +181,9 @@ def _requested_outputs(request: Any, config: ModelConfig) -> tuple[str, ...]:
         if out.name in names:
             raise InvalidArgument(f"output '{out.name}' is requested twice")
         if set(out.parameters) & _SHM_PARAMS:
-            raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported by this server yet")
+            raise Unimplemented(
+                f"output '{out.name}': shared-memory outputs are not supported by this server yet"
+            )
         if out.parameters.get("classification") and out.parameters["classification"].int64_param > 0:
             raise Unimplemented(f"output '{out.name}': classification outputs are not supported")
         names.append(out.name)

@@ -76,6 +76,7 @@ class WorkerProcess:
         self.pid: int | None = None
         self.returncode: int | None = None
         self.ready: p.Ready | None = None
+        self.memory: dict[str, int] = {}
         self.died = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -159,6 +160,8 @@ class WorkerProcess:
                 msg = await recv_async(self._reader)
                 if isinstance(msg, p.NeedOutput):
                     self._grow_output(msg.nbytes)
+                elif isinstance(msg, p.MemorySnapshot):
+                    self.memory = msg.memory
                 elif self._pending is not None and not self._pending.done():
                     self._pending.set_result(msg)
         except (ConnectionClosed, OSError):
@@ -172,9 +175,7 @@ class WorkerProcess:
                 )
             )
         if not self._stopping:
-            log.error(
-                "worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description
-            )
+            log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
         self._release_regions()
         self.died.set()
 
@@ -229,7 +230,9 @@ class WorkerProcess:
         if self._input is None or self._input.size < offset:
             if self._input is not None:
                 self._retire(self._input)
-            self._input = self._new_region(max(offset, INITIAL_REGION, 2 * (self._input.size if self._input else 0)))
+            self._input = self._new_region(
+                max(offset, INITIAL_REGION, 2 * (self._input.size if self._input else 0))
+            )
         buf = self._input.buf
         for ref, t in zip(refs, inputs, strict=True):
             buf[ref.offset : ref.offset + ref.nbytes] = t.data
@@ -261,7 +264,9 @@ class WorkerProcess:
         out.unlink()
         r0 = asyncio.get_running_loop().time()
         result = tuple(
-            OutputTensor(ref.name, ref.datatype, ref.shape, bytes(out.buf[ref.offset : ref.offset + ref.nbytes]))
+            OutputTensor(
+                ref.name, ref.datatype, ref.shape, bytes(out.buf[ref.offset : ref.offset + ref.nbytes])
+            )
             for ref in reply.outputs
         )
         read_ns = int((asyncio.get_running_loop().time() - r0) * 1e9)

@@ -87,11 +87,6 @@ class OutputRegion:
 
 
 @dataclass(frozen=True)
-class StatsRequest:
-    pass
-
-
-@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -137,10 +132,11 @@ class InferFailed:
 
 
 @dataclass(frozen=True)
-class StatsReply:
+class MemorySnapshot:
+    """Sent by the worker unprompted, at most every few seconds: device memory counters and RSS."""
+
     memory: dict[str, int]
-    device: dict[str, object]
 
 
-ToWorker = Init | Infer | OutputRegion | StatsRequest | Shutdown
-FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | StatsReply
+ToWorker = Init | Infer | OutputRegion | Shutdown
+FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | MemorySnapshot

@@ -7,13 +7,13 @@ a worker registers the segment with a resource tracker that unlinks it when that
 
 from __future__ import annotations
 
+import _posixshmem
+import contextlib
 import itertools
 import mmap
 import os
 import re
 from pathlib import Path
-
-import _posixshmem
 
 PREFIX = "mpsd-"
 _counter = itertools.count()
@@ -64,10 +64,8 @@ class Region:
         """Remove the name; mappings stay valid until closed."""
         if self._linked:
             self._linked = False
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 _posixshmem.shm_unlink(self.name)
-            except FileNotFoundError:
-                pass
 
     def close(self) -> bool:
         """Unmap; returns False while tensors still borrow the memory (try again later)."""

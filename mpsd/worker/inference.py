@@ -35,9 +35,8 @@ def check_output(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> str |
     expected = ((-1,) if batched else ()) + spec.dims
     shape = tuple(tensor.shape)
     if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape, strict=True)):
-        return (
-            f"output '{spec.name}': model returned shape {list(shape)}, config dims {list(spec.dims)}"
-            + (" (plus the batch dimension)" if batched else "")
+        return f"output '{spec.name}': model returned shape {list(shape)}, config dims {list(spec.dims)}" + (
+            " (plus the batch dimension)" if batched else ""
         )
     return None
 
@@ -57,7 +56,9 @@ def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
         outputs = backend(warmup_inputs(spec, device))
         synchronize(device)
     problems = [
-        p for o in spec.outputs if (p := check_output(o, outputs[o.name], spec.max_batch_size > 0)) is not None
+        p
+        for o in spec.outputs
+        if (p := check_output(o, outputs[o.name], spec.max_batch_size > 0)) is not None
     ]
     if problems:
         raise ValueError("warm-up: " + "; ".join(problems))
@@ -97,7 +98,9 @@ class Runner:
         return prepared
 
 
-def write_outputs(region: Region, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> tuple[TensorRef, ...]:
+def write_outputs(
+    region: Region, names: Sequence[str], tensors: Sequence[torch.Tensor]
+) -> tuple[TensorRef, ...]:
     """Copy each output into the region once, back to back, and describe where it went."""
     refs = []
     offset = 0

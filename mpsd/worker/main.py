@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import socket
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
@@ -20,14 +22,17 @@ from mpsd.ipc.framing import ConnectionClosed, recv_blocking, send_blocking
 from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import RegionCache
 
+if TYPE_CHECKING:
+    from mpsd.worker.inference import Runner
 
-def _load(sock: socket.socket, init: p.Init) -> object:
+
+def _load(sock: socket.socket, init: p.Init) -> Runner:
     """Select the device, load and warm up the model; report Ready or LoadFailed."""
     import torch
 
     from mpsd.worker.backends import load_backend
     from mpsd.worker.device import DeviceUnavailable, select_device
-    from mpsd.worker.inference import Runner, run_warmup
+    from mpsd.worker.inference import run_warmup
 
     spec = init.model
     t0 = time.perf_counter()
@@ -44,6 +49,8 @@ def _load(sock: socket.socket, init: p.Init) -> object:
     except Exception as exc:
         _fail_load(sock, f"{type(exc).__name__}: {exc}")
     send_blocking(sock, p.Ready(os.getpid(), info.as_dict(), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+    from mpsd.worker.inference import Runner
+
     return Runner(spec, backend, device)
 
 
@@ -55,51 +62,64 @@ def _fail_load(sock: socket.socket, reason: str) -> None:
         os._exit(p.EXIT_LOAD_FAILED)
 
 
-def _serve(sock: socket.socket, runner: object) -> None:
-    from mpsd.worker.device import is_out_of_memory, memory_counters, release_cached_memory
-    from mpsd.worker.inference import Runner, write_outputs
+def _infer(sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Infer) -> p.InferDone:
+    """Run one request from shared memory to shared memory."""
+    from mpsd.worker.inference import write_outputs
 
-    assert isinstance(runner, Runner)
+    inputs = regions.get("input", msg.input_region)
+    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs)
+    t0 = time.perf_counter_ns()
+    tensors = runner.prepare_outputs(outputs, msg.outputs)
+    del outputs
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    out_ref = msg.output_region
+    if needed > out_ref.size:
+        send_blocking(sock, p.NeedOutput(msg.req_id, needed))
+        reply = recv_blocking(sock)
+        if not isinstance(reply, p.OutputRegion):
+            raise MpsdError(f"protocol error: expected OutputRegion, got {type(reply).__name__}")
+        out_ref = reply.region
+    refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors)
+    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0)
+
+
+def _serve(sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0) -> None:
+    from mpsd.worker.device import is_out_of_memory, memory_counters, release_cached_memory
+
     regions = RegionCache()
+    last_snapshot = 0.0
     while True:
+        now = time.monotonic()
+        if now - last_snapshot >= snapshot_interval_s:
+            # Counters are read on this (the device) thread, between requests, never concurrently with one.
+            send_blocking(sock, p.MemorySnapshot(memory_counters(runner.device)))
+            last_snapshot = now
+        wait_s = max(0.05, snapshot_interval_s - (time.monotonic() - last_snapshot))
+        readable, _, _ = select.select([sock], [], [], wait_s)
+        if not readable:
+            continue
         try:
             msg = recv_blocking(sock)
         except ConnectionClosed:
             return
         if isinstance(msg, p.Infer):
+            failure: p.InferFailed | None = None
+            oom = False
             try:
-                inputs = regions.get("input", msg.input_region)
-                outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs)
-                t0 = time.perf_counter_ns()
-                tensors = runner.prepare_outputs(outputs, msg.outputs)
-                del outputs
-                needed = sum(t.numel() * t.element_size() for t in tensors)
-                out_ref = msg.output_region
-                if needed > out_ref.size:
-                    send_blocking(sock, p.NeedOutput(msg.req_id, needed))
-                    reply = recv_blocking(sock)
-                    if not isinstance(reply, p.OutputRegion):
-                        raise MpsdError(f"protocol error: expected OutputRegion, got {type(reply).__name__}")
-                    out_ref = reply.region
-                refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors)
-                del tensors
-                out_ns = time.perf_counter_ns() - t0
-                send_blocking(sock, p.InferDone(msg.req_id, refs, in_ns, infer_ns, out_ns))
+                send_blocking(sock, _infer(sock, runner, regions, msg))
             except ConnectionClosed:
                 return
             except MpsdError as exc:
-                send_blocking(sock, p.InferFailed(msg.req_id, exc.code.value, exc.message))
+                failure = p.InferFailed(msg.req_id, exc.code.value, exc.message)
             except Exception as exc:
-                if is_out_of_memory(exc):
+                oom = is_out_of_memory(exc)
+                code = ErrorCode.RESOURCE_EXHAUSTED if oom else ErrorCode.INTERNAL
+                failure = p.InferFailed(msg.req_id, code.value, f"{type(exc).__name__}: {exc}")
+            if failure is not None:
+                if oom:  # outside the except block, so the traceback no longer pins the request's tensors
                     release_cached_memory(runner.device)
-                    code = ErrorCode.RESOURCE_EXHAUSTED
-                else:
-                    code = ErrorCode.INTERNAL
-                send_blocking(sock, p.InferFailed(msg.req_id, code.value, f"{type(exc).__name__}: {exc}"))
-        elif isinstance(msg, p.StatsRequest):
-            from mpsd.worker.device import DeviceInfo  # noqa: F401  (keeps the import graph explicit)
-
-            send_blocking(sock, p.StatsReply(memory_counters(runner.device), {}))
+                    last_snapshot = 0.0
+                send_blocking(sock, failure)
         elif isinstance(msg, p.Shutdown):
             return
 
@@ -112,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     # The daemon stops workers with a Shutdown message or SIGTERM; Ctrl-C in a terminal goes to the daemon.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(args.parent_pid)
+    os.set_inheritable(args.fd, False)  # processes the model may start must not hold our channel open
     sock = socket.socket(fileno=args.fd)
     try:
         init = recv_blocking(sock)

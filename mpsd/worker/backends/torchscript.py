@@ -13,7 +13,7 @@ from mpsd.worker.backends import map_outputs
 class TorchScriptBackend:
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         self._names = [o.name for o in spec.outputs]
-        self._module = torch.jit.load(spec.model_path, map_location=device)
+        self._module = torch.jit.load(spec.model_path, map_location=device)  # type: ignore[no-untyped-call]
         self._module.eval()
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
