@@ -36,7 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     configure(config.log_level, config.log_format)
     from mpsd.daemon.server import serve
 
-    return serve(config)
+    return serve(config, config_path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,16 @@ class DaemonConfig(BaseModel):
         "refuse",
         description="What to do when the memory fractions on one device add up to more than 1.0.",
     )
+    model_control: Literal["watch", "poll", "explicit", "none"] = Field(
+        "watch",
+        description="watch: follow repository changes through file-system events; poll: rescan every "
+        "poll_interval_s; explicit: change only on RepositoryModelLoad/Unload, SIGHUP or `mpsd reload`; "
+        "none: load at start only (SIGHUP still reconciles).",
+    )
+    reload_quiet_period_s: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="A repository change is acted on once files have been quiet this long."
+    )
+    poll_interval_s: Annotated[float, Field(gt=0)] = Field(2.0, description="Rescan interval in poll mode.")
     max_message_bytes: Annotated[int, Field(gt=0)] = Field(
         256 * 1024 * 1024, description="Largest gRPC message accepted or sent."
     )

@@ -54,8 +54,11 @@ class TensorConfig(_Strict):
     @field_validator("data_type", mode="before")
     @classmethod
     def _explain_unsupported(cls, value: object) -> object:
-        if isinstance(value, str) and value.removeprefix("TYPE_") in UNSUPPORTED:
-            raise ValueError(UNSUPPORTED[value.removeprefix("TYPE_")])
+        if isinstance(value, str):
+            # Triton's config spells the string type TYPE_STRING (BYTES on the wire).
+            wire = "BYTES" if value == "TYPE_STRING" else value.removeprefix("TYPE_")
+            if wire in UNSUPPORTED:
+                raise ValueError(UNSUPPORTED[wire])
         return value
 
     @field_validator("dims")

@@ -42,6 +42,13 @@ class ModelSource:
     def ok(self) -> bool:
         return self.error is None and self.config is not None
 
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever anything that decides how this model loads changes (or its error does)."""
+        parts = [self.config_fingerprint, self.error or ""]
+        parts += [f"{v}:{fp}" for v, fp in sorted(self.version_fingerprints.items())]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
 
 def format_validation_error(path: Path, exc: ValidationError) -> str:
     """One line per problem, each naming the file and the field."""
@@ -66,6 +73,8 @@ def parse_model_config(path: Path, text: str, dir_name: str) -> ModelConfig:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+    if raw is None:
+        raise ValueError(f"{path}: file is empty; it must hold the model's config fields")
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of config fields, got {type(raw).__name__}")
     try:
@@ -79,6 +88,11 @@ def parse_model_config(path: Path, text: str, dir_name: str) -> ModelConfig:
     return config
 
 
+def _is_version_name(name: str) -> bool:
+    """`1`, `2`, `10`: ASCII digits in canonical form (not `01`, not other scripts' digits)."""
+    return name.isascii() and name.isdigit() and str(int(name)) == name
+
+
 def _fingerprint_dir(directory: Path) -> str:
     """Changes whenever a file in the version directory is added, removed, resized or rewritten."""
     digest = hashlib.sha256()
@@ -86,9 +100,13 @@ def _fingerprint_dir(directory: Path) -> str:
         rel = p.relative_to(directory)
         if any(is_ignored_name(part) for part in rel.parts) or "__pycache__" in rel.parts:
             continue
-        if p.is_file():
+        try:
+            if not p.is_file():
+                continue
             st = p.stat()
-            digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:  # removed while scanning: the next scan sees the settled directory
+            continue
+        digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
@@ -104,13 +122,20 @@ def load_model_source(model_dir: Path) -> ModelSource:
         return ModelSource(name, model_dir, error=f"{cfg_path}: file is missing")
     except OSError as exc:
         return ModelSource(name, model_dir, error=f"{cfg_path}: cannot read: {exc.strerror}")
+    except UnicodeDecodeError as exc:
+        return ModelSource(name, model_dir, error=f"{cfg_path}: not UTF-8 text (byte {exc.start})")
     cfg_fp = hashlib.sha256(text.encode()).hexdigest()
     try:
         config = parse_model_config(cfg_path, text, name)
     except ValueError as exc:
         return ModelSource(name, model_dir, error=str(exc), config_fingerprint=cfg_fp)
 
-    available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    try:
+        available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name)]
+    except OSError as exc:
+        return ModelSource(
+            name, model_dir, error=f"{model_dir}: cannot list: {exc.strerror}", config_fingerprint=cfg_fp
+        )
     versions = config.version_policy.select(available)
     if not versions:
         return ModelSource(

@@ -27,6 +27,7 @@ class SupervisorSettings:
     stop_timeout_s: float = 5.0
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
+    drain_timeout_s: float = 30.0
 
 
 class Instance:
@@ -42,6 +43,8 @@ class Instance:
         self.started_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def ready(self) -> bool:
@@ -77,7 +80,7 @@ class Instance:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
-            if self._stopping:
+            if self._stopping and not worker.died.is_set():
                 return
             await worker.died.wait()
             self.state = "restarting"
@@ -110,23 +113,30 @@ class Instance:
 
     async def _dispatch(self, worker: WorkerProcess) -> None:
         queue = self.version.queue
-        while True:
+        while not self._stopping:
             item = await queue.get()
             if item.future.done():
                 continue
-            if worker.died.is_set():
+            if worker.died.is_set() or self._stopping:
                 queue.put_nowait(item)
                 return
+            self._idle.clear()
             try:
                 await self.version.execute(item, worker)
             except WorkerDied:
                 return
             except Exception:  # the request's own error; the worker keeps serving
                 continue
+            finally:
+                self._idle.set()
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Stop taking requests; with a grace period, let the request in progress finish first."""
         self._stopping = True
         self.state = "stopped"
+        if grace_s > 0 and not self._idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -144,6 +144,38 @@ class ModelVersion:
         if not item.future.done():
             item.future.set_result(InferResult(self.name, self.version, outputs, t))
 
+    async def resize(
+        self,
+        config: ModelConfig,
+        fingerprint: tuple[str, str],
+        placements: list[InstancePlacement],
+        launches: list[WorkerLaunch],
+    ) -> None:
+        """Add or remove instances after a count-only change, leaving the running ones untouched."""
+        current = {i.launch.instance: i for i in self.instances}
+        wanted = {launch.instance: launch for launch in launches}
+        added = [
+            Instance(launch, self, self.settings) for idx, launch in wanted.items() if idx not in current
+        ]
+        results = await asyncio.gather(*(i.start() for i in added), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(i.stop() for i in added))
+            raise LoadError(f"adding instances failed: {errors[0]}")
+        removed = [i for idx, i in current.items() if idx not in wanted]
+        self.instances = sorted(
+            [i for idx, i in current.items() if idx in wanted] + added, key=lambda i: i.launch.instance
+        )
+        self.config, self.fingerprint, self.placements = config, fingerprint, placements
+        log.info(
+            "instance count changed",
+            model=self.name,
+            version=self.version,
+            added=[i.launch.instance for i in added],
+            removed=[i.launch.instance for i in removed],
+        )
+        await asyncio.gather(*(i.stop(self.settings.drain_timeout_s) for i in removed))
+
     def instance_down(self) -> None:
         """No request may wait for an instance that is not coming back soon: fail the queue if none is up."""
         if not any(i.ready for i in self.instances):

@@ -7,15 +7,17 @@ the old versions drain in the background; a failed load leaves the old versions 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
+import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
 import structlog
 
-from mpsd.config.repository import ModelSource, load_model_source, scan_repository
+from mpsd.config.model_config import ModelConfig
+from mpsd.config.repository import ModelSource, scan_repository
 from mpsd.errors import ConfigError, NotFound, Unavailable
 
 from .instance import SupervisorSettings
@@ -41,6 +43,7 @@ class ModelEntry:
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     loading: bool = False
     error: str | None = None
+    failed_fingerprint: str | None = None
 
     @property
     def state(self) -> ModelState:
@@ -49,6 +52,46 @@ class ModelEntry:
         if self.loading:
             return ModelState.LOADING
         return ModelState.UNAVAILABLE
+
+
+@dataclass
+class ReconcileReport:
+    changed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unloaded: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [
+            f"{len(self.changed)} changed",
+            f"{len(self.failed)} failed",
+            f"{len(self.unloaded)} unloaded",
+            f"{len(self.deferred)} deferred",
+        ]
+        return ", ".join(parts)
+
+
+def only_counts_differ(old: ModelConfig, new: ModelConfig) -> bool:
+    """True when the configs differ in nothing but instance_group counts (no reload needed)."""
+    if old.model_dump(exclude={"instance_group"}) != new.model_dump(exclude={"instance_group"}):
+        return False
+    if len(old.instance_group) != len(new.instance_group):
+        return False
+    return all(
+        a.model_dump(exclude={"count"}) == b.model_dump(exclude={"count"})
+        for a, b in zip(old.instance_group, new.instance_group, strict=True)
+    )
+
+
+def _settling(model_dir: Path, quiet_period_s: float) -> bool:
+    """A file changed within the quiet period: the directory may still be being copied."""
+    if quiet_period_s <= 0:
+        return False
+    horizon = time.time() - quiet_period_s
+    try:
+        return any(p.stat().st_mtime > horizon for p in model_dir.rglob("*"))
+    except OSError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -66,9 +109,13 @@ class Registry:
         settings: SupervisorSettings,
         drain_timeout_s: float,
         budget_policy: BudgetPolicy = "refuse",
+        quiet_period_s: float = 0.0,
     ) -> None:
         self.repository = repository
         self.budget_policy = budget_policy
+        self.quiet_period_s = quiet_period_s
+        self.unloaded: set[str] = set()
+        self.reconcile_lock = asyncio.Lock()
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.entries: dict[str, ModelEntry] = {}
@@ -107,56 +154,113 @@ class Registry:
 
     # ---- loading -------------------------------------------------------------------------------
 
-    async def load_repository(self) -> None:
-        """Load every model of the repository concurrently; broken ones become UNAVAILABLE with a reason."""
-        sources = scan_repository(self.repository)
-        for name in sources:
-            self.entries.setdefault(name, ModelEntry(name, loading=True))
-        await asyncio.gather(*(self._load_logged(s) for s in sources.values()))
+    async def reconcile(self, only: Collection[str] | None = None, settle: bool = True) -> ReconcileReport:
+        """Compare what the repository says now with what runs, and act. Idempotent.
 
-    async def _load_logged(self, source: ModelSource) -> None:
-        with contextlib.suppress(LoadError):  # the reason is logged and kept in the index
-            await self.apply(source)
+        `only` limits the step to some models (RepositoryModelLoad); models unloaded by an operator stay
+        unloaded until loaded again explicitly.
+        """
+        async with self.reconcile_lock:
+            return await self._reconcile(only, settle)
+
+    async def _reconcile(self, only: Collection[str] | None, settle: bool) -> ReconcileReport:
+        desired = scan_repository(self.repository)
+        report = ReconcileReport()
+        names = sorted(set(only) if only is not None else set(desired) | set(self.entries))
+        jobs = []
+        for name in names:
+            source = desired.get(name)
+            if only is None and name in self.unloaded:
+                continue
+            if source is None:
+                if name in self.entries:
+                    report.unloaded.append(name)
+                    jobs.append(self.unload_model(name))
+                continue
+            if settle and _settling(source.path, self.quiet_period_s):
+                report.deferred.append(name)
+                continue
+            self.entries.setdefault(name, ModelEntry(name, loading=True))
+            jobs.append(self._apply_into(source, report))
+        await asyncio.gather(*jobs)
+        if report.changed or report.failed or report.unloaded:
+            log.info(
+                "reconciled repository",
+                changed=report.changed,
+                failed=sorted(report.failed),
+                unloaded=report.unloaded,
+                deferred=report.deferred,
+            )
+        return report
+
+    async def _apply_into(self, source: ModelSource, report: ReconcileReport) -> None:
+        try:
+            if await self.apply(source):
+                report.changed.append(source.name)
+        except LoadError as exc:  # the reason is logged and kept in the index
+            report.failed[source.name] = str(exc)
 
     async def load_model(self, name: str) -> None:
-        """(Re)load one model from the repository; raises NotFound or LoadError."""
+        """Explicit (re)load of one model from the repository; raises NotFound or LoadError."""
         model_dir = self.repository / name
         if "/" in name or name in ("", ".", "..") or not model_dir.is_dir():
             raise NotFound(f"model '{name}' is not in the repository {self.repository}")
-        await self.apply(load_model_source(model_dir))
+        self.unloaded.discard(name)
+        entry = self.entries.get(name)
+        if entry is not None:
+            entry.failed_fingerprint = None  # an explicit load retries even an unchanged broken model
+        report = await self.reconcile(only=[name], settle=False)
+        if name in report.failed:
+            raise LoadError(report.failed[name])
 
-    async def apply(self, source: ModelSource) -> None:
-        """Bring one model in line with its source. Serialised per model: one change at a time."""
+    async def apply(self, source: ModelSource) -> bool:
+        """Bring one model in line with its source; True when something changed. Serialised per model."""
         async with self._lock(source.name):
-            await self._apply(source)
+            return await self._apply(source)
 
-    async def _apply(self, source: ModelSource) -> None:
+    async def _apply(self, source: ModelSource) -> bool:
         entry = self.entries.setdefault(source.name, ModelEntry(source.name))
+        fingerprint = source.fingerprint
+        if entry.error is not None and entry.failed_fingerprint == fingerprint:
+            entry.loading = False
+            raise LoadError(entry.error)  # unchanged since it failed: do not restart workers in a loop
         if not source.ok:
-            self._fail(entry, source.error or "invalid model")
+            self._fail(entry, source.error or "invalid model", fingerprint)
         assert source.config is not None
         keep: dict[int, ModelVersion] = {}
         fresh: list[ModelVersion] = []
+        resized: list[tuple[ModelVersion, ModelConfig]] = []
         try:
             for v in source.versions:
-                fingerprint = (source.config_fingerprint, source.version_fingerprints[v])
+                version_fp = (source.config_fingerprint, source.version_fingerprints[v])
                 old = entry.versions.get(v)
-                if old is not None and old.fingerprint == fingerprint and old.state is VersionState.READY:
-                    keep[v] = old
-                    continue
+                if old is not None and old.state is VersionState.READY:
+                    if old.fingerprint == version_fp:
+                        keep[v] = old
+                        continue
+                    if old.fingerprint[1] == version_fp[1] and only_counts_differ(old.config, source.config):
+                        keep[v] = old
+                        resized.append((old, source.config))
+                        continue
                 placements, launches = plan_version(source, v)
                 fresh.append(
                     ModelVersion(
-                        source.name, v, source.config, fingerprint, placements, launches, self.settings
+                        source.name, v, source.config, version_fp, placements, launches, self.settings
                     )
                 )
             retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
-            side_by_side = self._check_budget(entry.name, fresh, retiring)
+            side_by_side = self._check_budget(entry.name, fresh, retiring, resized, source)
         except ConfigError as exc:
-            self._fail(entry, exc.message)
+            self._fail(entry, exc.message, fingerprint)
+        for mv, config in resized:
+            placements, launches = plan_version(source, mv.version)
+            try:
+                await mv.resize(config, (source.config_fingerprint, mv.fingerprint[1]), placements, launches)
+            except LoadError as exc:
+                self._fail(entry, str(exc), fingerprint)
         if not fresh and set(keep) == set(entry.versions):
             entry.source, entry.error, entry.loading = source, None, False
-            return
+            return bool(resized)
         entry.loading = True
         if not side_by_side:
             log.warning(
@@ -171,15 +275,24 @@ class Registry:
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await asyncio.gather(*(mv.unload(0.0) for mv in fresh if mv.state is VersionState.READY))
-            self._fail(entry, str(failures[0]))
+            self._fail(entry, str(failures[0]), fingerprint)
         retired = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
         entry.versions = {**keep, **{mv.version: mv for mv in fresh}}
         entry.source, entry.error, entry.loading = source, None, False
+        entry.failed_fingerprint = None
         for mv in retired:
             self._spawn(mv.unload(self.drain_timeout_s))
         log.info("model ready", model=source.name, versions=sorted(entry.versions))
+        return True
 
-    def _check_budget(self, name: str, fresh: list[ModelVersion], retiring: list[ModelVersion]) -> bool:
+    def _check_budget(
+        self,
+        name: str,
+        fresh: list[ModelVersion],
+        retiring: list[ModelVersion],
+        resized: list[tuple[ModelVersion, ModelConfig]],
+        source: ModelSource,
+    ) -> bool:
         """Apply the memory budget to the state after the change; say whether old and new fit side by side."""
         others = {
             mv.label: mv.placements
@@ -187,6 +300,8 @@ class Registry:
             for mv in entry.versions.values()
             if mv not in retiring
         }
+        for mv, _config in resized:
+            others[mv.label] = plan_version(source, mv.version)[0]
         after = {**others, **{mv.label + " (new)": mv.placements for mv in fresh}}
         for message in enforce_memory_budget(after, self.budget_policy):
             log.warning("memory budget exceeded", model=name, problem=message)
@@ -196,8 +311,9 @@ class Registry:
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
 
-    def _fail(self, entry: ModelEntry, reason: str) -> NoReturn:
+    def _fail(self, entry: ModelEntry, reason: str, fingerprint: str) -> NoReturn:
         entry.error = reason
+        entry.failed_fingerprint = fingerprint
         entry.loading = False
         if entry.versions:
             log.error("model update failed; previous version keeps serving", model=entry.name, reason=reason)
@@ -210,12 +326,18 @@ class Registry:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def unload_model(self, name: str) -> None:
-        """Stop routing to the model at once, let in-flight requests finish, then stop its workers."""
+    async def unload_model(self, name: str, explicit: bool = False) -> None:
+        """Stop routing to the model at once, let in-flight requests finish, then stop its workers.
+
+        An explicit unload (RepositoryModelUnload) sticks: reconciles leave the model alone until it is
+        loaded explicitly again.
+        """
         async with self._lock(name):
             entry = self.entries.pop(name, None)
             if entry is None:
                 raise NotFound(f"unknown model '{name}'")
+            if explicit:
+                self.unloaded.add(name)
             log.info("unloading model", model=name)
             await asyncio.gather(*(mv.unload(self.drain_timeout_s) for mv in entry.versions.values()))
 

@@ -7,41 +7,55 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from pathlib import Path
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mpsd.config.daemon_config import DaemonConfig
+from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
+from mpsd.errors import ConfigError
 from mpsd.ipc import shm
+from mpsd.logs import set_level
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
 from .instance import SupervisorSettings
+from .reconciler import Reconciler
 from .registry import Registry
+from .sdnotify import SdNotifier
 from .servicer import InferenceServicer
+from .watcher import watch_repository
 
 log = structlog.get_logger("mpsd.daemon")
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, config_path: Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         settings = SupervisorSettings(
             start_timeout_s=config.worker_start_timeout_s,
             stop_timeout_s=config.worker_stop_timeout_s,
             backoff_initial_s=config.restart_backoff_initial_s,
             backoff_max_s=config.restart_backoff_max_s,
+            drain_timeout_s=config.drain_timeout_s,
         )
         self.registry = Registry(
-            config.model_repository, settings, config.drain_timeout_s, config.memory_budget_policy
+            config.model_repository,
+            settings,
+            config.drain_timeout_s,
+            config.memory_budget_policy,
+            config.reload_quiet_period_s,
         )
+        self.reconciler = Reconciler(self.registry)
+        self.notifier = SdNotifier()
         self.health = health.aio.HealthServicer()
         self.shutting_down = False
         self._stop = asyncio.Event()
-        self._reload = asyncio.Event()
+        self._hup = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._hurry: asyncio.Future[None] | None = None
 
@@ -55,7 +69,7 @@ class Daemon:
             ]
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            InferenceServicer(self.registry, lambda: self.shutting_down), server
+            InferenceServicer(self.registry, lambda: self.shutting_down, self.config.model_control), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -85,7 +99,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
-        loop.add_signal_handler(signal.SIGHUP, self._reload.set)
+        loop.add_signal_handler(signal.SIGHUP, self._hup.set)
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
@@ -93,24 +107,86 @@ class Daemon:
         await self._server.start()
         log.info("listening", address=self.config.grpc_address, repository=str(self.config.model_repository))
         await self._update_health()
-        await self.registry.load_repository()
+        background = [asyncio.create_task(self._watchdog())]
+        await self.reconciler.run_once(settle=False)
         await self._update_health()
-        log.info(
-            "ready" if self.registry.server_ready() else "started with unavailable models",
-            models=len(self.registry.entries),
-        )
+        ready = self.registry.server_ready()
+        log.info("ready" if ready else "started with unavailable models", models=len(self.registry.entries))
+        self.notifier.ready()
+        self.notifier.status(self._status_line())
+        background.append(asyncio.create_task(self.reconciler.run_forever()))
+        mode = self.config.model_control
+        if mode in ("watch", "poll"):
+            background.append(asyncio.create_task(self._watch(mode)))
         while not self._stop.is_set():
-            reload_wait = asyncio.create_task(self._reload.wait())
-            stop_wait = asyncio.create_task(self._stop.wait())
-            await asyncio.wait({reload_wait, stop_wait}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            reload_wait.cancel()
-            stop_wait.cancel()
-            if self._reload.is_set() and not self._stop.is_set():
-                self._reload.clear()
-                await self.registry.load_repository()
+            hup = asyncio.create_task(self._hup.wait())
+            stop = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({hup, stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            hup.cancel()
+            stop.cancel()
+            if self._hup.is_set() and not self._stop.is_set():
+                self._hup.clear()
+                await self._on_hup()
             await self._update_health()
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await self._shutdown()
         return 0
+
+    async def _watch(self, mode: str) -> None:
+        poll = self.config.poll_interval_s if mode == "poll" else None
+        try:
+            await watch_repository(
+                self.config.model_repository, self.reconciler.wake, self.config.reload_quiet_period_s, poll
+            )
+        except Exception:
+            log.exception("repository watcher stopped; SIGHUP and `mpsd reload` still reconcile")
+
+    async def _on_hup(self) -> None:
+        """SIGHUP: re-read what can change at runtime, then reconcile; never a restart."""
+        self.notifier.reloading()
+        log.info("reload requested (SIGHUP)")
+        self._reread_config()
+        await self.reconciler.run_once()
+        await self._update_health()
+        self.notifier.ready()
+        self.notifier.status(self._status_line())
+
+    def _reread_config(self) -> None:
+        if self.config_path is None:
+            return
+        try:
+            fresh = load_daemon_config(self.config_path)
+        except ConfigError as exc:
+            log.error("config not reloaded", reason=exc.message)
+            return
+        for key in ("log_level", "drain_timeout_s", "memory_budget_policy", "reload_quiet_period_s"):
+            setattr(self.config, key, getattr(fresh, key))
+        set_level(self.config.log_level)
+        self.registry.drain_timeout_s = self.config.drain_timeout_s
+        self.registry.budget_policy = self.config.memory_budget_policy
+        self.registry.quiet_period_s = self.config.reload_quiet_period_s
+
+    async def reload(self) -> str:
+        """`mpsd reload` and the admin Reload RPC: the same reconcile as SIGHUP, awaited."""
+        report = await self.reconciler.run_once()
+        await self._update_health()
+        return report.summary()
+
+    async def _watchdog(self) -> None:
+        """Ping systemd's watchdog from the event loop, so a stuck loop stops the pings."""
+        interval = self.notifier.watchdog_interval()
+        if interval is None:
+            return
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    def _status_line(self) -> str:
+        rows = self.registry.index()
+        ready = sum(1 for r in rows if r.state == "READY")
+        return f"{ready} of {len(rows)} model versions ready"
 
     def _on_stop_signal(self) -> None:
         if self._stop.is_set():
@@ -124,12 +200,14 @@ class Daemon:
         self._stop.set()
 
     async def _shutdown(self) -> None:
+        self.notifier.stopping()
         await self._update_health()
         assert self._server is not None
         await self._server.stop(self.config.drain_timeout_s)
         await self.registry.shutdown()
+        shm.cleanup_own()
         log.info("stopped")
 
 
-def serve(config: DaemonConfig) -> int:
-    return asyncio.run(Daemon(config).run())
+def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
+    return asyncio.run(Daemon(config, config_path).run())

@@ -11,7 +11,7 @@ import grpc
 import structlog
 
 import mpsd
-from mpsd.errors import InvalidArgument, MpsdError, NotFound, Unimplemented
+from mpsd.errors import FailedPrecondition, InvalidArgument, MpsdError, NotFound, Unimplemented
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -48,9 +48,12 @@ def rpc(method: Handler[T]) -> Handler[T]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, registry: Registry, shutting_down: Callable[[], bool]) -> None:
+    def __init__(
+        self, registry: Registry, shutting_down: Callable[[], bool], model_control: str = "watch"
+    ) -> None:
         self.registry = registry
         self._shutting_down = shutting_down
+        self._model_control = model_control
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -192,11 +195,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         self._check_repository(request.repository_name)
         check_name("model", request.model_name)
-        await self.registry.unload_model(request.model_name)
+        await self.registry.unload_model(request.model_name, explicit=True)
         return pb.RepositoryModelUnloadResponse()
 
-    @staticmethod
-    def _check_repository(name: str) -> None:
+    def _check_repository(self, name: str) -> None:
+        if self._model_control == "none":
+            raise FailedPrecondition(
+                "model control is 'none': models cannot be loaded or unloaded at runtime"
+            )
         if name:
             raise NotFound(f"unknown repository '{name}' (mpsd serves one repository)")
 

@@ -96,6 +96,18 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def cleanup_own() -> list[str]:
+    """At exit: unlink any segment of this process that is still named (normally none are)."""
+    removed: list[str] = []
+    for name in list_segments():
+        m = _NAME_RE.match(name)
+        if m and int(m.group(1)) == os.getpid():
+            with contextlib.suppress(OSError):
+                _posixshmem.shm_unlink("/" + name)
+                removed.append(name)
+    return removed
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
