@@ -96,6 +96,8 @@ def version_statistics(mv: ModelVersion) -> Any:
     _duration(st.compute_input, s.compute_input)
     _duration(st.compute_infer, s.compute_infer)
     _duration(st.compute_output, s.compute_output)
+    for usage in memory_usage(mv):
+        msg.memory_usage.add(**usage)
     for size in sorted(s.batches):
         b = s.batches[size]
         bs = msg.batch_stats.add(batch_size=size)
@@ -103,6 +105,35 @@ def version_statistics(mv: ModelVersion) -> Any:
         _duration(bs.compute_infer, b.compute_infer)
         _duration(bs.compute_output, b.compute_output)
     return msg
+
+
+# Which counter stands for "device memory in use" for each device kind.
+_DEVICE_BYTES = ("allocated_bytes", "current_allocated_bytes")
+
+
+def memory_usage(mv: ModelVersion) -> list[dict[str, Any]]:
+    """Per instance: device memory in use (GPU) and process RSS (CPU), from the workers' latest snapshot."""
+    usage: list[dict[str, Any]] = []
+    for instance in mv.instances:
+        worker = instance.worker
+        if worker is None or not worker.memory:
+            continue
+        device = worker.ready.device if worker.ready is not None else {}
+        for key in _DEVICE_BYTES:
+            if key in worker.memory:
+                index = device.get("index")
+                usage.append(
+                    {
+                        "type": "GPU",
+                        "id": index if isinstance(index, int) else 0,
+                        "byte_size": worker.memory[key],
+                    }
+                )
+        if "rss_bytes" in worker.memory:
+            usage.append(
+                {"type": "CPU", "id": instance.launch.instance, "byte_size": worker.memory["rss_bytes"]}
+            )
+    return usage
 
 
 def tensor_metadata(config: ModelConfig, inputs: bool) -> list[Any]:

@@ -1,0 +1,288 @@
+"""Hot reload: the repository changes under load and mpsd follows without dropping a request."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningDaemon, wait_for
+
+DIMS = 4
+
+
+def write_config_file(tmp: Path, **settings: object) -> Path:
+    import yaml
+
+    path = tmp / "mpsd.yaml"
+    path.write_text(yaml.safe_dump({"reload_quiet_period_s": 0.3, "metrics_address": "", **settings}))
+    return path
+
+
+def constant_model(repo: Path, name: str = "const", count: int = 1) -> Path:
+    model_dir = repo / name
+    models.write_config(
+        model_dir,
+        {
+            "backend": "torchscript",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [DIMS]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [DIMS]}],
+            "instance_group": [{"kind": "KIND_CPU", "count": count}],
+        },
+    )
+    return model_dir
+
+
+def publish_version(model_dir: Path, version: int, value: float) -> None:
+    """Safe publishing: build the version directory aside, then rename it into place."""
+    staging = model_dir.parent / f".staging-{model_dir.name}-{version}"
+    models.save_torchscript(models.Constant(value), staging / "model.pt")
+    os.rename(staging, model_dir / str(version))
+
+
+def x_input() -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput("x", [DIMS], "FP32")
+    inp.set_data_from_numpy(np.zeros(DIMS, np.float32))
+    return [inp]
+
+
+def served_value(client: grpcclient.InferenceServerClient, model: str = "const") -> float:
+    y = client.infer(model, x_input()).as_numpy("y")
+    assert len(set(y.tolist())) == 1, f"a response mixes versions: {y}"
+    return float(y[0])
+
+
+class Load:
+    """Client threads calling a model continuously; records every answer and every error."""
+
+    def __init__(self, address: str, model: str, threads: int = 3) -> None:
+        self.values: list[float] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(address, model)) for _ in range(threads)]
+
+    def _run(self, address: str, model: str) -> None:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.values.append(served_value(client, model))
+                except (InferenceServerException, AssertionError) as exc:
+                    self.errors.append(str(exc))
+        finally:
+            client.close()
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
+@pytest.fixture
+def watched(tmp_path: Path, start_daemon: Callable[..., RunningDaemon]) -> Iterator[tuple[RunningDaemon, Path]]:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    model_dir = constant_model(repo)
+    publish_version(model_dir, 1, 1.0)
+    daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
+    daemon.wait_ready()
+    yield daemon, model_dir
+
+
+def test_twenty_weight_updates_under_load_drop_nothing(watched: tuple[RunningDaemon, Path]) -> None:
+    daemon, model_dir = watched
+    with Load(daemon.address, "const") as load:
+        for version in range(2, 22):
+            publish_version(model_dir, version, float(version))
+            wait_for(
+                lambda v=version: served_value(daemon.client) == float(v),  # type: ignore[misc]
+                120,
+                f"version {version} serving\n{daemon.log()[-3000:]}",
+            )
+        time.sleep(0.5)
+    assert load.errors == []
+    assert len(load.values) > 20
+    assert set(load.values) <= {float(v) for v in range(1, 22)}
+    assert served_value(daemon.client) == 21.0
+    meta = daemon.client.get_model_metadata("const", as_json=True)
+    assert meta["versions"] == ["21"]
+
+
+def test_broken_updates_keep_the_old_version_serving(watched: tuple[RunningDaemon, Path]) -> None:
+    daemon, model_dir = watched
+    config = model_dir / "config.yaml"
+    good = config.read_text()
+
+    def index_reason() -> str:
+        rows = daemon.client.get_model_repository_index(as_json=True)["models"]
+        return " ".join(r.get("reason", "") for r in rows if r["name"] == "const")
+
+    with Load(daemon.address, "const") as load:
+        config.write_text(good + "\ninput: [unclosed\n")
+        wait_for(lambda: "invalid YAML" in index_reason(), 60, "YAML error in the index")
+        assert served_value(daemon.client) == 1.0
+        config.write_text(good)
+        wait_for(lambda: index_reason() == "", 60, "fixed YAML picked up")
+
+        # A new version whose model raises while loading.
+        broken = model_dir.parent / ".staging-broken"
+        broken.mkdir()
+        (broken / "model.pt").write_bytes(b"this is not a TorchScript archive")
+        os.rename(broken, model_dir / "2")
+        wait_for(lambda: "model.pt" in index_reason() or "Error" in index_reason(), 60, "load failure reason")
+        assert served_value(daemon.client) == 1.0
+        # Fixing the files later is picked up like any other change.
+        shutil.rmtree(model_dir / "2")
+        publish_version(model_dir, 2, 2.0)
+        wait_for(lambda: served_value(daemon.client) == 2.0, 120, "fixed version serving")
+    assert load.errors == []
+    assert "update failed" in daemon.log()
+
+
+def test_half_written_version_is_not_seen_by_clients(watched: tuple[RunningDaemon, Path]) -> None:
+    daemon, model_dir = watched
+    aside = model_dir.parent / "aside.pt"
+    models.save_torchscript(models.Constant(7.0), aside)
+    payload = aside.read_bytes()
+    target = model_dir / "2"
+    target.mkdir()
+    with Load(daemon.address, "const") as load, open(target / "model.pt", "wb") as out:
+        # Copy the file slowly, the way a large download or a network copy arrives.
+        step = max(1, len(payload) // 8)
+        for offset in range(0, len(payload), step):
+            out.write(payload[offset : offset + step])
+            out.flush()
+            time.sleep(0.15)
+    with Load(daemon.address, "const") as load2:
+        wait_for(lambda: served_value(daemon.client) == 7.0, 120, f"copied version serving\n{daemon.log()[-2000:]}")
+    assert load.errors == [] and load2.errors == []
+
+
+def test_removed_model_finishes_in_flight_requests(tmp_path: Path, start_daemon: Callable[..., RunningDaemon]) -> None:
+    repo = tmp_path / "repo"
+    models.python_model(
+        repo,
+        "slow",
+        """
+        if float(inputs['x'].sum()) > 0:
+            time.sleep(2.0)
+        return {'y': inputs['x']}
+        """,
+    )
+    models.add_sub(repo, "stays")
+    daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
+    daemon.wait_ready()
+    slow_pid = _worker_pid(daemon, "slow")
+    results: list[object] = []
+
+    def call() -> None:
+        client = grpcclient.InferenceServerClient(daemon.address)
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.ones(2, np.float32))
+        try:
+            results.append(client.infer("slow", [inp]).as_numpy("y").tolist())
+        except InferenceServerException as exc:
+            results.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    shutil.move(str(repo / "slow"), str(tmp_path / "slow-removed"))
+
+    def gone() -> bool:
+        try:
+            daemon.client.get_model_metadata("slow")
+        except InferenceServerException as exc:
+            return exc.status() == "StatusCode.NOT_FOUND"
+        return False
+
+    wait_for(gone, 30, "model removed from routing")
+    for t in threads:
+        t.join()
+    assert results == [[1.0, 1.0], [1.0, 1.0]]
+    wait_for(lambda: not psutil.pid_exists(slow_pid) or psutil.Process(slow_pid).status() == "zombie", 30,
+             "worker exited")
+    assert daemon.client.is_model_ready("stays")
+
+
+def _worker_pid(daemon: RunningDaemon, model: str) -> int:
+    for pid in daemon.worker_pids():
+        with_cmd = psutil.Process(pid)
+        # Workers are matched by their open files: each maps its model through the repository path.
+        if any(model in str(f.path) for f in with_cmd.open_files()) or model in " ".join(with_cmd.cmdline()):
+            return pid
+    pids = _pids_from_log(daemon, model)
+    assert pids, f"no worker for {model}"
+    return pids[-1]
+
+
+def _pids_from_log(daemon: RunningDaemon, model: str) -> list[int]:
+    import json
+
+    pids = []
+    for line in daemon.log().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "worker started" and str(event.get("worker", "")).startswith(f"{model}/"):
+            pids.append(int(event["pid"]))
+    return pids
+
+
+def test_instance_count_change_keeps_the_running_instance(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    repo = tmp_path / "repo"
+    model_dir = constant_model(repo, count=1)
+    publish_version(model_dir, 1, 1.0)
+    daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
+    daemon.wait_ready()
+    (first,) = _pids_from_log(daemon, "const")
+    with Load(daemon.address, "const") as load:
+        constant_model(repo, count=2)
+        wait_for(lambda: len(_pids_from_log(daemon, "const")) == 2, 60, "second instance started")
+        wait_for(lambda: "instance count changed" in daemon.log(), 30, "resize logged")
+    assert psutil.pid_exists(first)
+    assert first in daemon.worker_pids()
+    assert load.errors == []
+    assert served_value(daemon.client) == 1.0
+
+
+def test_sighup_and_repository_load_trigger_the_same_reconcile(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    repo = tmp_path / "repo"
+    model_dir = constant_model(repo)
+    publish_version(model_dir, 1, 1.0)
+    daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="explicit"))
+    daemon.wait_ready()
+    publish_version(model_dir, 2, 2.0)
+    time.sleep(1.0)
+    assert served_value(daemon.client) == 1.0  # explicit mode: files alone change nothing
+    os.kill(daemon.pid, signal.SIGHUP)
+    wait_for(lambda: served_value(daemon.client) == 2.0, 60, "SIGHUP reconcile")
+    publish_version(model_dir, 3, 3.0)
+    daemon.client.load_model("const")
+    assert served_value(daemon.client) == 3.0
+    assert daemon.log().count("reconciled repository") >= 2
