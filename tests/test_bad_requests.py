@@ -107,6 +107,12 @@ CASES = [
         ("add_sub", "no version 7", "available: 1"),
     ),
     Case(
+        "non_numeric_version",
+        _client("add_sub", _pair, model_version="v1"),
+        NOT_FOUND,
+        ("add_sub", "no version 'v1'"),
+    ),
+    Case(
         "missing_input",
         _client("add_sub", lambda: _pair()[:1]),
         INVALID,
@@ -195,7 +201,9 @@ def _with_int_contents(req: service_pb2.ModelInferRequest) -> service_pb2.ModelI
     return req
 
 
-def _error_of(case: Case, daemon: RunningDaemon, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> tuple[str, str]:
+def _error_of(
+    case: Case, daemon: RunningDaemon, stub: service_pb2_grpc.GRPCInferenceServiceStub
+) -> tuple[str, str]:
     """(status code name, message) of the failed call; fails the test when the call succeeds."""
     try:
         case.send(daemon, stub)
@@ -214,6 +222,13 @@ def test_bad_request_gets_code_and_message(
     assert code == str(case.code), message
     for word in case.words:
         assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_version_of_non_ascii_digits_is_not_found(daemon: RunningDaemon) -> None:
+    with pytest.raises(InferenceServerException) as exc:
+        daemon.client.infer("add_sub", _pair(), model_version="\u00b2")
+    assert exc.value.status() == str(NOT_FOUND), exc.value.message()
+    assert "add_sub" in exc.value.message()
 
 
 def test_bad_requests_leave_daemon_and_workers_untouched(
@@ -269,7 +284,7 @@ def test_bad_requests_in_a_stream_are_answered_in_band(daemon: RunningDaemon) ->
 def test_stream_error_message_field_and_stream_continues(
     daemon: RunningDaemon, stub: service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:
-    """On the wire: a bad request in a stream is a response with error_message set, and the stream stays open."""
+    """On the wire: a bad request in a stream gets a response with error_message set; the stream goes on."""
     good = _raw_request([1, 16], np.ones(16, np.float32).tobytes())
     good.id = "good"
     bad = _raw_request([1, 16], np.ones(15, np.float32).tobytes())

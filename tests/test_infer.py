@@ -44,6 +44,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         return {'y': inputs['x']}
         """,
     )
+    models.python_model(
+        repo,
+        "oom",
+        """
+        if float(inputs['x'].sum()) != 0:  # the allocator's own exception type and message
+            raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')
+        return {'y': inputs['x']}
+        """,
+    )
     d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
     try:
         d.wait_ready()
@@ -224,6 +233,20 @@ def test_model_exception_is_internal_and_worker_keeps_serving(daemon: RunningDae
         assert "ValueError: bad input value 3.0" in err.value.message()
     assert daemon.worker_pids() == pids
     assert daemon.client.is_model_ready("failing")
+
+
+def test_out_of_memory_is_resource_exhausted_and_worker_keeps_serving(daemon: RunningDaemon) -> None:
+    """A CPU machine cannot run a GPU out of memory on demand: the model raises the allocator's own error."""
+    pids = daemon.worker_pids()
+    x = grpcclient.InferInput("x", [2], "FP32")
+    x.set_data_from_numpy(np.ones(2, np.float32))
+    with pytest.raises(InferenceServerException) as err:
+        daemon.client.infer("oom", [x])
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "CUDA out of memory. Tried to allocate 20.00 GiB" in err.value.message()
+    x.set_data_from_numpy(np.zeros(2, np.float32))
+    np.testing.assert_array_equal(daemon.client.infer("oom", [x]).as_numpy("y"), np.zeros(2, np.float32))
+    assert daemon.worker_pids() == pids
 
 
 def test_statistics_move(daemon: RunningDaemon) -> None:

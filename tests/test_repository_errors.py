@@ -131,7 +131,10 @@ def _doc(in_type: str = "TYPE_FP32", in_dims: str = "[4]", extra: str = "") -> s
     ("document", "words"),
     [
         (_doc(extra="max_batchsize: 4\n"), ("field 'max_batchsize'", "unknown field")),
-        ("input: [{name: IN, data_type: TYPE_FP32, dims: [4]}]\n", ("field 'output'", "required field is missing")),
+        (
+            "input: [{name: IN, data_type: TYPE_FP32, dims: [4]}]\n",
+            ("field 'output'", "required field is missing"),
+        ),
         (_doc(extra="name: other\n"), ("field 'name'", "'other'", "does not match", "'m'")),
         (_doc(in_dims="[0]"), ("field 'input.0.dims'", "dimension 0")),
         (_doc(in_type="TYPE_FP33"), ("field 'input.0.data_type'", "TYPE_FP32")),
@@ -141,8 +144,18 @@ def _doc(in_type: str = "TYPE_FP32", in_dims: str = "[4]", extra: str = "") -> s
         ("- 1\n- 2\n", ("expected a mapping", "list")),
         ("", ("file is empty",)),
     ],
-    ids=["unknown_key", "missing_field", "name_mismatch", "zero_dim", "bad_type", "string_type", "uint16",
-         "negative_batch", "list", "empty"],
+    ids=[
+        "unknown_key",
+        "missing_field",
+        "name_mismatch",
+        "zero_dim",
+        "bad_type",
+        "string_type",
+        "uint16",
+        "negative_batch",
+        "list",
+        "empty",
+    ],
 )
 def test_parse_model_config_messages(document: str, words: tuple[str, ...]) -> None:
     with pytest.raises(ValueError) as exc:
@@ -220,11 +233,6 @@ def test_broken_models_leave_no_worker_running(daemon: RunningDaemon) -> None:
     assert len(daemon.worker_pids()) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Registry.route treats a model whose load failed (entry.source is None, no versions) as unknown: "
-    "NOT_FOUND 'unknown model' instead of UNAVAILABLE with the load error",
-)
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_inference_on_broken_model_is_unavailable_with_reason(daemon: RunningDaemon, name: str) -> None:
     with pytest.raises(InferenceServerException) as exc:

@@ -72,7 +72,9 @@ def test_worker_killed_during_a_request(start_daemon, tmp_path: Path) -> None:  
     old_worker = psutil.Process(old_pid)
 
     results: queue.Queue[tuple[object, object]] = queue.Queue()
-    d.client.async_infer("sleepy", x_input(np.ones(4, np.float32)), callback=lambda r, e: results.put((r, e)))
+    d.client.async_infer(
+        "sleepy", x_input(np.ones(4, np.float32)), callback=lambda result, error: results.put((result, error))
+    )
     wait_for(marker.exists, 30, "the request to reach the worker")
     os.kill(old_pid, signal.SIGKILL)
 

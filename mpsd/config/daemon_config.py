@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpsd.config.repository import format_validation_error
+from mpsd.config.repository import describe_yaml_error, format_validation_error
 from mpsd.errors import ConfigError
 
 
@@ -19,7 +19,10 @@ class DaemonConfig(BaseModel):
 
     model_repository: Path = Field(Path("models"), description="Directory holding one folder per model.")
     grpc_address: str = Field("127.0.0.1:8001", description="host:port (Triton's port by default).")
-    metrics_address: str | None = Field(None, description="host:port of the Prometheus endpoint.")
+    metrics_address: str | None = Field(
+        "127.0.0.1:8002",
+        description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: JSON lines unless stderr is a terminal."
@@ -67,7 +70,7 @@ def load_daemon_config(path: Path | None) -> DaemonConfig:
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+        raise ConfigError(describe_yaml_error(path, exc)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of settings")
     try:

@@ -64,15 +64,20 @@ def format_validation_error(path: Path, exc: ValidationError) -> str:
     return "; ".join(problems)
 
 
+def describe_yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """One line: the file, where in it, and what the parser disliked."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{path}: invalid YAML{where}: {problem}"
+
+
 def parse_model_config(path: Path, text: str, dir_name: str) -> ModelConfig:
     """Parse and validate a config.yaml; raises ValueError with a message naming file and field."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+        raise ValueError(describe_yaml_error(path, exc)) from None
     if raw is None:
         raise ValueError(f"{path}: file is empty; it must hold the model's config fields")
     if not isinstance(raw, dict):

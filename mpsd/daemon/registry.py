@@ -127,14 +127,14 @@ class Registry:
     def route(self, name: str, version: str) -> ModelVersion:
         """The version that answers a request for (name, version); "" means the latest serving one."""
         entry = self.entries.get(name)
-        if entry is None or (not entry.versions and entry.source is None):
+        if entry is None:
             raise NotFound(f"unknown model '{name}'")
         if not entry.versions:
             reason = f": {entry.error}" if entry.error else f" ({entry.state.value.lower()})"
             raise Unavailable(f"model '{name}' is not available{reason}")
         if version == "":
             return entry.versions[max(entry.versions)]
-        if not version.isdigit():
+        if not (version.isascii() and version.isdigit()):
             raise NotFound(f"model '{name}' has no version '{version}' (versions are positive integers)")
         found = entry.versions.get(int(version))
         if found is None:

@@ -1,0 +1,117 @@
+"""The command line: version output, and configuration errors that stop `mpsd serve` before anything
+starts (exit status 78, EX_CONFIG, with one readable line)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+import mpsd
+from tests import models
+from tests.conftest import ROOT, free_port, wait_for
+
+MPSD_SCRIPT = Path(sys.executable).parent / "mpsd"
+EX_CONFIG = 78
+
+
+def run(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.parametrize(
+    "command", [[sys.executable, "-m", "mpsd"], [str(MPSD_SCRIPT)]], ids=["module", "script"]
+)
+def test_version(command: list[str], tmp_path: Path) -> None:
+    result = run([*command, "--version"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"mpsd {mpsd.__version__}"
+    assert mpsd.__version__ == version("mpsd")
+    assert result.stderr == ""
+
+
+def marker_model(repo: Path, marker: Path) -> None:
+    """A python model whose module touches `marker` when a worker imports it."""
+    models.python_model(repo, "probe", "return {'y': inputs['x']}")
+    source = repo / "probe" / "1" / "model.py"
+    source.write_text(f"open({str(marker)!r}, 'w').close()\n" + source.read_text())
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> str:
+    assert result.returncode == EX_CONFIG, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("mpsd: ")
+    for word in words:
+        assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def test_unknown_config_key_exits_78_before_starting_anything(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    marker = tmp_path / "model-imported"
+    marker_model(repo, marker)
+    address = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(f"model_repository: {repo}\ngrpc_address: '{address}'\ndrain_timeout: 5\n")
+    result = run([str(MPSD_SCRIPT), "serve", "--config", str(config)], tmp_path)
+    assert_one_line_error(result, str(config), "drain_timeout", "unknown field")
+    assert result.stdout == ""
+    assert not marker.exists(), "a worker loaded the model although the configuration was refused"
+
+    # The same command with the key spelt right does start the worker: the marker works.
+    config.write_text(f"model_repository: {repo}\ngrpc_address: '{address}'\ndrain_timeout_s: 5\n")
+    proc = subprocess.Popen(
+        [str(MPSD_SCRIPT), "serve", "--config", str(config)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(marker.exists, 120, "the worker to import the model")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.mark.parametrize(
+    "command", [[sys.executable, "-m", "mpsd"], [str(MPSD_SCRIPT)]], ids=["module", "script"]
+)
+def test_missing_model_repository_exits_78(command: list[str], tmp_path: Path) -> None:
+    result = run([*command, "serve", "--model-repository", "/nonexistent"], tmp_path)
+    assert_one_line_error(result, "/nonexistent", "not a directory")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (None, ("config file not found",)),
+        ("grpc_address: [unclosed\n", ("invalid YAML", "line 2", "column 1")),
+        ("- a list\n", ("expected a mapping",)),
+        ("drain_timeout_s: -1\n", ("drain_timeout_s", "greater than 0")),
+    ],
+    ids=["missing_file", "invalid_yaml", "not_a_mapping", "bad_value"],
+)
+def test_bad_config_file_exits_78(text: str | None, words: tuple[str, ...], tmp_path: Path) -> None:
+    config = tmp_path / "mpsd.yaml"
+    if text is not None:
+        config.write_text(text)
+    result = run([sys.executable, "-m", "mpsd", "serve", "--config", str(config)], tmp_path)
+    assert_one_line_error(result, str(config), *words)

@@ -1,0 +1,145 @@
+"""The daemon's contract with service managers: sd_notify, graceful SIGTERM, SIGHUP, exit codes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import psutil
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningDaemon, shm_segments, wait_for
+
+SLOW = """
+if float(inputs['x'].sum()) > 0:
+    time.sleep(2.0)
+return {'y': inputs['x'] * 2}
+"""
+
+
+def _x(value: float) -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput("x", [2], "FP32")
+    inp.set_data_from_numpy(np.full(2, value, np.float32))
+    return [inp]
+
+
+class NotifySocket:
+    """A datagram socket standing in for systemd's notification socket (this is the real protocol)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[str] = []
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                self.messages.append(self.sock.recv(4096).decode())
+            except TimeoutError:
+                return self.messages
+
+    def seen(self, text: str) -> bool:
+        return any(text in m for m in self.drain())
+
+
+def test_sd_notify_ready_reload_stopping_and_watchdog(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    notify = NotifySocket(tmp_path / "notify.sock")
+    daemon = start_daemon(
+        repo, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"}
+    )
+    daemon.wait_live()
+    wait_for(lambda: notify.seen("READY=1"), 120, "READY=1")
+    assert daemon.client.is_server_ready()
+    assert any("STATUS=" in m for m in notify.messages)
+    wait_for(lambda: sum("WATCHDOG=1" in m for m in notify.drain()) >= 3, 30, "watchdog pings")
+    count_ready = sum("READY=1" in m for m in notify.messages)
+    os.kill(daemon.pid, signal.SIGHUP)
+    wait_for(lambda: notify.seen("RELOADING=1"), 30, "RELOADING=1")
+    reloading = next(m for m in notify.messages if "RELOADING=1" in m)
+    assert "MONOTONIC_USEC=" in reloading
+    wait_for(lambda: sum("READY=1" in m for m in notify.drain()) > count_ready, 30, "READY=1 after reload")
+    # Workers must not inherit the daemon's notification socket.
+    for pid in daemon.worker_pids():
+        assert "NOTIFY_SOCKET" not in psutil.Process(pid).environ()
+    assert daemon.stop() == 0
+    assert notify.seen("STOPPING=1")
+    notify.close()
+
+
+def test_sigterm_drains_in_flight_requests_and_cleans_up(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    repo = tmp_path / "repo"
+    models.python_model(repo, "slow", SLOW)
+    before = shm_segments()
+    daemon = start_daemon(repo)
+    daemon.wait_ready()
+    workers = daemon.worker_pids()
+    assert workers
+    results: list[object] = []
+
+    def call() -> None:
+        client = grpcclient.InferenceServerClient(daemon.address)
+        try:
+            results.append(client.infer("slow", _x(1.0)).as_numpy("y").tolist())
+        except InferenceServerException as exc:
+            results.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.7)  # both requests are now running or queued in the worker
+    daemon.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = grpcclient.InferenceServerClient(daemon.address)
+    refused: InferenceServerException | None = None
+    try:
+        late.infer("slow", _x(0.0))
+    except InferenceServerException as exc:
+        refused = exc
+    finally:
+        late.close()
+    for t in threads:
+        t.join()
+    assert results == [[2.0, 2.0], [2.0, 2.0]]
+    assert refused is not None, "a request during the drain was accepted"
+    assert daemon.proc.wait(60) == 0
+    wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), 10, "workers gone")
+    assert shm_segments() <= before
+
+
+def test_kill_9_of_the_daemon_leaves_no_worker(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    daemon = start_daemon(repo)
+    daemon.wait_ready()
+    workers = daemon.worker_pids()
+    assert workers
+    os.kill(daemon.pid, signal.SIGKILL)
+    daemon.proc.wait(10)
+
+    def all_gone() -> bool:
+        return not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in workers)
+
+    wait_for(all_gone, 10, "workers to notice the daemon died")
