@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mpsd.config.repository import describe_yaml_error, format_validation_error
+from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
 from mpsd.errors import ConfigError
 
 
@@ -18,7 +19,11 @@ class DaemonConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_repository: Path = Field(Path("models"), description="Directory holding one folder per model.")
-    grpc_address: str = Field("127.0.0.1:8001", description="host:port (Triton's port by default).")
+    grpc_address: str = Field(
+        "127.0.0.1:8001",
+        description="host:port (Triton's port by default), or unix:///path/mpsd.sock for a Unix socket "
+        "only the daemon's user can open (mode 0600).",
+    )
     metrics_address: str | None = Field(
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
@@ -35,6 +40,15 @@ class DaemonConfig(BaseModel):
     )
     worker_stop_timeout_s: Annotated[float, Field(gt=0)] = Field(
         5.0, description="Grace period between TERM and KILL when stopping a worker."
+    )
+    request_timeout_s: Annotated[float, Field(ge=0)] = Field(
+        0.0,
+        description="A worker that has not answered a request within this many seconds is considered hung, "
+        "killed and restarted (0: no limit).",
+    )
+    heartbeat_timeout_s: Annotated[float, Field(ge=0)] = Field(
+        10.0,
+        description="A worker silent for this long (stopped, wedged) is killed and restarted (0: off).",
     )
     restart_backoff_initial_s: Annotated[float, Field(gt=0)] = Field(
         0.5, description="First delay before restarting a dead worker; doubles on each failure."
@@ -57,7 +71,19 @@ class DaemonConfig(BaseModel):
     )
     poll_interval_s: Annotated[float, Field(gt=0)] = Field(2.0, description="Rescan interval in poll mode.")
     max_message_bytes: Annotated[int, Field(gt=0)] = Field(
-        256 * 1024 * 1024, description="Largest gRPC message accepted or sent."
+        256 * 1024 * 1024,
+        description="Largest gRPC message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.",
+    )
+    tls: TlsConfig | None = Field(
+        None, description="Serve over TLS (cert_file, key_file; client_ca_file for mutual TLS)."
+    )
+    auth: AuthConfig = Field(
+        default_factory=AuthConfig, description="Bearer tokens and the RPC categories each may call."
+    )
+    allow_symlinks: bool = Field(
+        False,
+        description="Follow model, version and file symlinks that point outside the model repository "
+        "(refused by default, with the reason shown in RepositoryIndex).",
     )
 
 
@@ -79,4 +105,9 @@ def load_daemon_config(path: Path | None) -> DaemonConfig:
         raise ConfigError(format_validation_error(path, exc)) from None
     if not cfg.model_repository.is_absolute():
         cfg.model_repository = (path.parent / cfg.model_repository).resolve()
+    if cfg.tls is not None:
+        cfg.tls.resolve(path.parent)
+        cfg.tls.read()  # unreadable files are configuration errors, found before anything starts
+    cfg.auth.resolve(path.parent)
+    read_tokens(cfg.auth)
     return cfg

@@ -28,6 +28,8 @@ class SupervisorSettings:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     drain_timeout_s: float = 30.0
+    request_timeout_s: float = 0.0
+    heartbeat_timeout_s: float = 10.0
 
 
 class Instance:
@@ -57,7 +59,9 @@ class Instance:
         self._task = asyncio.create_task(self._supervise(), name=f"instance {self.launch.label}")
 
     async def _spawn(self) -> WorkerProcess:
-        worker = WorkerProcess(self.launch)
+        worker = WorkerProcess(
+            self.launch, self.settings.request_timeout_s, self.settings.heartbeat_timeout_s
+        )
         try:
             await worker.start(self.settings.start_timeout_s)
         except BaseException:
@@ -107,6 +111,7 @@ class Instance:
                     log.error("worker restart failed", worker=self.launch.label, reason=str(exc))
                     continue
                 self.restarts += 1
+                self.last_error = None
                 self.state = "ready"
                 log.info("worker ready again", worker=self.launch.label, pid=self.worker.pid)
                 break
@@ -114,15 +119,13 @@ class Instance:
     async def _dispatch(self, worker: WorkerProcess) -> None:
         queue = self.version.queue
         while not self._stopping:
-            item = await queue.get()
-            if item.future.done():
-                continue
+            batch = await queue.next_batch()
             if worker.died.is_set() or self._stopping:
-                queue.put_nowait(item)
+                queue.requeue(batch)
                 return
             self._idle.clear()
             try:
-                await self.version.execute(item, worker)
+                await self.version.execute(batch, worker)
             except WorkerDied:
                 return
             except Exception:  # the request's own error; the worker keeps serving

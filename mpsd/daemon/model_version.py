@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from dataclasses import dataclass, field
 
 import structlog
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.errors import MpsdError, Unavailable
+from mpsd.errors import ErrorCode, MpsdError, Unavailable
 
+from .batcher import Pending, RequestQueue, fail_all
 from .instance import Instance, SupervisorSettings
 from .placement import InstancePlacement
 from .request import InferRequest, InferResult, Timings
 from .stats import VersionStats
-from .worker_process import LoadError, WorkerLaunch, WorkerProcess
+from .worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
 
 log = structlog.get_logger("mpsd.daemon.model")
 
@@ -26,16 +26,6 @@ class VersionState(enum.Enum):
     READY = "READY"
     UNAVAILABLE = "UNAVAILABLE"
     UNLOADING = "UNLOADING"
-
-
-@dataclass
-class Pending:
-    """A request waiting for, or being run by, an instance. Its future always ends: result or error."""
-
-    request: InferRequest
-    future: asyncio.Future[InferResult]
-    enqueued_ns: int
-    timings: Timings = field(default_factory=Timings)
 
 
 class ModelVersion:
@@ -58,9 +48,10 @@ class ModelVersion:
         self.state = VersionState.LOADING
         self.reason = ""
         self.stats = VersionStats()
-        self.queue: asyncio.Queue[Pending] = asyncio.Queue()
+        self.queue = RequestQueue(config, f"'{name}' version {version}")
         self.instances = [Instance(launch, self, settings) for launch in launches]
         self.inflight = 0
+        self.load_duration_s: float | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -84,20 +75,28 @@ class ModelVersion:
             self.reason = str(first) if isinstance(first, LoadError) else f"{type(first).__name__}: {first}"
             raise LoadError(self.reason)
         self.state = VersionState.READY
+        self.load_duration_s = time.perf_counter() - t0
         log.info(
             "model version ready",
             model=self.name,
             version=self.version,
-            load_s=round(time.perf_counter() - t0, 3),
+            load_s=round(self.load_duration_s, 3),
         )
 
-    async def infer(self, request: InferRequest) -> InferResult:
-        """Queue the request for the next free instance and wait for its result."""
+    async def infer(self, request: InferRequest, deadline: float | None = None) -> InferResult:
+        """Queue the request for the next free instance and wait for its result.
+
+        `deadline` (time.monotonic()) is the client's: a request still queued past it is dropped, not run.
+        """
         if not self.ready:
             raise Unavailable(f"model '{self.name}' version {self.version} is not ready{self._why()}")
         start = time.perf_counter_ns()
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait(Pending(request, future, start))
+        try:
+            self.queue.put(Pending(request, future, start, deadline))
+        except MpsdError as exc:
+            self.stats.record_failure(0, exc.code.value)
+            raise
         self.inflight += 1
         self._idle.clear()
         try:
@@ -115,34 +114,55 @@ class ModelVersion:
     def _why(self) -> str:
         if self.state is not VersionState.READY:
             return f" ({self.state.value.lower()})"
-        exits = [i.last_exit for i in self.instances if i.last_exit]
-        return f": worker restarting after {exits[-1]}" if exits else ""
+        down = [i for i in self.instances if not i.ready and i.last_exit]
+        if not down:
+            return ""
+        why = f": worker restarting after {down[-1].last_exit}"
+        if down[-1].last_error:
+            why += f"; last restart failed: {down[-1].last_error}"
+        return why
 
-    async def execute(self, item: Pending, worker: WorkerProcess) -> None:
-        """Run one queued request on a worker and settle its future, whatever happens."""
-        item.timings.queue_ns = time.perf_counter_ns() - item.enqueued_ns
-        self.stats.queue.add(item.timings.queue_ns)
-        req = item.request
+    async def execute(self, batch: list[Pending], worker: WorkerProcess) -> None:
+        """Run a batch (one or more queued requests) on a worker and settle every future, whatever happens."""
+        now = time.perf_counter_ns()
+        for item in batch:
+            item.timings.queue_ns = now - item.enqueued_ns
+            self.stats.queue.add(item.timings.queue_ns)
+        timings = Timings()
         try:
-            outputs = await worker.infer(req.inputs, req.outputs, item.timings)
+            outputs = await worker.infer_batch([item.request for item in batch], timings)
         except MpsdError as exc:
-            if not item.future.done():
-                item.future.set_exception(exc)
-            raise
-        except BaseException as exc:
-            if not item.future.done():
-                item.future.set_exception(
-                    Unavailable(
-                        f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})"
-                    )
+            fail_all(batch, exc)
+            if not isinstance(exc, WorkerDied):  # a death is logged once, as "worker died"
+                oom = exc.code is ErrorCode.RESOURCE_EXHAUSTED
+                log.warning(
+                    "out of memory" if oom else "request failed",
+                    model=self.name,
+                    version=self.version,
+                    worker=worker.launch.label,
+                    pid=worker.pid,
+                    code=exc.code.value,
+                    error=exc.message,
                 )
             raise
-        t = item.timings
+        except BaseException as exc:
+            fail_all(
+                batch,
+                Unavailable(
+                    f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})"
+                ),
+            )
+            raise
+        rows = sum(item.request.batch_size for item in batch)
         self.stats.record_execution(
-            req.batch_size, t.compute_input_ns, t.compute_infer_ns, t.compute_output_ns, 1
+            rows, timings.compute_input_ns, timings.compute_infer_ns, timings.compute_output_ns, len(batch)
         )
-        if not item.future.done():
-            item.future.set_result(InferResult(self.name, self.version, outputs, t))
+        for item, result in zip(batch, outputs, strict=True):
+            item.timings.compute_input_ns = timings.compute_input_ns
+            item.timings.compute_infer_ns = timings.compute_infer_ns
+            item.timings.compute_output_ns = timings.compute_output_ns
+            if not item.future.done():
+                item.future.set_result(InferResult(self.name, self.version, result, item.timings))
 
     async def resize(
         self,
@@ -184,10 +204,7 @@ class ModelVersion:
             )
 
     def fail_queued(self, error: MpsdError) -> None:
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
-            if not item.future.done():
-                item.future.set_exception(error)
+        fail_all(self.queue.take_all(), error)
 
     async def unload(self, drain_timeout_s: float) -> None:
         """Stop taking requests, let in-flight ones finish (bounded), then stop the workers."""

@@ -11,17 +11,26 @@ from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
+from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
+from .admin import SERVICE_NAME as ADMIN_SERVICE
+from .admin import AdminServicer
+from .auth import AuthInterceptor, build_policy
+from .decode_guard import DecodeGuard
+from .events import BUS
+from .health import HealthService, registry_status
 from .instance import SupervisorSettings
+from .listen import bind, parse_address
+from .metrics import MetricsEndpoint
 from .reconciler import Reconciler
 from .registry import Registry
 from .sdnotify import SdNotifier
@@ -29,7 +38,6 @@ from .servicer import InferenceServicer
 from .watcher import watch_repository
 
 log = structlog.get_logger("mpsd.daemon")
-INFERENCE_SERVICE = "inference.GRPCInferenceService"
 
 
 class Daemon:
@@ -42,6 +50,8 @@ class Daemon:
             backoff_initial_s=config.restart_backoff_initial_s,
             backoff_max_s=config.restart_backoff_max_s,
             drain_timeout_s=config.drain_timeout_s,
+            request_timeout_s=config.request_timeout_s,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
         self.registry = Registry(
             config.model_repository,
@@ -50,10 +60,16 @@ class Daemon:
             config.memory_budget_policy,
             config.reload_quiet_period_s,
         )
+        self.registry.allow_symlinks = config.allow_symlinks
         self.reconciler = Reconciler(self.registry)
         self.notifier = SdNotifier()
-        self.health = health.aio.HealthServicer()
         self.shutting_down = False
+        self.health = HealthService(
+            registry_status(self.registry, lambda: self.shutting_down, {ADMIN_SERVICE})
+        )
+        self.health.follow(BUS)
+        self.admin = AdminServicer(self.registry, self.reload)
+        self.metrics = MetricsEndpoint(config.metrics_address, self.registry)
         self._stop = asyncio.Event()
         self._hup = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -61,39 +77,46 @@ class Daemon:
 
     def _build_server(self) -> grpc.aio.Server:
         limit = self.config.max_message_bytes
+        address = parse_address(self.config.grpc_address)
+        tls = self.config.tls
+        policy = build_policy(
+            self.config.auth,
+            local_only=address.is_local,
+            mutual_tls=tls is not None and tls.client_ca_file is not None,
+            address=address.text,
+        )
         server = grpc.aio.server(
+            interceptors=[AuthInterceptor(policy), DecodeGuard()],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
             InferenceServicer(self.registry, lambda: self.shutting_down, self.config.model_control), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        admin_pb2_grpc.add_MpsdAdminServicer_to_server(self.admin, server)  # type: ignore[no-untyped-call]
         reflection.enable_server_reflection(
             (
                 pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                ADMIN_SERVICE,
                 reflection.SERVICE_NAME,
             ),
             server,
         )
-        if server.add_insecure_port(self.config.grpc_address) == 0:
-            raise OSError(f"cannot listen on {self.config.grpc_address}")
+        bind(server, address, tls)
         return server
 
     async def _update_health(self) -> None:
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        """Health is computed when asked; this only wakes Watch streams (lifecycle events wake them too,
+        this is the safety net) and, at shutdown, turns everything NOT_SERVING and ends them."""
         if self.shutting_down:
-            await self.health.enter_graceful_shutdown()
+            self.health.close()
             return
-        await self.health.set("", serving)
-        await self.health.set(INFERENCE_SERVICE, serving if self.registry.server_ready() else not_serving)
-        for name in list(self.registry.entries):
-            await self.health.set(name, serving if self.registry.model_ready(name) else not_serving)
+        self.health.changed()
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -105,6 +128,7 @@ class Daemon:
             log.info("removed stale shared memory", segments=removed)
         self._server = self._build_server()
         await self._server.start()
+        await self.metrics.start()
         log.info("listening", address=self.config.grpc_address, repository=str(self.config.model_repository))
         await self._update_health()
         background = [asyncio.create_task(self._watchdog())]
@@ -202,8 +226,10 @@ class Daemon:
     async def _shutdown(self) -> None:
         self.notifier.stopping()
         await self._update_health()
+        self.admin.close()
         assert self._server is not None
         await self._server.stop(self.config.drain_timeout_s)
+        await self.metrics.stop()
         await self.registry.shutdown()
         shm.cleanup_own()
         log.info("stopped")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -25,7 +26,7 @@ log = structlog.get_logger("mpsd.daemon.grpc")
 T = TypeVar("T")
 Handler = Callable[..., Awaitable[T]]
 
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data", "logging"]
 
 
 def rpc(method: Handler[T]) -> Handler[T]:
@@ -105,16 +106,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- inference -----------------------------------------------------------------------------------
 
-    async def _infer(self, request: Any) -> Any:
+    async def _infer(self, request: Any, deadline: float | None = None) -> Any:
         check_name("model", request.model_name)
         mv = self.registry.route(request.model_name, request.model_version)
         parsed = parse_infer_request(request, mv.config, request.model_version)
-        result = await mv.infer(parsed)
+        result = await mv.infer(parsed, deadline)
         return convert.infer_response(result, request.id)
 
     @rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        return await self._infer(request)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        return await self._infer(request, deadline)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: Any
@@ -241,4 +244,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @rpc
     async def LogSettings(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("runtime log settings (LogSettings)")
+        """Triton's runtime log settings, mapped onto mpsd's one output level; an empty request reads."""
+        from mpsd.logs import apply_log_settings
+
+        updates: dict[str, bool | int | str] = {}
+        for key, value in request.settings.items():
+            choice = value.WhichOneof("parameter_choice")
+            if choice is None:
+                raise InvalidArgument(f"log setting '{key}' has no value")
+            updates[key] = getattr(value, choice)
+        current = apply_log_settings(updates)
+        if updates:
+            log.info("log settings changed", **{k: current[k] for k in updates})
+        reply = pb.LogSettingsResponse()
+        for key, setting in current.items():
+            field = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(setting)]
+            setattr(reply.settings[key], field, setting)
+        return reply

@@ -22,7 +22,7 @@ from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import ConnectionClosed, encode, recv_async
 from mpsd.ipc.shm import Region, page_round
 
-from .request import InputTensor, OutputTensor, Timings
+from .request import InferRequest, OutputTensor, Timings
 
 log = structlog.get_logger("mpsd.daemon.worker")
 
@@ -71,8 +71,14 @@ def _align(n: int) -> int:
 
 
 class WorkerProcess:
-    def __init__(self, launch: WorkerLaunch) -> None:
+    def __init__(
+        self, launch: WorkerLaunch, request_timeout_s: float = 0.0, heartbeat_timeout_s: float = 10.0
+    ) -> None:
         self.launch = launch
+        self.request_timeout_s = request_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.kill_reason = ""
+        self.last_seen = 0.0
         self.pid: int | None = None
         self.returncode: int | None = None
         self.ready: p.Ready | None = None
@@ -119,10 +125,17 @@ class WorkerProcess:
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._tasks.append(asyncio.create_task(self._pump_output(self._proc.stdout, "stdout")))
         self._tasks.append(asyncio.create_task(self._pump_output(self._proc.stderr, "stderr")))
-        init = p.Init(self.launch.model, self.launch.instance, self.launch.kind, self.launch.memory_fraction)
+        beat = max(0.1, min(1.0, self.heartbeat_timeout_s / 5)) if self.heartbeat_timeout_s else 1.0
+        init = p.Init(
+            self.launch.model,
+            self.launch.instance,
+            self.launch.kind,
+            self.launch.memory_fraction,
+            heartbeat_interval_s=beat,
+        )
         self._writer.write(encode(init))
         try:
-            reply = await asyncio.wait_for(recv_async(self._reader), timeout_s)
+            reply = await asyncio.wait_for(self._recv_load_reply(), timeout_s)
         except (ConnectionClosed, TimeoutError) as exc:
             timed_out = isinstance(exc, TimeoutError)
             await self.kill()
@@ -136,8 +149,32 @@ class WorkerProcess:
             await self.kill()
             raise LoadError(f"protocol error: unexpected {type(reply).__name__} during load")
         self.ready = reply
+        device = reply.device
+        log.info(
+            "worker ready",
+            worker=self.launch.label,
+            pid=self.pid,
+            kind=self.launch.kind,
+            device=device.get("kind"),
+            device_index=device.get("index"),
+            device_name=device.get("name"),
+            memory_fraction=device.get("memory_fraction"),
+            load_ms=round(reply.load_ms, 1),
+            warmup_ms=round(reply.warmup_ms, 1),
+        )
+        self.last_seen = asyncio.get_running_loop().time()
         self._tasks.append(asyncio.create_task(self._read_loop()))
+        if self.heartbeat_timeout_s:
+            self._tasks.append(asyncio.create_task(self._watch_heartbeat()))
         return reply
+
+    async def _recv_load_reply(self) -> object:
+        """The worker's answer to Init; heartbeats sent while it loads only prove it is alive."""
+        assert self._reader is not None
+        while True:
+            msg = await recv_async(self._reader)
+            if not isinstance(msg, p.Heartbeat):
+                return msg
 
     async def _pump_output(self, stream: asyncio.StreamReader, name: str) -> None:
         """Every line a worker prints becomes a log event tagged with its model and pid."""
@@ -150,6 +187,8 @@ class WorkerProcess:
                 line.decode(errors="replace").rstrip(),
                 source=f"worker.{name}",
                 worker=self.launch.label,
+                model=self.launch.model.name,
+                version=self.launch.model.version,
                 pid=self.pid,
             )
 
@@ -158,26 +197,45 @@ class WorkerProcess:
         try:
             while True:
                 msg = await recv_async(self._reader)
+                self.last_seen = asyncio.get_running_loop().time()
                 if isinstance(msg, p.NeedOutput):
                     self._grow_output(msg.nbytes)
+                elif isinstance(msg, p.Heartbeat):
+                    pass
                 elif isinstance(msg, p.MemorySnapshot):
                     self.memory = msg.memory
+                    log.debug("worker memory", worker=self.launch.label, pid=self.pid, **msg.memory)
                 elif self._pending is not None and not self._pending.done():
                     self._pending.set_result(msg)
         except (ConnectionClosed, OSError):
             pass
         await self._wait_exit(None)
         if self._pending is not None and not self._pending.done():
+            why = f" ({self.kill_reason})" if self.kill_reason else ""
             self._pending.set_exception(
                 WorkerDied(
                     f"model '{self.launch.model.name}' version {self.launch.model.version}: worker pid "
-                    f"{self.pid} {self.exit_description} while running the request"
+                    f"{self.pid} {self.exit_description}{why} while running the request"
                 )
             )
         if not self._stopping:
             log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
         self._release_regions()
         self.died.set()
+
+    async def _watch_heartbeat(self) -> None:
+        """A worker silent for longer than the heartbeat timeout is stopped or wedged: kill it."""
+        loop = asyncio.get_running_loop()
+        while not self.died.is_set():
+            await asyncio.sleep(min(1.0, self.heartbeat_timeout_s / 4))
+            silent = loop.time() - self.last_seen
+            if silent > self.heartbeat_timeout_s and not self.died.is_set() and not self._stopping:
+                self.kill_reason = f"no heartbeat for {silent:.1f} s"
+                log.error("worker hung", worker=self.launch.label, pid=self.pid, reason=self.kill_reason)
+                if self._proc is not None and self._proc.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        self._proc.kill()
+                return
 
     async def _wait_exit(self, timeout_s: float | None) -> None:
         if self._proc is None:
@@ -212,45 +270,53 @@ class WorkerProcess:
         self._regions.clear()
         self._input = self._output = None
 
-    async def infer(
-        self, inputs: Sequence[InputTensor], outputs: Sequence[str], timings: Timings
-    ) -> tuple[OutputTensor, ...]:
-        """Run one request: write inputs into shared memory, wait for the worker, read outputs back."""
+    async def infer_batch(
+        self, requests: Sequence[InferRequest], timings: Timings
+    ) -> list[tuple[OutputTensor, ...]]:
+        """Run requests as one execution: their inputs are concatenated along the batch dimension straight
+        into shared memory, and each request gets its own rows of every output it asked for."""
+        model = self.launch.model
         if self.died.is_set() or self._writer is None:
-            raise WorkerDied(
-                f"model '{self.launch.model.name}' version {self.launch.model.version}: worker is not running"
-            )
-        t0 = asyncio.get_running_loop().time()
+            raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        total_rows = sum(r.batch_size for r in requests)
+        first = requests[0].inputs
         refs = []
         offset = 0
-        for t in inputs:
-            n = len(t.data)
-            refs.append(p.TensorRef(t.name, t.datatype, t.shape, offset, n))
+        for i, t in enumerate(first):
+            n = sum(len(r.inputs[i].data) for r in requests)
+            shape = (total_rows, *t.shape[1:]) if len(requests) > 1 else t.shape
+            refs.append(p.TensorRef(t.name, t.datatype, shape, offset, n))
             offset = _align(offset + n)
         if self._input is None or self._input.size < offset:
+            old_size = self._input.size if self._input is not None else 0
             if self._input is not None:
                 self._retire(self._input)
-            self._input = self._new_region(
-                max(offset, INITIAL_REGION, 2 * (self._input.size if self._input else 0))
-            )
+            self._input = self._new_region(max(offset, INITIAL_REGION, 2 * old_size))
         buf = self._input.buf
-        for ref, t in zip(refs, inputs, strict=True):
-            buf[ref.offset : ref.offset + ref.nbytes] = t.data
+        for i, ref in enumerate(refs):
+            pos = ref.offset
+            for r in requests:  # the batch is assembled in place: one copy per request's bytes
+                data = r.inputs[i].data
+                buf[pos : pos + len(data)] = data
+                pos += len(data)
         if self._output is None:
             self._output = self._new_region(INITIAL_REGION)
-        write_ns = int((asyncio.get_running_loop().time() - t0) * 1e9)
+        wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
+        write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
         msg = p.Infer(
             req_id,
             tuple(refs),
-            tuple(outputs),
+            tuple(wanted),
             p.RegionRef(self._input.name, self._input.size),
             p.RegionRef(self._output.name, self._output.size),
         )
-        self._pending = asyncio.get_running_loop().create_future()
+        self._pending = loop.create_future()
         self._writer.write(encode(msg))
         try:
-            reply = await self._pending
+            reply = await self._wait_reply(self._pending)
         finally:
             self._pending = None
         if isinstance(reply, p.InferFailed):
@@ -262,18 +328,72 @@ class WorkerProcess:
         out = self._output
         assert out is not None
         out.unlink()
-        r0 = asyncio.get_running_loop().time()
-        result = tuple(
-            OutputTensor(
-                ref.name, ref.datatype, ref.shape, bytes(out.buf[ref.offset : ref.offset + ref.nbytes])
-            )
-            for ref in reply.outputs
-        )
-        read_ns = int((asyncio.get_running_loop().time() - r0) * 1e9)
+        r0 = loop.time()
+        results = self._split(requests, reply.outputs, out, total_rows)
+        read_ns = int((loop.time() - r0) * 1e9)
         timings.compute_input_ns = write_ns + reply.compute_input_ns
         timings.compute_infer_ns = reply.compute_infer_ns
         timings.compute_output_ns = reply.compute_output_ns + read_ns
-        return result
+        return results
+
+    def _split(
+        self, requests: Sequence[InferRequest], refs: Sequence[p.TensorRef], out: Region, total_rows: int
+    ) -> list[tuple[OutputTensor, ...]]:
+        """Each request's rows of each output it asked for, copied once out of shared memory."""
+        by_name = {ref.name: ref for ref in refs}
+        if len(requests) == 1:
+            only = requests[0]
+            return [
+                tuple(
+                    OutputTensor(
+                        ref.name,
+                        ref.datatype,
+                        ref.shape,
+                        bytes(out.buf[ref.offset : ref.offset + ref.nbytes]),
+                    )
+                    for ref in (by_name[name] for name in only.outputs)
+                )
+            ]
+        for ref in refs:
+            if not ref.shape or ref.shape[0] != total_rows:
+                raise Internal(
+                    f"output '{ref.name}': a batch of {total_rows} rows gave shape {list(ref.shape)}; "
+                    "the first dimension must be the batch"
+                )
+        results = []
+        row = 0
+        for r in requests:
+            tensors = []
+            for name in r.outputs:
+                ref = by_name[name]
+                row_bytes = ref.nbytes // total_rows
+                start = ref.offset + row * row_bytes
+                tensors.append(
+                    OutputTensor(
+                        name,
+                        ref.datatype,
+                        (r.batch_size, *ref.shape[1:]),
+                        bytes(out.buf[start : start + r.batch_size * row_bytes]),
+                    )
+                )
+            results.append(tuple(tensors))
+            row += r.batch_size
+        return results
+
+    async def _wait_reply(self, pending: asyncio.Future[object]) -> object:
+        """The worker's answer; past the request timeout the worker counts as hung and is killed."""
+        timeout = self.request_timeout_s
+        if not timeout:
+            return await pending
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), timeout)
+        except TimeoutError:
+            self.kill_reason = f"no answer within request_timeout_s={timeout:g}"
+            log.error("worker hung", worker=self.launch.label, pid=self.pid, reason=self.kill_reason)
+            if self._proc is not None and self._proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
+            return await pending
 
     async def stop(self, timeout_s: float) -> None:
         """Ask the worker to exit; TERM, then KILL if it does not."""

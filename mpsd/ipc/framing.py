@@ -10,6 +10,7 @@ import asyncio
 import pickle
 import socket
 import struct
+import threading
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
@@ -36,8 +37,14 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+_send_lock = threading.Lock()
+
+
 def send_blocking(sock: socket.socket, message: object) -> None:
-    sock.sendall(encode(message))
+    """Thread-safe: a worker's heartbeat thread and its main thread share one socket."""
+    data = encode(message)
+    with _send_lock:
+        sock.sendall(data)
 
 
 def recv_blocking(sock: socket.socket) -> object:

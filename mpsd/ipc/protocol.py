@@ -68,6 +68,7 @@ class Init:
     instance: int
     kind: str
     memory_fraction: float | None
+    heartbeat_interval_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -138,5 +139,10 @@ class MemorySnapshot:
     memory: dict[str, int]
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent every heartbeat interval by a worker thread: silence means the process is stopped or wedged."""
+
+
 ToWorker = Init | Infer | OutputRegion | Shutdown
-FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | MemorySnapshot
+FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | MemorySnapshot | Heartbeat

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import ConnectionClosed, recv_blocking, send_blocking
+from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import RegionCache
 
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return p.EXIT_PARENT_GONE
     if not isinstance(init, p.Init):
         return p.EXIT_PROTOCOL_ERROR
+    start_heartbeat(sock, init.heartbeat_interval_s)
     try:
         runner = _load(sock, init)
         _serve(sock, runner)

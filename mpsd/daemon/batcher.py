@@ -1,0 +1,137 @@
+"""A model version's request queue, and dynamic batching on top of it.
+
+Instances pull work when they are free, so a batch always goes to an idle instance. With dynamic
+batching, compatible requests (same datatypes and same shapes apart from the batch dimension) are taken
+in arrival order up to `max_batch_size` rows, waiting at most `max_queue_delay_microseconds` for more.
+Incompatible requests are never mixed; they wait for a batch of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.errors import DeadlineExceeded, MpsdError, ResourceExhausted
+
+from .request import InferRequest, InferResult, Timings
+
+
+@dataclass
+class Pending:
+    """A request waiting for, or being run by, an instance. Its future always ends: result or error."""
+
+    request: InferRequest
+    future: asyncio.Future[InferResult]
+    enqueued_ns: int
+    deadline: float | None = None  # time.monotonic() after which running it is pointless
+    timings: Timings = field(default_factory=Timings)
+
+    @property
+    def key(self) -> Hashable:
+        """Requests with equal keys can share a batch."""
+        return tuple((t.datatype, t.shape[1:]) for t in self.request.inputs)
+
+
+class RequestQueue:
+    def __init__(self, config: ModelConfig, label: str) -> None:
+        self.label = label
+        db = config.dynamic_batching
+        self.batching = db is not None and config.max_batch_size > 0
+        self.max_rows = config.max_batch_size if self.batching else 1
+        preferred = db.preferred_batch_size if db is not None else []
+        self.target_rows = min(max(preferred), self.max_rows) if preferred else self.max_rows
+        self.delay_s = (db.max_queue_delay_microseconds / 1e6) if db is not None else 0.0
+        self.max_size = db.max_queue_size if db is not None else 0
+        self.timeout_s = (db.default_timeout_microseconds / 1e6) if db is not None else 0.0
+        self._items: deque[Pending] = deque()
+        self._arrived = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, item: Pending) -> None:
+        """Enqueue, or refuse at once when the queue is full (backpressure, not unbounded memory)."""
+        if self.max_size and len(self._items) >= self.max_size:
+            raise ResourceExhausted(
+                f"model {self.label}: queue is full ({self.max_size} requests waiting, max_queue_size)"
+            )
+        if self.timeout_s:
+            limit = time.monotonic() + self.timeout_s
+            item.deadline = limit if item.deadline is None else min(item.deadline, limit)
+        self._items.append(item)
+        self._arrived.set()
+
+    def requeue(self, items: Iterable[Pending]) -> None:
+        """Put items back at the front, in their order (their instance went away before running them)."""
+        self._items.extendleft(reversed(list(items)))
+        self._arrived.set()
+
+    def take_all(self) -> list[Pending]:
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def _prune(self) -> None:
+        """Drop requests that were cancelled or whose deadline passed while they waited."""
+        now = time.monotonic()
+        kept: deque[Pending] = deque()
+        for item in self._items:
+            if item.future.done():
+                continue
+            if item.deadline is not None and now >= item.deadline:
+                waited_ms = (time.perf_counter_ns() - item.enqueued_ns) / 1e6
+                item.future.set_exception(
+                    DeadlineExceeded(
+                        f"model {self.label}: request waited {waited_ms:.0f} ms in the queue, past its "
+                        "deadline; it was not run"
+                    )
+                )
+                continue
+            kept.append(item)
+        self._items = kept
+
+    def _form(self) -> tuple[list[Pending], int]:
+        """The next batch: the oldest request plus later compatible ones, up to max rows."""
+        head = self._items[0]
+        batch, rows = [head], head.request.batch_size
+        if self.batching:
+            key = head.key
+            for item in list(self._items)[1:]:
+                if rows >= self.max_rows:
+                    break
+                if item.key == key and rows + item.request.batch_size <= self.max_rows:
+                    batch.append(item)
+                    rows += item.request.batch_size
+        return batch, rows
+
+    async def next_batch(self) -> list[Pending]:
+        """Wait for work and return it; with batching, wait up to the queue delay for a fuller batch."""
+        while True:
+            self._prune()
+            if not self._items:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            batch, rows = self._form()
+            remaining = 0.0
+            if self.batching and rows < self.target_rows and self.delay_s > 0:
+                waited_s = (time.perf_counter_ns() - batch[0].enqueued_ns) / 1e9
+                remaining = self.delay_s - waited_s
+            if remaining <= 0:
+                taken = {id(i) for i in batch}
+                self._items = deque(i for i in self._items if id(i) not in taken)
+                return batch
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+
+
+def fail_all(items: Iterable[Pending], error: MpsdError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)

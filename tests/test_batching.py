@@ -1,0 +1,165 @@
+"""Dynamic batching through the real daemon: merged when compatible, never mixed, bounded, deadline-aware."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningDaemon
+
+ROWS = """
+import json
+with open(self.config['parameters']['log'], 'a') as f:
+    first = inputs['x'].reshape(-1).tolist()[:1]
+    f.write(json.dumps({'rows': int(inputs['x'].shape[0]), 'first': first}) + '\\n')
+if float(inputs['x'].max()) >= 1000:
+    time.sleep(0.5)
+return {'y': inputs['x'] * 2, 'pid': torch.full((inputs['x'].shape[0], 1), os.getpid(), dtype=torch.int64)}
+"""
+
+
+def batched_model(repo: Path, name: str, log: Path, count: int = 1, **batching: object) -> None:
+    models.python_model(
+        repo,
+        name,
+        ROWS,
+        config={
+            "backend": "python",
+            "max_batch_size": 8,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "output": [
+                {"name": "y", "data_type": "TYPE_FP32", "dims": [-1]},
+                {"name": "pid", "data_type": "TYPE_INT64", "dims": [1]},
+            ],
+            "instance_group": [{"kind": "KIND_CPU", "count": count}],
+            "dynamic_batching": batching,
+            "parameters": {"log": str(log)},
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, Path]]:
+    tmp = tmp_path_factory.mktemp("batching")
+    repo = tmp / "repo"
+    batched_model(
+        repo, "merge", tmp / "merge.log", max_queue_delay_microseconds=300_000, preferred_batch_size=[4]
+    )
+    batched_model(repo, "bounded", tmp / "bounded.log", max_queue_size=2)
+    batched_model(repo, "pair", tmp / "pair.log", count=2, max_queue_delay_microseconds=20_000)
+    config = tmp / "mpsd.yaml"
+    config.write_text(yaml.safe_dump({"metrics_address": ""}))
+    daemon = RunningDaemon(repo, tmp / "daemon.log", config=config)
+    try:
+        daemon.wait_ready()
+        yield daemon, tmp
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+
+
+def x(values: np.ndarray) -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput("x", list(values.shape), "FP32")
+    inp.set_data_from_numpy(values)
+    return [inp]
+
+
+def fire(
+    daemon: RunningDaemon, model: str, arrays: list[np.ndarray], **kwargs: object
+) -> list[tuple[object, object]]:
+    """Send all requests at once (async) and collect (result, error) in request order."""
+    done: queue.Queue[tuple[int, object, object]] = queue.Queue()
+    for i, a in enumerate(arrays):
+        daemon.client.async_infer(
+            model, x(a), callback=lambda result, error, i=i: done.put((i, result, error)), **kwargs
+        )
+    got = sorted((done.get(timeout=60) for _ in arrays), key=lambda t: t[0])
+    return [(r, e) for _, r, e in got]
+
+
+def executed_rows(log: Path) -> list[int]:
+    import json
+
+    return [json.loads(line)["rows"] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_compatible_requests_are_merged_and_split_back(setup: tuple[RunningDaemon, Path]) -> None:
+    daemon, tmp = setup
+    arrays = [np.full((1, 3), float(i), np.float32) for i in range(8)]
+    results = fire(daemon, "merge", arrays)
+    for a, (result, error) in zip(arrays, results, strict=True):
+        assert error is None, error
+        np.testing.assert_array_equal(result.as_numpy("y"), a * 2)  # type: ignore[union-attr]
+    rows = executed_rows(tmp / "merge.log")
+    assert max(rows) > 1, rows
+    stats = daemon.client.get_inference_statistics("merge", as_json=True)["model_stats"][0]
+    sizes = {int(b["batch_size"]) for b in stats["batch_stats"]}
+    assert any(s > 1 for s in sizes), sizes
+    assert int(stats["inference_count"]) >= 8
+    assert int(stats["execution_count"]) < int(stats["inference_count"])
+
+
+def test_incompatible_shapes_are_never_mixed(setup: tuple[RunningDaemon, Path]) -> None:
+    daemon, _ = setup
+    arrays = [np.full((1, 3 if i % 2 else 5), float(i), np.float32) for i in range(6)]
+    for a, (result, error) in zip(arrays, fire(daemon, "merge", arrays), strict=True):
+        assert error is None, error
+        assert result.as_numpy("y").shape == a.shape  # type: ignore[union-attr]
+        np.testing.assert_array_equal(result.as_numpy("y"), a * 2)  # type: ignore[union-attr]
+
+
+def test_full_queue_is_refused_at_once(setup: tuple[RunningDaemon, Path]) -> None:
+    daemon, _ = setup
+    arrays = [np.full((1, 2), 1000.0 + i, np.float32) for i in range(8)]  # each takes 0.5 s
+    results = fire(daemon, "bounded", arrays)
+    refused = [e for _, e in results if e is not None]
+    assert refused, "no request was refused"
+    for e in refused:
+        assert isinstance(e, InferenceServerException)
+        assert e.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "queue is full" in e.message()
+    assert any(e is None for _, e in results)
+
+
+def test_expired_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon, Path]) -> None:
+    daemon, tmp = setup
+    blocker = np.full((1, 2), 1000.0, np.float32)  # occupies the only instance for 0.5 s
+    marker = np.full((1, 2), 4242.0, np.float32)
+    done: queue.Queue[tuple[str, object, object]] = queue.Queue()
+    daemon.client.async_infer(
+        "bounded", x(blocker), callback=lambda result, error: done.put(("b", result, error))
+    )
+    daemon.client.async_infer(
+        "bounded",
+        x(marker),
+        callback=lambda result, error: done.put(("m", result, error)),
+        client_timeout=0.2,
+    )
+    got = {k: (r, e) for k, r, e in (done.get(timeout=30) for _ in range(2))}
+    assert got["b"][1] is None
+    err = got["m"][1]
+    assert isinstance(err, InferenceServerException)
+    assert err.status() == "StatusCode.DEADLINE_EXCEEDED"
+    # Once the blocker finished, the expired request was dropped instead of being run.
+    daemon.client.infer("bounded", x(np.zeros((1, 2), np.float32)))
+    firsts = [line for line in (tmp / "bounded.log").read_text().splitlines() if "4242" in line]
+    assert firsts == []
+
+
+def test_batches_go_to_free_instances(setup: tuple[RunningDaemon, Path]) -> None:
+    daemon, _ = setup
+    # 12 requests of 2 rows: at most 4 fit a batch of 8, so several slow batches need both instances.
+    arrays = [np.full((2, 2), 1000.0 + i, np.float32) for i in range(12)]
+    pids = set()
+    for result, error in fire(daemon, "pair", arrays):
+        assert error is None, error
+        pids.update(int(p) for p in result.as_numpy("pid").reshape(-1))  # type: ignore[union-attr]
+    assert len(pids) == 2, pids

@@ -1,0 +1,146 @@
+"""Faults a long-running server meets: stopped workers, hung requests, models that crash at every start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningDaemon, wait_for
+
+SLEEPY = """
+if float(inputs['x'].sum()) > 0:
+    time.sleep(float(inputs['x'].reshape(-1)[0]))
+return {'y': inputs['x']}
+"""
+
+CRASHY = """
+return {'y': inputs['x']}
+"""
+
+
+def x(value: float) -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput("x", [1], "FP32")
+    inp.set_data_from_numpy(np.array([value], np.float32))
+    return [inp]
+
+
+def worker_pids(daemon: RunningDaemon, model: str) -> list[int]:
+    pids = []
+    for line in daemon.log().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "worker started" and str(event.get("worker", "")).startswith(f"{model}/"):
+            pids.append(int(event["pid"]))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    tmp = tmp_path_factory.mktemp("faults")
+    repo = tmp / "repo"
+    models.python_model(repo, "stoppable", SLEEPY)
+    models.python_model(repo, "hangs", SLEEPY)
+    models.python_model(repo, "bystander", SLEEPY)
+    crashy = models.python_model(repo, "crashy", CRASHY)
+    # Crashes in __init__ once the marker exists: loads fine first, then fails at every restart.
+    source = (
+        (crashy / "1" / "model.py")
+        .read_text()
+        .replace(
+            "self.config = config",
+            f"self.config = config\n        if os.path.exists({str(tmp / 'crash-marker')!r}):\n"
+            "            os._exit(7)",
+        )
+    )
+    (crashy / "1" / "model.py").write_text(source)
+    config = tmp / "mpsd.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "metrics_address": "",
+                "heartbeat_timeout_s": 2.0,
+                "request_timeout_s": 3.0,
+                "restart_backoff_initial_s": 0.2,
+                "restart_backoff_max_s": 1.0,
+            }
+        )
+    )
+    d = RunningDaemon(repo, tmp / "daemon.log", config=config)
+    d.marker = tmp / "crash-marker"  # type: ignore[attr-defined]
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+        d.kill_group()
+
+
+def test_stopped_worker_is_detected_by_heartbeat_and_replaced(daemon: RunningDaemon) -> None:
+    (pid,) = worker_pids(daemon, "stoppable")
+    errors: list[InferenceServerException] = []
+
+    def call() -> None:
+        client = grpcclient.InferenceServerClient(daemon.address)
+        try:
+            client.infer("stoppable", x(1.0))
+        except InferenceServerException as exc:
+            errors.append(exc)
+        finally:
+            client.close()
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGSTOP)  # a hang: the process exists but makes no progress
+    t.join(60)
+    assert len(errors) == 1
+    assert errors[0].status() == "StatusCode.UNAVAILABLE"
+    assert "no heartbeat" in errors[0].message()
+    assert "stoppable" in errors[0].message()
+    wait_for(lambda: daemon.client.is_model_ready("stoppable"), 60, "replacement ready")
+    assert daemon.client.infer("stoppable", x(0.0)).as_numpy("y").tolist() == [0.0]
+    assert worker_pids(daemon, "stoppable")[-1] != pid
+    assert daemon.client.infer("bystander", x(0.0)).as_numpy("y").tolist() == [0.0]
+
+
+def test_request_that_never_finishes_hits_the_request_timeout(daemon: RunningDaemon) -> None:
+    (pid,) = worker_pids(daemon, "hangs")
+    with pytest.raises(InferenceServerException) as err:
+        daemon.client.infer("hangs", x(30.0))
+    assert err.value.status() == "StatusCode.UNAVAILABLE"
+    assert "request_timeout_s" in err.value.message()
+    wait_for(lambda: daemon.client.is_model_ready("hangs"), 60, "replacement ready")
+    assert daemon.client.infer("hangs", x(0.0)).as_numpy("y").tolist() == [0.0]
+    assert worker_pids(daemon, "hangs")[-1] != pid
+
+
+def test_model_crashing_at_every_start_backs_off(daemon: RunningDaemon) -> None:
+    (pid,) = worker_pids(daemon, "crashy")
+    daemon.marker.write_text("crash")  # type: ignore[attr-defined]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: daemon.log().count("worker restart failed") >= 3, 30, "restart attempts")
+    time.sleep(2.0)
+    attempts = daemon.log().count("worker restart failed")
+    # Back-off: 0.2, 0.4, 0.8, then 1.0 s between attempts; a busy loop would make hundreds.
+    assert attempts < 15, attempts
+    rows = daemon.client.get_model_repository_index(as_json=True)["models"]
+    crashy = next(r for r in rows if r["name"] == "crashy")
+    assert crashy["state"] == "UNAVAILABLE"
+    assert "killed by signal 9" in crashy["reason"]
+    assert "last restart failed: worker exit code" in crashy["reason"]
+    assert daemon.client.infer("bystander", x(0.0)).as_numpy("y").tolist() == [0.0]
+    daemon.marker.unlink()  # type: ignore[attr-defined]
+    wait_for(lambda: daemon.client.is_model_ready("crashy"), 30, "crashy back after the fault is gone")
