@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
@@ -25,6 +26,13 @@ return {'y': inputs['x']}
 """
 
 CRASHY = """
+return {'y': inputs['x']}
+"""
+
+
+BLOATS = """
+if float(inputs['x'].sum()) > 0:
+    self.hoard = getattr(self, 'hoard', []) + [torch.ones(250_000_000 // 4)]  # grows RSS like a leak
 return {'y': inputs['x']}
 """
 
@@ -55,6 +63,18 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     models.python_model(repo, "hangs", SLEEPY)
     models.python_model(repo, "bystander", SLEEPY)
     crashy = models.python_model(repo, "crashy", CRASHY)
+    models.python_model(
+        repo,
+        "bloats",
+        BLOATS,
+        config={
+            "backend": "python",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "max_rss_bytes": 900_000_000,
+        },
+    )
     # Crashes in __init__ once the marker exists: loads fine first, then fails at every restart.
     source = (
         (crashy / "1" / "model.py")
@@ -72,7 +92,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
             {
                 "metrics_address": "",
                 "heartbeat_timeout_s": 2.0,
-                "request_timeout_s": 3.0,
+                "request_timeout_s": 8.0,
                 "restart_backoff_initial_s": 0.2,
                 "restart_backoff_max_s": 1.0,
             }
@@ -144,3 +164,14 @@ def test_model_crashing_at_every_start_backs_off(daemon: RunningDaemon) -> None:
     assert daemon.client.infer("bystander", x(0.0)).as_numpy("y").tolist() == [0.0]
     daemon.marker.unlink()  # type: ignore[attr-defined]
     wait_for(lambda: daemon.client.is_model_ready("crashy"), 30, "crashy back after the fault is gone")
+
+
+def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(daemon: RunningDaemon) -> None:
+    (first,) = worker_pids(daemon, "bloats")
+    for _ in range(4):  # 4 x 250 MB pushes RSS past the 900 MB ceiling
+        assert daemon.client.infer("bloats", x(1.0)).as_numpy("y").tolist() == [1.0]
+    wait_for(lambda: "worker replaced" in daemon.log(), 60, "replacement")
+    wait_for(lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie", 30, "old gone")
+    assert daemon.client.infer("bloats", x(0.0)).as_numpy("y").tolist() == [0.0]
+    assert worker_pids(daemon, "bloats")[-1] != first
+    assert "over its memory ceiling" in daemon.log()

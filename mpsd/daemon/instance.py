@@ -40,6 +40,7 @@ class Instance:
         self.worker: WorkerProcess | None = None
         self.state = "starting"
         self.restarts = 0
+        self.recycles = 0
         self.last_exit: str | None = None
         self.last_error: str | None = None
         self.started_at = 0.0
@@ -75,12 +76,21 @@ class Instance:
         while not self._stopping:
             worker = self.worker
             assert worker is not None
-            dispatch = asyncio.create_task(self._dispatch(worker))
+            done_with = asyncio.Event()
+            dispatch = asyncio.create_task(self._dispatch(worker, done_with))
             died = asyncio.create_task(worker.died.wait())
+            over = asyncio.create_task(worker.over_ceiling.wait())
             try:
-                await asyncio.wait({dispatch, died}, return_when=asyncio.FIRST_COMPLETED)
+                finished, _ = await asyncio.wait({dispatch, died, over}, return_when=asyncio.FIRST_COMPLETED)
+                if over in finished and not worker.died.is_set() and not self._stopping:
+                    replacement = await self._replacement(worker)
+                    if replacement is not None:
+                        await self._hand_over(dispatch, done_with)
+                        self.worker = replacement
+                        asyncio.create_task(worker.stop(self.settings.stop_timeout_s))  # noqa: RUF006
+                        continue
             finally:
-                for task in (dispatch, died):
+                for task in (dispatch, died, over):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
@@ -116,11 +126,39 @@ class Instance:
                 log.info("worker ready again", worker=self.launch.label, pid=self.worker.pid)
                 break
 
-    async def _dispatch(self, worker: WorkerProcess) -> None:
+    async def _replacement(self, worker: WorkerProcess) -> WorkerProcess | None:
+        """Start and warm up a new worker while the old one keeps serving."""
+        log.warning(
+            "worker over its memory ceiling: starting a replacement",
+            worker=self.launch.label,
+            pid=worker.pid,
+            reason=worker.ceiling_reason,
+        )
+        try:
+            replacement = await self._spawn()
+        except LoadError as exc:
+            log.error(
+                "replacement failed; the old worker keeps serving", worker=self.launch.label, reason=str(exc)
+            )
+            return None
+        self.recycles += 1
+        log.info("worker replaced", worker=self.launch.label, old_pid=worker.pid, new_pid=replacement.pid)
+        return replacement
+
+    async def _hand_over(self, dispatch: asyncio.Task[None], done_with: asyncio.Event) -> None:
+        """Let the old worker finish the batch it is running, then stop feeding it."""
+        done_with.set()
+        if not self._idle.is_set():
+            await self._idle.wait()
+        dispatch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await dispatch
+
+    async def _dispatch(self, worker: WorkerProcess, done_with: asyncio.Event) -> None:
         queue = self.version.queue
-        while not self._stopping:
+        while not self._stopping and not done_with.is_set():
             batch = await queue.next_batch()
-            if worker.died.is_set() or self._stopping:
+            if worker.died.is_set() or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
             self._idle.clear()

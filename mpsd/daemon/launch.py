@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from mpsd.config.model_config import TensorConfig
+from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.config.repository import ModelSource
-from mpsd.ipc.protocol import ModelSpec, TensorSpec
+from mpsd.ipc.protocol import ModelSpec, TensorSpec, WarmupSample, WarmupTensor
 
 from .placement import InstancePlacement, plan_instances, worker_environment
 from .worker_process import WorkerLaunch
@@ -18,6 +18,20 @@ DAEMON_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS
 
 def _tensor_spec(t: TensorConfig) -> TensorSpec:
     return TensorSpec(t.name, t.wire_datatype, tuple(t.dims), t.optional)
+
+
+def _warmup_samples(config: ModelConfig) -> tuple[WarmupSample, ...]:
+    """The configured warm-up requests with full shapes, inputs in the order the model takes them."""
+    samples = []
+    for w in config.model_warmup:
+        batch = (w.batch_size,) if config.max_batch_size > 0 else ()
+        given = [(t, w.inputs[t.name]) for t in config.input if t.name in w.inputs]
+        tensors = tuple(
+            WarmupTensor(t.name, t.wire_datatype, batch + tuple(data.dims), data.random_data)
+            for t, data in given
+        )
+        samples.append(WarmupSample(w.name, tensors, w.count))
+    return tuple(samples)
 
 
 def model_spec(source: ModelSource, version: int) -> ModelSpec:
@@ -33,6 +47,7 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         outputs=tuple(_tensor_spec(t) for t in config.output),
         parameters=dict(config.parameters),
         allow_pickle=config.allow_pickle,
+        warmup=_warmup_samples(config),
     )
 
 
@@ -54,6 +69,8 @@ def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacem
             kind=placement.kind,
             memory_fraction=placement.memory_fraction,
             env=worker_environment(placement, config, base),
+            max_device_memory_bytes=config.max_device_memory_bytes,
+            max_rss_bytes=config.max_rss_bytes,
         )
         for placement in placements
     ]

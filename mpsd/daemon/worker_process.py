@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import signal
@@ -60,6 +61,8 @@ class WorkerLaunch:
     kind: str
     memory_fraction: float | None
     env: Mapping[str, str]
+    max_device_memory_bytes: int | None = None
+    max_rss_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -79,6 +82,9 @@ class WorkerProcess:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.kill_reason = ""
         self.last_seen = 0.0
+        self.over_ceiling = asyncio.Event()
+        self.ceiling_reason = ""
+        self._baseline_checked = False
         self.pid: int | None = None
         self.returncode: int | None = None
         self.ready: p.Ready | None = None
@@ -132,6 +138,7 @@ class WorkerProcess:
             self.launch.kind,
             self.launch.memory_fraction,
             heartbeat_interval_s=beat,
+            snapshot_after_request=bool(self.launch.max_device_memory_bytes or self.launch.max_rss_bytes),
         )
         self._writer.write(encode(init))
         try:
@@ -204,6 +211,7 @@ class WorkerProcess:
                     pass
                 elif isinstance(msg, p.MemorySnapshot):
                     self.memory = msg.memory
+                    self._check_ceilings(msg.memory)
                     log.debug("worker memory", worker=self.launch.label, pid=self.pid, **msg.memory)
                 elif self._pending is not None and not self._pending.done():
                     self._pending.set_result(msg)
@@ -222,6 +230,42 @@ class WorkerProcess:
             log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
         self._release_regions()
         self.died.set()
+
+    def _check_ceilings(self, memory: dict[str, int]) -> None:
+        """Flag the worker for replacement once its memory passes a configured ceiling (MPS and CUDA caches
+        grow when input shapes vary). A ceiling below the freshly loaded model's own footprint is reported
+        once and then ignored, so a worker is never replaced in a loop."""
+        limits = (
+            (
+                "device memory",
+                self.launch.max_device_memory_bytes,
+                memory.get("allocated_bytes", memory.get("current_allocated_bytes")),
+            ),
+            ("RSS", self.launch.max_rss_bytes, memory.get("rss_bytes")),
+        )
+        over = [
+            (what, limit, used) for what, limit, used in limits if limit and used is not None and used > limit
+        ]
+        if not self._baseline_checked:
+            self._baseline_checked = True
+            if over:
+                what, limit, used = over[0]
+                log.warning(
+                    "memory ceiling is below the loaded model's footprint; not recycling this worker",
+                    worker=self.launch.label,
+                    pid=self.pid,
+                    measure=what,
+                    ceiling=limit,
+                    used=used,
+                )
+                self.launch = dataclasses.replace(
+                    self.launch, max_device_memory_bytes=None, max_rss_bytes=None
+                )
+            return
+        if over and not self.over_ceiling.is_set():
+            what, limit, used = over[0]
+            self.ceiling_reason = f"{what} {used} bytes above the ceiling of {limit}"
+            self.over_ceiling.set()
 
     async def _watch_heartbeat(self) -> None:
         """A worker silent for longer than the heartbeat timeout is stopped or wedged: kill it."""
@@ -417,9 +461,10 @@ class WorkerProcess:
 
     async def kill(self) -> None:
         self._stopping = True
-        if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+        if self._proc is not None:
+            if self._proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
             self.returncode = await self._proc.wait()
         self._close()
 

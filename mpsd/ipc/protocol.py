@@ -26,6 +26,25 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class WarmupTensor:
+    """One input of a configured warm-up sample: full shape (batch dimension included), zeros or random."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    random: bool = False
+
+
+@dataclass(frozen=True)
+class WarmupSample:
+    """A configured warm-up request, run `count` times before Ready; inputs in config order."""
+
+    name: str
+    inputs: tuple[WarmupTensor, ...]
+    count: int = 1
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything a worker needs to load one version of a model."""
 
@@ -38,6 +57,7 @@ class ModelSpec:
     outputs: tuple[TensorSpec, ...]
     parameters: dict[str, str] = field(default_factory=dict)
     allow_pickle: bool = False
+    warmup: tuple[WarmupSample, ...] = ()  # none configured: one request of zeros
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,7 @@ class Init:
     kind: str
     memory_fraction: float | None
     heartbeat_interval_s: float = 1.0
+    snapshot_after_request: bool = False  # memory ceilings are set: report right after each request
 
 
 @dataclass(frozen=True)

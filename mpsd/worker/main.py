@@ -84,7 +84,9 @@ def _infer(sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Inf
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0)
 
 
-def _serve(sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0) -> None:
+def _serve(
+    sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0, after_request: bool = False
+) -> None:
     from mpsd.worker.device import is_out_of_memory, memory_counters, release_cached_memory
 
     regions = RegionCache()
@@ -108,6 +110,8 @@ def _serve(sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0
             oom = False
             try:
                 send_blocking(sock, _infer(sock, runner, regions, msg))
+                if after_request:
+                    last_snapshot = 0.0
             except ConnectionClosed:
                 return
             except MpsdError as exc:
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     start_heartbeat(sock, init.heartbeat_interval_s)
     try:
         runner = _load(sock, init)
-        _serve(sock, runner)
+        _serve(sock, runner, after_request=init.snapshot_after_request)
     except Exception:
         traceback.print_exc()
         return 1
