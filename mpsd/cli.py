@@ -26,6 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
             config.model_repository = args.model_repository.resolve()
         if args.grpc_address is not None:
             config.grpc_address = args.grpc_address
+        if args.metrics_address is not None:
+            config.metrics_address = args.metrics_address
         if args.log_level is not None:
             config.log_level = args.log_level
         if not config.model_repository.is_dir():
@@ -59,8 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model-repository", type=Path, help="directory with one folder per model")
     serve.add_argument("--grpc-address", help="host:port to listen on (default 127.0.0.1:8001)")
+    serve.add_argument(
+        "--metrics-address",
+        help='host:port of the Prometheus endpoint (default 127.0.0.1:8002); "" or "off" disables it',
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
+
+    from mpsd.ops_cli import add_ops_parsers
+
+    add_ops_parsers(sub)
+
+    from mpsd.tools.cli import add_tool_parsers
+
+    add_tool_parsers(sub)
+
+    from mpsd.convert_cli import add_convert_parser
+
+    add_convert_parser(sub)
 
     try:
         from mpsd.service.cli import add_service_parser

@@ -61,9 +61,7 @@ def test_sd_notify_ready_reload_stopping_and_watchdog(
     repo = tmp_path / "repo"
     models.add_sub(repo)
     notify = NotifySocket(tmp_path / "notify.sock")
-    daemon = start_daemon(
-        repo, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"}
-    )
+    daemon = start_daemon(repo, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
     daemon.wait_live()
     wait_for(lambda: notify.seen("READY=1"), 120, "READY=1")
     assert daemon.client.is_server_ready()

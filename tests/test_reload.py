@@ -96,7 +96,9 @@ class Load:
 
 
 @pytest.fixture
-def watched(tmp_path: Path, start_daemon: Callable[..., RunningDaemon]) -> Iterator[tuple[RunningDaemon, Path]]:
+def watched(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> Iterator[tuple[RunningDaemon, Path]]:
     repo = tmp_path / "repo"
     repo.mkdir()
     model_dir = constant_model(repo)
@@ -171,11 +173,15 @@ def test_half_written_version_is_not_seen_by_clients(watched: tuple[RunningDaemo
             out.flush()
             time.sleep(0.15)
     with Load(daemon.address, "const") as load2:
-        wait_for(lambda: served_value(daemon.client) == 7.0, 120, f"copied version serving\n{daemon.log()[-2000:]}")
+        wait_for(
+            lambda: served_value(daemon.client) == 7.0, 120, f"copied version serving\n{daemon.log()[-2000:]}"
+        )
     assert load.errors == [] and load2.errors == []
 
 
-def test_removed_model_finishes_in_flight_requests(tmp_path: Path, start_daemon: Callable[..., RunningDaemon]) -> None:
+def test_removed_model_finishes_in_flight_requests(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
     repo = tmp_path / "repo"
     models.python_model(
         repo,
@@ -220,8 +226,11 @@ def test_removed_model_finishes_in_flight_requests(tmp_path: Path, start_daemon:
     for t in threads:
         t.join()
     assert results == [[1.0, 1.0], [1.0, 1.0]]
-    wait_for(lambda: not psutil.pid_exists(slow_pid) or psutil.Process(slow_pid).status() == "zombie", 30,
-             "worker exited")
+    wait_for(
+        lambda: not psutil.pid_exists(slow_pid) or psutil.Process(slow_pid).status() == "zombie",
+        30,
+        "worker exited",
+    )
     assert daemon.client.is_model_ready("stays")
 
 

@@ -17,6 +17,7 @@ from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
 from . import convert
+from .client_shm import ClientShmRegistry
 from .registry import Registry
 from .status import grpc_status
 from .validate import check_name, parse_infer_request
@@ -26,7 +27,14 @@ log = structlog.get_logger("mpsd.daemon.grpc")
 T = TypeVar("T")
 Handler = Callable[..., Awaitable[T]]
 
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data", "logging"]
+EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "logging",
+    "system_shared_memory",
+]
 
 
 def rpc(method: Handler[T]) -> Handler[T]:
@@ -55,6 +63,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.registry = registry
         self._shutting_down = shutting_down
         self._model_control = model_control
+        self.client_shm = ClientShmRegistry()
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -109,9 +118,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def _infer(self, request: Any, deadline: float | None = None) -> Any:
         check_name("model", request.model_name)
         mv = self.registry.route(request.model_name, request.model_version)
-        parsed = parse_infer_request(request, mv.config, request.model_version)
-        result = await mv.infer(parsed, deadline)
-        return convert.infer_response(result, request.id)
+        with self.client_shm.lease() as shm:  # regions the request names stay mapped until it is answered
+            parsed = parse_infer_request(request, mv.config, request.model_version, shm)
+            result = await mv.infer(parsed, deadline)
+            shm.write_outputs(result.outputs)
+            return convert.infer_response(result, request.id, in_shm=shm.outputs.keys())
 
     @rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:
@@ -209,22 +220,41 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         if name:
             raise NotFound(f"unknown repository '{name}' (mpsd serves one repository)")
 
+    # ---- system shared memory ------------------------------------------------------------------------
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        reply = pb.SystemSharedMemoryStatusResponse()
+        for region in self.client_shm.status(request.name):
+            reply.regions[region.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size
+                )
+            )
+        return reply
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.client_shm.register(request.name, request.key, request.offset, request.byte_size)
+        log.info(
+            "shared memory registered",
+            region=request.name,
+            key=request.key,
+            offset=request.offset,
+            byte_size=request.byte_size,
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.client_shm.unregister(request.name)
+        log.info("shared memory unregistered", region=request.name or "(all)")
+        return pb.SystemSharedMemoryUnregisterResponse()
+
     # ---- not implemented yet ------------------------------------------------------------------------
 
     async def _unimplemented(self, what: str) -> Any:
         raise Unimplemented(f"{what} is not implemented by mpsd")
-
-    @rpc
-    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("system shared memory")
-
-    @rpc
-    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("system shared memory")
-
-    @rpc
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("system shared memory")
 
     @rpc
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:

@@ -1,0 +1,128 @@
+"""`mpsd.v1.MpsdAdmin`: what only the supervising daemon knows (workers, their events) and `reload`.
+
+Thin methods in the style of the inference servicer: translate protocol <-> domain, errors through the
+same `rpc` mapping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from mpsd.errors import InvalidArgument
+from mpsd.proto import admin_pb2 as pb
+from mpsd.proto import admin_pb2_grpc as pb_grpc
+
+from .events import BUS, Event, EventBus, EventFilter
+from .instance import Instance
+from .registry import Registry
+from .servicer import rpc
+
+log = structlog.get_logger("mpsd.daemon.admin")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MpsdAdmin"].full_name
+
+
+def event_message(event: Event, dropped: int = 0, replayed: bool = False) -> Any:
+    return pb.LogEvent(
+        seq=event.seq,
+        time=event.time,
+        level=event.level,
+        kind=event.kind,
+        message=event.message,
+        model=event.model,
+        version=event.version,
+        pid=event.pid,
+        worker=event.worker,
+        fields=dict(event.fields),
+        dropped=dropped,
+        replayed=replayed,
+    )
+
+
+def worker_message(instance: Instance, now: float) -> Any:
+    launch = instance.launch
+    worker = instance.worker
+    msg = pb.Worker(
+        model=launch.model.name,
+        version=launch.model.version,
+        instance=launch.instance,
+        instance_kind=launch.kind,
+        state=instance.state,
+        version_state=instance.version.state.value,
+        restarts=instance.restarts,
+        last_exit=instance.last_exit or "",
+        last_error=instance.last_error or "",
+    )
+    if worker is None:
+        return msg
+    running = worker.returncode is None and not worker.died.is_set()
+    msg.pid = (worker.pid or 0) if running else 0
+    msg.memory.update(worker.memory)
+    if instance.ready and instance.started_at > 0:
+        msg.uptime_s = now - instance.started_at
+    if worker.ready is not None:
+        device = worker.ready.device
+        msg.device.kind = str(device.get("kind") or "")
+        msg.device.name = str(device.get("name") or "")
+        index = device.get("index")
+        if isinstance(index, int):
+            msg.device.index = index
+        fraction = device.get("memory_fraction")
+        if isinstance(fraction, int | float):
+            msg.memory_fraction = float(fraction)
+    return msg
+
+
+class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
+    def __init__(self, registry: Registry, reload: Callable[[], Awaitable[str]], bus: EventBus = BUS) -> None:
+        self.registry = registry
+        self._reload = reload
+        self._bus = bus
+        self._closed = False
+
+    def close(self) -> None:
+        """Shutdown: end every log stream now (an open stream would hold the drain), refuse new ones."""
+        self._closed = True
+        self._bus.close_subscriptions()
+
+    @rpc
+    async def StreamLogs(self, request: Any, context: Any) -> None:
+        try:
+            wanted = EventFilter(request.model, request.level.lower(), frozenset(request.kinds))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if not request.follow or self._closed:
+            for event in self._bus.recent(wanted, request.replay):
+                await context.write(event_message(event, replayed=True))
+            return
+        past, sub = self._bus.subscribe(wanted, request.replay)
+        try:
+            for event in past:
+                await context.write(event_message(event, replayed=True))
+            while (item := await sub.get()) is not None:
+                event, dropped = item
+                await context.write(event_message(event, dropped=dropped))
+        finally:
+            self._bus.unsubscribe(sub)
+
+    @rpc
+    async def ListWorkers(self, request: Any, context: Any) -> Any:
+        now = time.monotonic()
+        workers = [
+            worker_message(instance, now)
+            for name in sorted(self.registry.entries)
+            if not request.model or name == request.model
+            for mv in self.registry.versions(name)
+            for instance in mv.instances
+        ]
+        return pb.ListWorkersResponse(workers=workers)
+
+    @rpc
+    async def Reload(self, request: Any, context: Any) -> Any:
+        log.info("reload requested", trigger="admin")
+        summary = await self._reload()
+        log.info("reload done", summary=summary)
+        return pb.ReloadResponse(summary=summary)

@@ -1,0 +1,213 @@
+"""The Prometheus endpoint: metrics read from the registry at scrape time, served on the event loop.
+
+Nothing is counted twice: the collector turns the statistics the daemon keeps anyway (VersionStats, the
+instances' restarts, the workers' memory snapshots) into metric families when scraped, so inference pays
+nothing for metrics. Serving from the event loop (not prometheus_client's thread) means a scrape never
+reads the registry while the loop is changing it. Names follow Triton's `nv_*` metrics with an `mpsd_`
+prefix; counters carry prometheus_client's `_total` suffix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import structlog
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from .model_version import ModelVersion
+from .registry import ModelState, Registry
+
+log = structlog.get_logger("mpsd.daemon.metrics")
+
+VERSION_LABELS = ["model", "version"]
+WORKER_LABELS = ["model", "version", "instance", "device"]
+DISABLED = ("", "off")
+
+# Worker memory counters per device type: (used, allocated, total) as the worker reports them.
+_DEVICE_COUNTERS = {
+    "cuda": ("reserved_bytes", "allocated_bytes", "total_bytes"),
+    "mps": ("driver_allocated_bytes", "current_allocated_bytes", "recommended_max_bytes"),
+}
+
+
+def _us(ns: int) -> float:
+    return ns / 1000.0
+
+
+class RegistryCollector(Collector):
+    """Builds every metric family from the registry's current state."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def _versions(self) -> list[ModelVersion]:
+        return [mv for entry in self.registry.entries.values() for mv in entry.versions.values()]
+
+    def collect(self) -> Iterator[Metric]:
+        versions = self._versions()
+        yield from self._version_metrics(versions)
+        yield from self._worker_metrics(versions)
+        models = GaugeMetricFamily("mpsd_models", "Models the daemon knows (any state).")
+        models.add_metric([], len(self.registry.entries))
+        ready = GaugeMetricFamily("mpsd_models_ready", "Models with at least one version ready to serve.")
+        ready.add_metric([], sum(e.state is ModelState.READY for e in self.registry.entries.values()))
+        yield models
+        yield ready
+
+    def _version_metrics(self, versions: list[ModelVersion]) -> Iterator[Metric]:
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=VERSION_LABELS)
+
+        success = counter("mpsd_inference_request_success", "Successful inference requests.")
+        failure = CounterMetricFamily(
+            "mpsd_inference_request_failure",
+            "Failed inference requests, by error code.",
+            labels=[*VERSION_LABELS, "reason"],
+        )
+        count = counter("mpsd_inference_count", "Inferences performed (a batch of N counts N).")
+        execs = counter("mpsd_inference_exec_count", "Model executions (a batch counts once).")
+        request_us = counter(
+            "mpsd_inference_request_duration_us", "Cumulative end-to-end time of successful requests."
+        )
+        queue_us = counter("mpsd_inference_queue_duration_us", "Cumulative time requests waited in queue.")
+        input_us = counter(
+            "mpsd_inference_compute_input_duration_us", "Cumulative time preparing inputs (shared memory)."
+        )
+        infer_us = counter("mpsd_inference_compute_infer_duration_us", "Cumulative time running the model.")
+        output_us = counter(
+            "mpsd_inference_compute_output_duration_us", "Cumulative time extracting outputs."
+        )
+        pending = GaugeMetricFamily(
+            "mpsd_inference_pending_request_count",
+            "Requests queued or running now.",
+            labels=VERSION_LABELS,
+        )
+        ready = GaugeMetricFamily("mpsd_model_ready", "1 when the version can serve.", labels=VERSION_LABELS)
+        load = GaugeMetricFamily(
+            "mpsd_model_load_duration_secs",
+            "How long loading and warming up the version took.",
+            labels=VERSION_LABELS,
+        )
+        for mv in versions:
+            labels = [mv.name, str(mv.version)]
+            s = mv.stats
+            success.add_metric(labels, s.success.count)
+            for reason, n in sorted(s.failures_by_reason.items()):
+                failure.add_metric([*labels, reason], n)
+            count.add_metric(labels, s.inference_count)
+            execs.add_metric(labels, s.execution_count)
+            request_us.add_metric(labels, _us(s.success.ns))
+            queue_us.add_metric(labels, _us(s.queue.ns))
+            input_us.add_metric(labels, _us(s.compute_input.ns))
+            infer_us.add_metric(labels, _us(s.compute_infer.ns))
+            output_us.add_metric(labels, _us(s.compute_output.ns))
+            pending.add_metric(labels, mv.inflight)
+            ready.add_metric(labels, 1 if mv.ready else 0)
+            if mv.load_duration_s is not None:
+                load.add_metric(labels, mv.load_duration_s)
+        yield from (success, failure, count, execs, request_us, queue_us, input_us, infer_us, output_us)
+        yield from (pending, ready, load)
+
+    def _worker_metrics(self, versions: list[ModelVersion]) -> Iterator[Metric]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=WORKER_LABELS)
+
+        used = gauge("mpsd_gpu_memory_used_bytes", "Device memory the worker's allocator holds.")
+        allocated = gauge("mpsd_gpu_memory_allocated_bytes", "Device memory in live tensors.")
+        total = gauge("mpsd_gpu_memory_total_bytes", "Device memory the worker may use at most.")
+        rss = gauge("mpsd_worker_rss_bytes", "Resident memory of the worker process.")
+        up = gauge("mpsd_worker_up", "1 when the worker process is running and ready.")
+        restarts = CounterMetricFamily(
+            "mpsd_worker_restarts", "Times the worker was restarted after dying.", labels=WORKER_LABELS
+        )
+        for mv in versions:
+            for instance in mv.instances:
+                worker = instance.worker
+                device_info = worker.ready.device if worker is not None and worker.ready else {}
+                kind = str(device_info.get("kind", ""))
+                index = device_info.get("index")
+                device = f"{kind}:{index}" if kind and index is not None else kind
+                labels = [mv.name, str(mv.version), str(instance.launch.instance), device]
+                up.add_metric(labels, 1 if instance.ready else 0)
+                restarts.add_metric(labels, instance.restarts)
+                memory = worker.memory if worker is not None else {}
+                if "rss_bytes" in memory:
+                    rss.add_metric(labels, memory["rss_bytes"])
+                keys = _DEVICE_COUNTERS.get(kind)
+                if keys is None:
+                    continue
+                for family, key in zip((used, allocated, total), keys, strict=True):
+                    if key in memory:
+                        family.add_metric(labels, memory[key])
+        yield from (used, allocated, total, rss, up, restarts)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or `:port` (all interfaces) into what asyncio.start_server takes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"metrics address '{address}' is not host:port")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class MetricsEndpoint:
+    """A minimal HTTP/1.1 server for GET /metrics on the daemon's event loop; "" or "off" disables it."""
+
+    def __init__(self, address: str | None, registry: Registry) -> None:
+        self.address = None if address is None or address.strip().lower() in DISABLED else address
+        self.prometheus = CollectorRegistry(auto_describe=False)
+        self.prometheus.register(RegistryCollector(registry))
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        """Listen; a busy port is logged, not fatal: inference matters more than metrics."""
+        if self.address is None:
+            return
+        try:
+            host, port = parse_address(self.address)
+            self._server = await asyncio.start_server(self._handle, host, port)
+        except (OSError, ValueError) as exc:
+            log.error("metrics endpoint not started", address=self.address, reason=str(exc))
+            return
+        log.info("metrics endpoint listening", url=f"http://{self.address}/metrics")
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 10)
+            while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
+                del line  # headers are not needed
+            method, _, rest = request.decode("latin-1").partition(" ")
+            path = rest.partition(" ")[0].partition("?")[0]
+            status, content_type, body = self._respond(method, path)
+            head = (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
+            await writer.drain()
+        except (TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"only GET\n"
+        if path in ("/metrics", "/metrics/"):
+            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.prometheus)
+        if path == "/":
+            return "200 OK", "text/plain", b"mpsd: metrics at /metrics\n"
+        return "404 Not Found", "text/plain", b"not found; metrics are at /metrics\n"

@@ -1,0 +1,323 @@
+"""`mpsd status|logs|health|reload`: small gRPC clients of a running daemon.
+
+They ask the daemon rather than read its files, because only the daemon knows what actually runs: a
+model may be on disk and still failing to load, a worker may be restarting. Expected failures (daemon
+not running, unknown model) are one line on stderr and a distinct exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:8001"
+EX_UNAVAILABLE = 69  # sysexits.h: the daemon cannot be reached
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _guarded(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(f"mpsd: cannot reach the daemon at {args.address}: {details}", file=sys.stderr)
+                print(
+                    "hint: is it running (`mpsd serve`)? pass --address if it listens elsewhere",
+                    file=sys.stderr,
+                )
+                return EX_UNAVAILABLE
+            print(f"mpsd: {code.name}: {details}", file=sys.stderr)
+            return 1
+
+    return wrapper
+
+
+def _admin(channel: grpc.Channel) -> Any:
+    from mpsd.proto import admin_pb2_grpc
+
+    return admin_pb2_grpc.MpsdAdminStub(channel)  # type: ignore[no-untyped-call]
+
+
+# ---- status ----------------------------------------------------------------------------------------
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit in ("B", "KiB") else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def worker_dict(w: Any) -> dict[str, Any]:
+    """A ListWorkers entry as plain JSON types (int64 stays a number, absent optionals become null)."""
+    return {
+        "model": w.model,
+        "version": w.version,
+        "instance": w.instance,
+        "pid": w.pid or None,
+        "instance_kind": w.instance_kind,
+        "device": {
+            "kind": w.device.kind or None,
+            "index": w.device.index if w.device.HasField("index") else None,
+            "name": w.device.name or None,
+        },
+        "memory_fraction": w.memory_fraction if w.HasField("memory_fraction") else None,
+        "state": w.state,
+        "version_state": w.version_state,
+        "restarts": w.restarts,
+        "uptime_s": round(w.uptime_s, 1),
+        "last_exit": w.last_exit or None,
+        "last_error": w.last_error or None,
+        "memory": dict(w.memory),
+    }
+
+
+def _device_memory(worker: dict[str, Any]) -> str:
+    memory = worker["memory"]
+    kind = worker["device"]["kind"]
+    used, total = {
+        "cuda": ("reserved_bytes", "total_bytes"),
+        "mps": ("driver_allocated_bytes", "recommended_max_bytes"),
+    }.get(kind, ("", ""))
+    if used not in memory:
+        return "-"
+    return f"{_bytes(memory[used])} / {_bytes(memory.get(total))}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def render_status(data: dict[str, Any]) -> str:
+    models = data["models"]
+    ready = len({m["name"] for m in models if m["state"] == "READY"})
+    parts = [
+        f"daemon {data['address']}: {ready} of {len({m['name'] for m in models})} models ready",
+        "",
+        table(
+            ["MODEL", "VERSION", "STATE", "REASON"],
+            [[m["name"], m["version"] or "-", m["state"], m["reason"]] for m in models],
+        ),
+    ]
+    rows = []
+    for w in data["workers"]:
+        device = w["device"]
+        where = device["kind"] or "-"
+        if device["index"] is not None:
+            where += f":{device['index']}"
+        fraction = w["memory_fraction"]
+        rows.append(
+            [
+                f"{w['model']}/{w['version']}#{w['instance']}",
+                str(w["pid"] or "-"),
+                where,
+                "-" if fraction is None else f"{fraction:g}",
+                w["state"],
+                str(w["restarts"]),
+                _duration(w["uptime_s"]) if w["uptime_s"] else "-",
+                _bytes(w["memory"].get("rss_bytes")),
+                _device_memory(w),
+                w["last_exit"] or "-",
+            ]
+        )
+    if rows:
+        headers = ["WORKER", "PID", "DEVICE", "FRACTION", "STATE", "RESTARTS", "UPTIME", "RSS", "DEVICE MEM"]
+        parts += ["", table([*headers, "LAST EXIT"], rows)]
+    return "\n".join(parts)
+
+
+@_guarded
+def _status(args: argparse.Namespace) -> int:
+    from mpsd.proto import admin_pb2
+    from mpsd.proto import grpc_service_pb2 as kserve
+    from mpsd.proto import grpc_service_pb2_grpc as kserve_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        inference = kserve_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        index = inference.RepositoryIndex(kserve.RepositoryIndexRequest(), timeout=args.timeout)
+        workers = _admin(channel).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=args.timeout)
+    data = {
+        "address": args.address,
+        "models": [
+            {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index.models
+        ],
+        "workers": [worker_dict(w) for w in workers.workers],
+    }
+    print(json.dumps(data, indent=2) if args.json else render_status(data))
+    return 0
+
+
+# ---- logs ------------------------------------------------------------------------------------------
+
+
+def event_dict(event: Any) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "time": event.time,
+        "level": event.level,
+        "kind": event.kind,
+        "message": event.message,
+        "model": event.model or None,
+        "version": event.version or None,
+        "pid": event.pid or None,
+        "worker": event.worker or None,
+        "fields": dict(event.fields),
+        "dropped": event.dropped,
+    }
+
+
+def format_event(event: Any) -> str:
+    """One readable line: time, level, kind, where (model/version, pid), message, other fields."""
+    where = ""
+    if event.model:
+        where = f"{event.model}/{event.version}" if event.version else event.model
+    if event.pid:
+        where = f"{where} pid {event.pid}".strip()
+    extras = "".join(f" {k}={v}" for k, v in sorted(event.fields.items()) if k != "source")
+    location = f" [{where}]" if where else ""
+    return f"{event.time} {event.level:<7} {event.kind:<12}{location} {event.message}{extras}"
+
+
+@_guarded
+def _logs(args: argparse.Namespace) -> int:
+    from mpsd.proto import admin_pb2
+
+    request = admin_pb2.StreamLogsRequest(
+        model=args.model or "",
+        level=args.level or ("" if args.kind else "info"),
+        kinds=args.kind or [],
+        replay=args.replay,
+        follow=args.follow,
+    )
+    with grpc.insecure_channel(args.address) as channel:
+        stream = _admin(channel).StreamLogs(request, timeout=None if args.follow else args.timeout)
+        try:
+            for event in stream:
+                if event.dropped:
+                    print(f"... {event.dropped} events dropped (this reader was too slow)", file=sys.stderr)
+                print(json.dumps(event_dict(event)) if args.json else format_event(event), flush=True)
+        except KeyboardInterrupt:
+            stream.cancel()
+    return 0
+
+
+# ---- health and reload -----------------------------------------------------------------------------
+
+
+@_guarded
+def _health(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    service = args.model or ""
+    what = f"'{service}'" if service else "daemon"
+    with grpc.insecure_channel(args.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                raise
+            print(f"{what}: NOT_FOUND (the daemon has no model or service of that name)")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{what}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+@_guarded
+def _reload(args: argparse.Namespace) -> int:
+    from mpsd.proto import admin_pb2
+
+    with grpc.insecure_channel(args.address) as channel:
+        reply = _admin(channel).Reload(admin_pb2.ReloadRequest(), timeout=args.timeout)
+    print(reply.summary)
+    return 0
+
+
+# ---- parsers ---------------------------------------------------------------------------------------
+
+
+def _common(parser: argparse.ArgumentParser, timeout: float) -> None:
+    parser.add_argument(
+        "--address", default=DEFAULT_ADDRESS, help=f"the daemon's gRPC host:port (default {DEFAULT_ADDRESS})"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=timeout, help=f"seconds to wait for the daemon (default {timeout:g})"
+    )
+
+
+def add_ops_parsers(sub: Any) -> None:
+    """Register status, logs, health and reload on the `mpsd` sub-command parser."""
+    status = sub.add_parser(
+        "status",
+        help="models, versions and workers of a running daemon",
+        epilog="example: mpsd status --json",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _common(status, 10.0)
+    status.set_defaults(func=_status)
+
+    logs = sub.add_parser(
+        "logs",
+        help="events from the daemon and its workers",
+        epilog="example: mpsd logs -f --model resnet --level warning",
+    )
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
+    logs.add_argument("--model", help="only events about this model")
+    logs.add_argument(
+        "--level", choices=LOG_LEVELS, help="lowest level shown (default: info; every level with --kind)"
+    )
+    logs.add_argument(
+        "--kind",
+        action="append",
+        help="only events of this kind (repeatable): worker, crash, device, memory, load, oom, request, "
+        "reload, stdout, stderr, mps_fallback, daemon",
+    )
+    logs.add_argument("--replay", type=int, default=20, metavar="N", help="past events first (default 20)")
+    logs.add_argument("--json", action="store_true", help="one JSON object per line")
+    _common(logs, 30.0)
+    logs.set_defaults(func=_logs)
+
+    health = sub.add_parser(
+        "health",
+        help="exit 0 when the daemon (or MODEL) is serving",
+        description="Standard gRPC health check. Without MODEL: the daemon is live. "
+        "`inference.GRPCInferenceService` is server readiness (every model ready). "
+        "Exit status: 0 serving, 1 not serving or unknown, 69 daemon unreachable.",
+    )
+    health.add_argument("model", nargs="?", help="a model name (or a gRPC service name)")
+    _common(health, 5.0)
+    health.set_defaults(func=_health)
+
+    reload = sub.add_parser("reload", help="reconcile the daemon with its model repository now")
+    _common(reload, 600.0)
+    reload.set_defaults(func=_reload)

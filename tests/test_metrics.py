@@ -1,0 +1,130 @@
+"""The Prometheus endpoint of a real daemon, scraped over HTTP: the counters move with the requests."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from mpsd.config.daemon_config import DaemonConfig
+from mpsd.daemon.metrics import MetricsEndpoint, parse_address
+from tests import models
+from tests.conftest import RunningDaemon, free_port
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    repo = tmp_path_factory.mktemp("repo")
+    models.add_sub(repo, dims=4)
+    models.python_model(
+        repo,
+        "raiser",
+        "if float(inputs['x'].sum()) > 0:\n    raise ValueError('no')\nreturn {'y': inputs['x']}",
+    )
+    d = RunningDaemon(
+        repo,
+        tmp_path_factory.mktemp("log") / "daemon.log",
+        extra_args=["--metrics-address", f"127.0.0.1:{free_port()}"],
+    )
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+        d.kill_group()
+
+
+def metrics_url(daemon: RunningDaemon) -> str:
+    args = daemon.proc.args
+    assert isinstance(args, list)
+    return f"http://{args[args.index('--metrics-address') + 1]}/metrics"
+
+
+def scrape(daemon: RunningDaemon) -> Samples:
+    with urllib.request.urlopen(metrics_url(daemon), timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def add_sub_inputs(batch: int) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        inp = grpcclient.InferInput(name, [batch, 4], "FP32")
+        inp.set_data_from_numpy(np.ones((batch, 4), np.float32))
+        inputs.append(inp)
+    return inputs
+
+
+def test_counters_move_with_requests(daemon: RunningDaemon) -> None:
+    model = {"model": "add_sub", "version": "1"}
+    before = scrape(daemon)
+    assert value(before, "mpsd_model_ready", **model) == 1
+    assert value(before, "mpsd_model_load_duration_secs", **model) > 0
+    for _ in range(3):
+        daemon.client.infer("add_sub", add_sub_inputs(batch=2))
+    after = scrape(daemon)
+
+    def moved(name: str) -> float:
+        return value(after, name, **model) - value(before, name, **model)
+
+    assert moved("mpsd_inference_request_success_total") == 3
+    assert moved("mpsd_inference_count_total") == 6  # a batch of 2 counts 2
+    assert moved("mpsd_inference_exec_count_total") == 3
+    assert moved("mpsd_inference_request_duration_us_total") > 0
+    assert moved("mpsd_inference_compute_infer_duration_us_total") > 0
+    assert moved("mpsd_inference_queue_duration_us_total") >= 0
+    assert value(after, "mpsd_inference_pending_request_count", **model) == 0
+    assert value(after, "mpsd_models_ready") == 2
+
+
+def test_failures_are_counted_by_reason(daemon: RunningDaemon) -> None:
+    labels = {"model": "raiser", "version": "1", "reason": "INTERNAL"}
+    before = value(scrape(daemon), "mpsd_inference_request_failure_total", **labels)
+    inp = grpcclient.InferInput("x", [2], "FP32")
+    inp.set_data_from_numpy(np.ones(2, np.float32))
+    with pytest.raises(InferenceServerException):
+        daemon.client.infer("raiser", [inp])
+    assert value(scrape(daemon), "mpsd_inference_request_failure_total", **labels) == before + 1
+
+
+def test_worker_memory_and_restarts_per_worker(daemon: RunningDaemon) -> None:
+    samples = scrape(daemon)
+    worker = {"model": "add_sub", "version": "1", "instance": "0", "device": "cpu"}
+    assert value(samples, "mpsd_worker_up", **worker) == 1
+    assert value(samples, "mpsd_worker_restarts_total", **worker) == 0
+    assert value(samples, "mpsd_worker_rss_bytes", **worker) > 10 * 2**20  # a process with torch loaded
+    assert not any(name.startswith("mpsd_gpu_memory") for name, _ in samples)  # CPU workers have none
+
+
+def test_other_paths_are_not_found(daemon: RunningDaemon) -> None:
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(metrics_url(daemon).replace("/metrics", "/nope"), timeout=10)
+    assert err.value.code == 404
+    err.value.close()
+
+
+def test_address_settings() -> None:
+    assert DaemonConfig().metrics_address == "127.0.0.1:8002"
+    assert parse_address("[::1]:9000") == ("::1", 9000)
+    assert parse_address(":9000") == ("0.0.0.0", 9000)
+    with pytest.raises(ValueError):
+        parse_address("localhost")
+    for off in ("", "off", None):
+        assert MetricsEndpoint(off, None).address is None  # type: ignore[arg-type]
