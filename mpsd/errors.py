@@ -15,6 +15,7 @@ class ErrorCode(enum.Enum):
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
     UNAVAILABLE = "UNAVAILABLE"
     INTERNAL = "INTERNAL"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
@@ -26,12 +27,29 @@ class ErrorCode(enum.Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
+# Messages often echo what the client sent (names, versions); they travel in a gRPC trailer, which a
+# client refuses beyond a few KiB, so an echo of a huge name must not turn a clean error into a broken call.
+MAX_MESSAGE_BYTES = 2000
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """The message cut to `limit` UTF-8 bytes, saying how much was cut."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= limit:
+        return message
+    head = data[:limit].decode("utf-8", "ignore")
+    return f"{head}... ({len(data) - limit} more bytes cut)"
+
+
 class MpsdError(Exception):
     """Base error: a code plus a message meant for the client."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    max_message_bytes: int | None = MAX_MESSAGE_BYTES
 
     def __init__(self, message: str, code: ErrorCode | None = None) -> None:
+        if self.max_message_bytes is not None:
+            message = bounded(message, self.max_message_bytes)
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -44,6 +62,10 @@ class InvalidArgument(MpsdError):
 
 class NotFound(MpsdError):
     code = ErrorCode.NOT_FOUND
+
+
+class AlreadyExists(MpsdError):
+    code = ErrorCode.ALREADY_EXISTS
 
 
 class Unavailable(MpsdError):
@@ -70,10 +92,23 @@ class DeadlineExceeded(MpsdError):
     code = ErrorCode.DEADLINE_EXCEEDED
 
 
+class PermissionDenied(MpsdError):
+    """Authenticated, but the token's categories do not include the RPC's (or the RPC is switched off)."""
+
+    code = ErrorCode.PERMISSION_DENIED
+
+
+class Unauthenticated(MpsdError):
+    """No valid credentials for a server that requires them."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
 class ConfigError(MpsdError):
     """A repository or daemon configuration problem; the message names the file, the field and the problem."""
 
     code = ErrorCode.INVALID_ARGUMENT
+    max_message_bytes = None  # written by the operator, read by the operator: keep every problem
 
 
 def error_from_code(code: str, message: str) -> MpsdError:

@@ -1,4 +1,5 @@
-"""Reading a model repository: `<repo>/<model>/config.yaml` plus numeric version directories.
+"""Reading a model repository: `<repo>/<model>/config.yaml` (or Triton's `config.pbtxt`) plus numeric
+version directories.
 
 Scanning never raises for a single broken model: the model is returned with the reason, so every other
 model keeps serving.
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 from mpsd.config.model_config import ModelConfig
 
 CONFIG_FILE = "config.yaml"
+PBTXT_FILE = "config.pbtxt"  # Triton's format, read when there is no config.yaml
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 _TEMP_SUFFIXES = ("~", ".swp", ".swx", ".tmp", ".part", ".crdownload", ".partial")
 
@@ -24,6 +26,32 @@ _TEMP_SUFFIXES = ("~", ".swp", ".swx", ".tmp", ".part", ".crdownload", ".partial
 def is_ignored_name(name: str) -> bool:
     """Dotfiles, editor backups and partial downloads are never part of a model."""
     return name.startswith(".") or name.endswith(_TEMP_SUFFIXES)
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a model directory of the repository (path separators, `..`, NUL...), or None."""
+    if not MODEL_NAME_RE.match(name):
+        return (
+            "a model name is 1 to 128 letters, digits, '_', '.' or '-', not starting with '.' or '-' "
+            "(no path separators)"
+        )
+    if is_ignored_name(name):
+        return f"names ending in {', '.join(_TEMP_SUFFIXES)} are temporary files, never models"
+    return None
+
+
+def escape_problem(path: Path, root: Path, what: str) -> str | None:
+    """Why `path` may not be used: it resolves (through symlinks) to outside `root`. None when inside."""
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # missing, a symlink loop
+        return f"{path}: cannot resolve {what}: {exc}"
+    if target.is_relative_to(root.resolve()):
+        return None
+    return (
+        f"{path}: {what} is a symlink to {target}, outside the model repository; "
+        "set allow_symlinks: true in the daemon config to allow it"
+    )
 
 
 @dataclass(frozen=True)
@@ -37,6 +65,7 @@ class ModelSource:
     error: str | None = None
     version_fingerprints: dict[int, str] = field(default_factory=dict)
     config_fingerprint: str = ""
+    warnings: tuple[str, ...] = ()  # config fields that are ignored, each named with the reason
 
     @property
     def ok(self) -> bool:
@@ -72,7 +101,7 @@ def describe_yaml_error(path: Path, exc: yaml.YAMLError) -> str:
     return f"{path}: invalid YAML{where}: {problem}"
 
 
-def parse_model_config(path: Path, text: str, dir_name: str) -> ModelConfig:
+def parse_model_config(path: Path, text: str, dir_name: str | None) -> ModelConfig:
     """Parse and validate a config.yaml; raises ValueError with a message naming file and field."""
     try:
         raw = yaml.safe_load(text)
@@ -82,15 +111,47 @@ def parse_model_config(path: Path, text: str, dir_name: str) -> ModelConfig:
         raise ValueError(f"{path}: file is empty; it must hold the model's config fields")
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of config fields, got {type(raw).__name__}")
+    config = validate_model_config(path, raw)
+    check_config_name(path, config, dir_name)
+    return config
+
+
+def validate_model_config(path: Path, raw: dict[str, object]) -> ModelConfig:
+    """Validate config fields read from `path` (YAML or mapped from pbtxt); ValueError names each field."""
     try:
-        config = ModelConfig.model_validate(raw)
+        return ModelConfig.model_validate(raw)
     except ValidationError as exc:
         raise ValueError(format_validation_error(path, exc)) from None
-    if config.name is not None and config.name != dir_name:
+
+
+def check_config_name(path: Path, config: ModelConfig, dir_name: str | None) -> None:
+    """A config's name, when given, is its directory's (None: a file converted on its own, no check)."""
+    if config.name is not None and dir_name is not None and config.name != dir_name:
         raise ValueError(
             f"{path}: field 'name': '{config.name}' does not match the model directory '{dir_name}'"
         )
-    return config
+
+
+def config_path(model_dir: Path) -> tuple[Path, str | None]:
+    """The model's config file: config.yaml, else config.pbtxt; both present is an error (which wins
+    would be a guess)."""
+    yaml_path, pbtxt_path = model_dir / CONFIG_FILE, model_dir / PBTXT_FILE
+    if not pbtxt_path.exists():
+        return yaml_path, None
+    if yaml_path.exists():
+        return yaml_path, (
+            f"{model_dir}: both {CONFIG_FILE} and {PBTXT_FILE} are present; keep one "
+            "(`mpsd convert-config` converts between them)"
+        )
+    return pbtxt_path, None
+
+
+def _parse_config_file(path: Path, text: str, dir_name: str) -> tuple[ModelConfig, tuple[str, ...]]:
+    if path.name != PBTXT_FILE:
+        return parse_model_config(path, text, dir_name), ()
+    from mpsd.config.pbtxt import parse_pbtxt_config  # generated protobuf code: only when a pbtxt exists
+
+    return parse_pbtxt_config(path, text, dir_name)
 
 
 def _is_version_name(name: str) -> bool:
@@ -115,12 +176,25 @@ def _fingerprint_dir(directory: Path) -> str:
     return digest.hexdigest()
 
 
-def load_model_source(model_dir: Path) -> ModelSource:
-    """Read one model directory; problems come back in `error`, never as exceptions."""
+def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSource:
+    """Read one model directory; problems come back in `error`, never as exceptions.
+
+    Unless `allow_symlinks`, the model directory, its config, version directories and model files must
+    all resolve to inside the repository (the directory holding `model_dir`).
+    """
     name = model_dir.name
     if not MODEL_NAME_RE.match(name):
         return ModelSource(name, model_dir, error=f"{model_dir}: invalid model name '{name}'")
-    cfg_path = model_dir / CONFIG_FILE
+    root = model_dir.parent
+    cfg_path, conflict = config_path(model_dir)
+    if conflict is not None:
+        return ModelSource(name, model_dir, error=conflict)
+    if not allow_symlinks:
+        escape = escape_problem(model_dir, root, "the model directory")
+        if escape is None and cfg_path.exists():
+            escape = escape_problem(cfg_path, root, cfg_path.name)
+        if escape is not None:
+            return ModelSource(name, model_dir, error=escape)
     try:
         text = cfg_path.read_text()
     except FileNotFoundError:
@@ -131,7 +205,7 @@ def load_model_source(model_dir: Path) -> ModelSource:
         return ModelSource(name, model_dir, error=f"{cfg_path}: not UTF-8 text (byte {exc.start})")
     cfg_fp = hashlib.sha256(text.encode()).hexdigest()
     try:
-        config = parse_model_config(cfg_path, text, name)
+        config, warnings = _parse_config_file(cfg_path, text, name)
     except ValueError as exc:
         return ModelSource(name, model_dir, error=str(exc), config_fingerprint=cfg_fp)
 
@@ -151,9 +225,24 @@ def load_model_source(model_dir: Path) -> ModelSource:
             f"(found {sorted(available) or 'none'})",
             config_fingerprint=cfg_fp,
         )
+    filename = config.model_filename
+    if filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename:
+        return ModelSource(
+            name,
+            model_dir,
+            error=f"{cfg_path}: field 'default_model_filename': '{filename}' must be a plain file name "
+            "inside the version directory",
+            config_fingerprint=cfg_fp,
+        )
     fingerprints: dict[int, str] = {}
     for v in versions:
-        model_file = model_dir / str(v) / config.model_filename
+        model_file = model_dir / str(v) / filename
+        if not allow_symlinks and model_file.exists():
+            escape = escape_problem(model_dir / str(v), root, f"version directory {v}") or escape_problem(
+                model_file, root, "the model file"
+            )
+            if escape is not None:
+                return ModelSource(name, model_dir, error=escape, config_fingerprint=cfg_fp)
         if not model_file.is_file():
             return ModelSource(
                 name, model_dir, error=f"{model_file}: model file is missing", config_fingerprint=cfg_fp
@@ -166,13 +255,14 @@ def load_model_source(model_dir: Path) -> ModelSource:
         versions=tuple(versions),
         version_fingerprints=fingerprints,
         config_fingerprint=cfg_fp,
+        warnings=warnings,
     )
 
 
-def scan_repository(repo: Path) -> dict[str, ModelSource]:
+def scan_repository(repo: Path, allow_symlinks: bool = False) -> dict[str, ModelSource]:
     """Every model directory in the repository, broken ones included (with their reason)."""
     models: dict[str, ModelSource] = {}
     for entry in sorted(repo.iterdir()):
         if entry.is_dir() and not is_ignored_name(entry.name):
-            models[entry.name] = load_model_source(entry)
+            models[entry.name] = load_model_source(entry, allow_symlinks)
     return models

@@ -17,8 +17,8 @@ from typing import NoReturn
 import structlog
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.repository import ModelSource, scan_repository
-from mpsd.errors import ConfigError, NotFound, Unavailable
+from mpsd.config.repository import ModelSource, model_name_problem, scan_repository
+from mpsd.errors import ConfigError, InvalidArgument, NotFound, Unavailable
 
 from .instance import SupervisorSettings
 from .launch import plan_version
@@ -114,6 +114,8 @@ class Registry:
         self.repository = repository
         self.budget_policy = budget_policy
         self.quiet_period_s = quiet_period_s
+        self.allow_symlinks = False  # follow symlinks that leave the repository
+        self._warned: dict[str, str] = {}  # model -> config fingerprint whose ignored fields were logged
         self.unloaded: set[str] = set()
         self.reconcile_lock = asyncio.Lock()
         self.settings = settings
@@ -164,7 +166,7 @@ class Registry:
             return await self._reconcile(only, settle)
 
     async def _reconcile(self, only: Collection[str] | None, settle: bool) -> ReconcileReport:
-        desired = scan_repository(self.repository)
+        desired = scan_repository(self.repository, self.allow_symlinks)
         report = ReconcileReport()
         names = sorted(set(only) if only is not None else set(desired) | set(self.entries))
         jobs = []
@@ -193,7 +195,15 @@ class Registry:
             )
         return report
 
+    def _warn_ignored(self, source: ModelSource) -> None:
+        """Config fields mpsd ignores are logged once per model and config, not on every scan."""
+        if not source.warnings or self._warned.get(source.name) == source.config_fingerprint:
+            return
+        self._warned[source.name] = source.config_fingerprint
+        log.warning("config fields ignored by mpsd", model=source.name, fields=list(source.warnings))
+
     async def _apply_into(self, source: ModelSource, report: ReconcileReport) -> None:
+        self._warn_ignored(source)
         try:
             if await self.apply(source):
                 report.changed.append(source.name)
@@ -201,9 +211,12 @@ class Registry:
             report.failed[source.name] = str(exc)
 
     async def load_model(self, name: str) -> None:
-        """Explicit (re)load of one model from the repository; raises NotFound or LoadError."""
+        """Explicit (re)load of one model from the repository: InvalidArgument, NotFound or LoadError."""
+        problem = model_name_problem(name)
+        if problem is not None:  # before the name touches the file system: no `..`, `/`, NUL, absolute path
+            raise InvalidArgument(f"model name {name!r}: {problem}")
         model_dir = self.repository / name
-        if "/" in name or name in ("", ".", "..") or not model_dir.is_dir():
+        if not model_dir.is_dir():
             raise NotFound(f"model '{name}' is not in the repository {self.repository}")
         self.unloaded.discard(name)
         entry = self.entries.get(name)

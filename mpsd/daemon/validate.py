@@ -15,10 +15,13 @@ from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
 
+from .client_shm import ShmLease, shm_ref
 from .request import InferRequest, InputTensor
 
 MAX_NAME = 256
 MAX_DIMS = 16
+MAX_ID = 4096
+MAX_TENSOR_BYTES = 2**63 - 1  # what a signed 64-bit byte count (numpy, torch, the IPC) can hold
 # Typed `contents` field and numpy dtype per datatype; FP16/BF16 have no typed field in the protocol.
 TYPED_FIELDS: dict[str, tuple[str, Any]] = {
     "BOOL": ("bool_contents", np.bool_),
@@ -42,6 +45,20 @@ _ALL_TYPED = (
 )
 _KNOWN_OUTPUT_PARAMS = {"binary_data"}
 _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
+# Request parameters Triton clients send, with the value kinds each may have. mpsd has nothing to do for
+# them (no sequence batcher, no priority levels), so they are accepted; any other key is refused, so that
+# a misspelt or unsupported option is never silently ignored.
+REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
+    "sequence_id": ("int64_param", "uint64_param", "string_param"),
+    "sequence_start": ("bool_param",),
+    "sequence_end": ("bool_param",),
+    "priority": ("uint64_param", "int64_param"),
+    "timeout": ("int64_param", "uint64_param"),
+    "binary_data_output": ("bool_param",),
+    "headers": ("string_param",),
+}
+INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}
+OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {"classification"}
 
 
 def _fmt(shape: Any) -> str:
@@ -53,6 +70,34 @@ def check_name(kind: str, name: str) -> None:
         raise InvalidArgument(f"{kind} name is empty")
     if len(name) > MAX_NAME:
         raise InvalidArgument(f"{kind} name is {len(name)} characters long; the limit is {MAX_NAME}")
+    if not name.isprintable():  # control characters, lone surrogates, invisible separators
+        raise InvalidArgument(f"{kind} name {name!a} contains control or unprintable characters")
+
+
+def _check_parameters(where: str, parameters: Any, known: set[str] | dict[str, tuple[str, ...]]) -> None:
+    unknown = sorted(k for k in parameters if k not in known)
+    if unknown:
+        names = ", ".join(ascii(k)[:80] for k in unknown[:5])
+        raise InvalidArgument(f"{where}: unknown parameter(s) {names} (accepted: {', '.join(sorted(known))})")
+
+
+def check_request_fields(request: Any) -> None:
+    """The request-level fields: id and parameters (names and tensors are checked with the model)."""
+    if len(request.id) > MAX_ID:
+        raise InvalidArgument(f"request id is {len(request.id)} characters long; the limit is {MAX_ID}")
+    _check_parameters("request", request.parameters, REQUEST_PARAMS)
+    for key, value in request.parameters.items():
+        kind = value.WhichOneof("parameter_choice")
+        if kind not in REQUEST_PARAMS[key]:
+            expected = " or ".join(k.removesuffix("_param") for k in REQUEST_PARAMS[key])
+            got = kind.removesuffix("_param") if kind else "no value"
+            raise InvalidArgument(f"request parameter '{key}' must be {expected}, got {got}")
+        if key in ("timeout", "priority") and getattr(value, kind) < 0:
+            raise InvalidArgument(f"request parameter '{key}' must not be negative")
+
+
+def _typed_used(contents: Any) -> list[str]:
+    return [f for f in _ALL_TYPED if len(getattr(contents, f))]
 
 
 def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int) -> None:
@@ -62,6 +107,13 @@ def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int
     for d in shape:
         if d < 0:
             raise InvalidArgument(f"input '{name}': shape {_fmt(shape)} has a negative dimension")
+    elements = 1
+    for d in shape:  # zero-sized dims count as 1: the shape must still be representable downstream
+        elements *= max(d, 1)
+    if elements * cfg.itemsize > MAX_TENSOR_BYTES:
+        raise InvalidArgument(
+            f"input '{name}': shape {_fmt(shape)} is too large: its byte size overflows 64 bits"
+        )
     expected = ([-1] if max_batch > 0 else []) + list(cfg.dims)
     if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape, strict=True)):
         where = f" plus the batch dimension (max_batch_size {max_batch})" if max_batch > 0 else ""
@@ -79,7 +131,7 @@ def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int
 
 def _typed_bytes(name: str, datatype: str, contents: Any, count: int) -> bytes:
     """Convert typed `contents` to raw bytes, checking the field and the element count."""
-    used = [f for f in _ALL_TYPED if len(getattr(contents, f))]
+    used = _typed_used(contents)
     typed = TYPED_FIELDS.get(datatype)
     if typed is None:
         raise InvalidArgument(f"input '{name}': {datatype} data must be sent in raw_input_contents")
@@ -102,20 +154,30 @@ def _typed_bytes(name: str, datatype: str, contents: Any, count: int) -> bytes:
     return wide.astype(np_type).tobytes()
 
 
-def parse_infer_request(request: Any, config: ModelConfig, version: str) -> InferRequest:
-    """Validate a ModelInferRequest and return the domain request with inputs in config order."""
+def parse_infer_request(
+    request: Any, config: ModelConfig, version: str, shm: ShmLease | None = None
+) -> InferRequest:
+    """Validate a ModelInferRequest and return the domain request with inputs in config order.
+
+    Inputs in shared memory come back as views of the client's region and outputs in shared memory are
+    bound in `shm`, which holds those regions until the response is built.
+    """
     model = request.model_name
+    check_request_fields(request)
     configured = config.input_by_name()
     max_batch = config.max_batch_size
     raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
+    in_request = sum(not set(t.parameters) & _SHM_PARAMS for t in request.inputs)  # raw entries are theirs
+    if raw and len(raw) != in_request:
+        where = " not in shared memory" if in_request < len(request.inputs) else ""
         raise InvalidArgument(
-            f"raw_input_contents has {len(raw)} entries but the request has {len(request.inputs)} inputs; "
+            f"raw_input_contents has {len(raw)} entries but the request has {in_request} inputs{where}; "
             "when raw contents are used every input must have one"
         )
+    next_raw = 0
     seen: dict[str, InputTensor] = {}
     batch: int | None = None
-    for i, tensor in enumerate(request.inputs):
+    for tensor in request.inputs:
         name = tensor.name
         check_name("input", name)
         if name in seen:
@@ -125,8 +187,10 @@ def parse_infer_request(request: Any, config: ModelConfig, version: str) -> Infe
             raise InvalidArgument(
                 f"unknown input '{name}' for model '{model}' (expected: {', '.join(configured)})"
             )
-        if set(tensor.parameters) & _SHM_PARAMS:
-            raise Unimplemented(f"input '{name}': shared-memory inputs are not supported by this server yet")
+        _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
+        ref = shm_ref(f"input '{name}'", tensor.parameters)
+        if ref is not None and shm is None:
+            raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
         if tensor.datatype in UNSUPPORTED:
             raise InvalidArgument(f"input '{name}': {UNSUPPORTED[tensor.datatype]}")
         if tensor.datatype != cfg.wire_datatype:
@@ -143,8 +207,18 @@ def parse_infer_request(request: Any, config: ModelConfig, version: str) -> Infe
             batch = shape[0]
         count = math.prod(shape)
         nbytes = count * ITEMSIZE[cfg.wire_datatype]
-        if raw:
-            data: bytes = raw[i]
+        data: bytes | memoryview
+        if ref is not None and shm is not None:
+            if _typed_used(tensor.contents):
+                raise InvalidArgument(f"input '{name}': data is given both in shared memory and in contents")
+            data = shm.input(f"input '{name}'", ref, nbytes)
+        elif raw:
+            if _typed_used(tensor.contents):
+                raise InvalidArgument(
+                    f"input '{name}': data is given both in raw_input_contents and in contents; send one"
+                )
+            data = raw[next_raw]
+            next_raw += 1
             if len(data) != nbytes:
                 raise InvalidArgument(
                     f"input '{name}': raw content has {len(data)} bytes, expected {nbytes} "
@@ -158,7 +232,7 @@ def parse_infer_request(request: Any, config: ModelConfig, version: str) -> Infe
         raise InvalidArgument(f"missing input(s) {', '.join(missing)} for model '{model}'")
     if any(c.optional and n not in seen for n, c in configured.items()):
         raise Unimplemented(f"model '{model}': omitting optional inputs is not supported by this backend")
-    outputs = _requested_outputs(request, config)
+    outputs = _requested_outputs(request, config, shm)
     return InferRequest(
         model=model,
         version=version,
@@ -169,7 +243,7 @@ def parse_infer_request(request: Any, config: ModelConfig, version: str) -> Infe
     )
 
 
-def _requested_outputs(request: Any, config: ModelConfig) -> tuple[str, ...]:
+def _requested_outputs(request: Any, config: ModelConfig, shm: ShmLease | None) -> tuple[str, ...]:
     known = config.output_by_name()
     names: list[str] = []
     for out in request.outputs:
@@ -180,10 +254,12 @@ def _requested_outputs(request: Any, config: ModelConfig) -> tuple[str, ...]:
             )
         if out.name in names:
             raise InvalidArgument(f"output '{out.name}' is requested twice")
-        if set(out.parameters) & _SHM_PARAMS:
-            raise Unimplemented(
-                f"output '{out.name}': shared-memory outputs are not supported by this server yet"
-            )
+        _check_parameters(f"output '{out.name}'", out.parameters, OUTPUT_PARAMS)
+        ref = shm_ref(f"output '{out.name}'", out.parameters)
+        if ref is not None:
+            if shm is None:
+                raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported here")
+            shm.bind_output(out.name, ref)
         if out.parameters.get("classification") and out.parameters["classification"].int64_param > 0:
             raise Unimplemented(f"output '{out.name}': classification outputs are not supported")
         names.append(out.name)

@@ -1,0 +1,725 @@
+"""Security promises, each checked against a real daemon where it matters:
+
+- a Unix socket is created mode 0600 (a stale one from a dead daemon is replaced) and serves tritonclient;
+- TLS and mutual TLS with certificates made here: no client certificate, one from another CA, or plain
+  text: no conversation;
+- bearer tokens: none or a wrong one is UNAUTHENTICATED, one without the RPC's category is
+  PERMISSION_DENIED naming the category;
+- without tokens, repository changes are accepted only where only this host can connect;
+- model names cannot leave the repository, symlinks out of it are refused unless allowed;
+- a model file that needs pickle is refused unless its config says `allow_pickle: true`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import pickle
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch import nn
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+from mpsd.config.daemon_config import load_daemon_config
+from mpsd.config.security import AuthConfig, Token
+from mpsd.daemon.auth import METHOD_CATEGORY, REPOSITORY_CHANGES, AccessPolicy, category_of
+from mpsd.daemon.listen import parse_address, remove_stale_socket
+from mpsd.errors import ConfigError
+from mpsd.worker.backends.pickled import PickleRefused, archive_kind, no_unpickling
+from tests import models
+from tests.conftest import ROOT, RunningDaemon, free_port, wait_for
+
+INFER_TOKEN = "infer-token-1f0c"
+READER_TOKEN = "reader-token-77ab"
+ADMIN_TOKEN = "admin-token-c93e"
+ADMIN_ENV = "MPSD_TEST_ADMIN_TOKEN"
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+# ---- certificates -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    stranger_cert: Path  # a client certificate from a CA the server does not trust
+    stranger_key: Path
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _issue(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
+    usage: str,
+) -> x509.Certificate:
+    """A certificate for `key`; self-signed CA when issuer is None, else signed by (issuer name, key)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    issuer_name, signing_key = issuer if issuer is not None else (subject, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=usage == "ca", path_length=None), critical=True)
+    )
+    if usage == "ca":
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    elif usage == "server":
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [
+                    x509.DNSName("localhost"),
+                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    x509.IPAddress(ipaddress.ip_address("::1")),
+                ]
+            ),
+            critical=False,
+        ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    else:
+        builder = builder.add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+    return builder.sign(signing_key, hashes.SHA256())
+
+
+def _write(directory: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Path:
+    (directory / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path = directory / f"{name}.key"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    key_path.chmod(0o600)
+    return directory / f"{name}.pem"
+
+
+def make_pki(directory: Path) -> Pki:
+    keys = {
+        n: ec.generate_private_key(ec.SECP256R1()) for n in ("ca", "server", "client", "other", "stranger")
+    }
+    ca = _issue("mpsd test CA", keys["ca"], None, "ca")
+    _write(directory, "ca", ca, keys["ca"])
+    _write(
+        directory,
+        "server",
+        _issue("localhost", keys["server"], ("mpsd test CA", keys["ca"]), "server"),
+        keys["server"],
+    )
+    _write(
+        directory,
+        "client",
+        _issue("client", keys["client"], ("mpsd test CA", keys["ca"]), "client"),
+        keys["client"],
+    )
+    _write(
+        directory,
+        "stranger",
+        _issue("stranger", keys["stranger"], ("another CA", keys["other"]), "client"),
+        keys["stranger"],
+    )
+    return Pki(
+        ca=directory / "ca.pem",
+        server_cert=directory / "server.pem",
+        server_key=directory / "server.key",
+        client_cert=directory / "client.pem",
+        client_key=directory / "client.key",
+        stranger_cert=directory / "stranger.pem",
+        stranger_key=directory / "stranger.key",
+    )
+
+
+# ---- daemons ----------------------------------------------------------------------------------------
+
+
+def write_daemon_config(path: Path, **settings: Any) -> Path:
+    path.write_text(yaml.safe_dump({"metrics_address": "", "reload_quiet_period_s": 0.3, **settings}))
+    return path
+
+
+def start_daemon(
+    base: Path, repo: Path, config: Path, listen: str, client: grpcclient.InferenceServerClient, **kw: Any
+) -> RunningDaemon:
+    """A daemon listening on `listen`, talked to with `client` (RunningDaemon's own client is TCP/plain)."""
+    daemon = RunningDaemon(
+        repo, base / "daemon.log", extra_args=["--grpc-address", listen], config=config, **kw
+    )
+    daemon.client.close()
+    daemon.client = client
+    return daemon
+
+
+def wait_settled(daemon: RunningDaemon, headers: dict[str, str] | None = None, timeout: float = 120) -> None:
+    """Until the daemon answers and no model is LOADING."""
+
+    def settled() -> bool:
+        if daemon.proc.poll() is not None:
+            raise AssertionError(f"daemon exited with {daemon.proc.returncode}:\n{daemon.log()}")
+        index = daemon.client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
+        return all(m.get("state") != "LOADING" for m in index)
+
+    wait_for(settled, timeout, f"models settled\n{daemon.log()}")
+
+
+def index_of(daemon: RunningDaemon, headers: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    rows = daemon.client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
+    return {row["name"]: row for row in rows}
+
+
+def torch_saved_relu(repo: Path, name: str, allow_pickle: bool) -> Path:
+    """`torch.save(module)`, the pickle format, under backend: torchscript."""
+    model_dir = repo / name
+    config: dict[str, Any] = {
+        "backend": "torchscript",
+        "max_batch_size": 0,
+        "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
+        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1]}],
+    }
+    if allow_pickle:
+        config["allow_pickle"] = True
+    models.write_config(model_dir, config)
+    (model_dir / "1").mkdir()
+    torch.save(nn.Sequential(nn.ReLU()), model_dir / "1" / "model.pt")
+    return model_dir
+
+
+LINEAR_WEIGHT = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
+LINEAR_BIAS = np.array([1, -1, 0.5, 0], np.float32)
+
+
+def exported_linear(repo: Path, name: str) -> Path:
+    """A torch.export program with weights, loaded without any unpickling."""
+    model_dir = repo / name
+    models.write_config(
+        model_dir,
+        {
+            "backend": "torch_export",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4]}],
+        },
+    )
+    linear = nn.Linear(4, 4)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(LINEAR_WEIGHT))
+        linear.bias.copy_(torch.from_numpy(LINEAR_BIAS))
+    (model_dir / "1").mkdir()
+    torch.export.save(torch.export.export(linear, (torch.zeros(4),)), str(model_dir / "1" / "model.pt2"))
+    return model_dir
+
+
+@dataclass
+class Daemons:
+    unix: RunningDaemon
+    unix_socket: Path
+    mtls: RunningDaemon
+    pki: Pki
+    tls_open: RunningDaemon  # TLS, no tokens, listening on every interface
+
+
+def _mtls_client(address: str, pki: Pki, cert: Path | None = None, key: Path | None = None) -> Any:
+    return grpcclient.InferenceServerClient(
+        address,
+        ssl=True,
+        root_certificates=str(pki.ca),
+        private_key=str(key or pki.client_key),
+        certificate_chain=str(cert or pki.client_cert),
+    )
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    """Three daemons started together (their workers load in parallel)."""
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    started: list[RunningDaemon] = []
+    try:
+        # 1. A Unix socket, symlinks allowed, models that need or refuse pickle, an exported program.
+        base = tmp_path_factory.mktemp("unix")
+        outside = base / "elsewhere"
+        models.add_sub(outside)
+        repo = base / "repo"
+        repo.mkdir()
+        (repo / "add_sub").symlink_to(outside / "add_sub")
+        torch_saved_relu(repo, "pickled", allow_pickle=False)
+        torch_saved_relu(repo, "pickled_allowed", allow_pickle=True)
+        exported_linear(repo, "linear")
+        sock = base / "mpsd.sock"
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(sock))  # left behind without a listener, like a daemon killed with -9
+        stale.close()
+        config = write_daemon_config(base / "mpsd.yaml", allow_symlinks=True)
+        unix = start_daemon(
+            base, repo, config, f"unix://{sock}", grpcclient.InferenceServerClient(f"unix://{sock}")
+        )
+        started.append(unix)
+
+        # 2. Mutual TLS and tokens (one from a file, one from the environment).
+        base = tmp_path_factory.mktemp("mtls")
+        repo = base / "repo"
+        models.add_sub(repo)
+        (base / "infer.token").write_text(INFER_TOKEN + "\n")
+        (base / "reader.token").write_text(READER_TOKEN)
+        for f in ("infer.token", "reader.token"):
+            (base / f).chmod(0o600)
+        config = write_daemon_config(
+            base / "mpsd.yaml",
+            tls={
+                "cert_file": str(pki.server_cert),
+                "key_file": str(pki.server_key),
+                "client_ca_file": str(pki.ca),
+            },
+            auth={
+                "tokens": [
+                    {"token_file": "infer.token", "categories": ["inference"]},
+                    {"token_file": "reader.token", "categories": ["health", "logs-statistics"]},
+                    {
+                        "token_env": ADMIN_ENV,
+                        "categories": ["inference", "health", "model-repository", "logs-statistics"],
+                    },
+                ]
+            },
+        )
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        mtls = start_daemon(
+            base, repo, config, address, _mtls_client(address, pki), env={ADMIN_ENV: ADMIN_TOKEN}
+        )
+        mtls.address = address
+        started.append(mtls)
+
+        # 3. Server-only TLS on every interface, no tokens; a repository with symlinks out of it.
+        base = tmp_path_factory.mktemp("tls")
+        outside = base / "elsewhere"
+        models.add_sub(outside, "escaped")
+        models.add_sub(outside, "versioned")
+        repo = base / "repo"
+        repo.mkdir()
+        (repo / "escaped").symlink_to(outside / "escaped")
+        models.write_config(
+            repo / "versioned", yaml.safe_load((outside / "versioned" / "config.yaml").read_text())
+        )
+        (repo / "versioned" / "1").symlink_to(outside / "versioned" / "1")
+        config = write_daemon_config(
+            base / "mpsd.yaml", tls={"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)}
+        )
+        port = free_port()
+        address = f"127.0.0.1:{port}"
+        tls_client = grpcclient.InferenceServerClient(address, ssl=True, root_certificates=str(pki.ca))
+        tls_open = start_daemon(base, repo, config, f"0.0.0.0:{port}", tls_client)
+        tls_open.address = address
+        started.append(tls_open)
+
+        wait_settled(unix)
+        wait_settled(mtls, bearer(ADMIN_TOKEN))
+        wait_settled(tls_open)
+        yield Daemons(unix, sock, mtls, pki, tls_open)
+    finally:
+        for daemon in started:
+            daemon.stop()
+            daemon.kill_group()
+
+
+def status_of(call: Callable[[], object]) -> tuple[str, str]:
+    """(status code, message) of a call that must fail."""
+    try:
+        call()
+    except InferenceServerException as exc:
+        return str(exc.status()), str(exc.message())
+    except grpc.RpcError as exc:
+        return str(exc.code()), str(exc.details())
+    pytest.fail("the call was accepted")
+
+
+def add_sub_inputs(value: float = 1.0) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        inp = grpcclient.InferInput(name, [1, 16], "FP32")
+        inp.set_data_from_numpy(np.full((1, 16), value, np.float32))
+        inputs.append(inp)
+    return inputs
+
+
+def vector_input(name: str, value: np.ndarray) -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput(name, list(value.shape), "FP32")
+    inp.set_data_from_numpy(value)
+    return [inp]
+
+
+# ---- Unix socket ----------------------------------------------------------------------------------------
+
+
+def test_unix_socket_is_mode_0600_replaces_a_stale_one_and_serves(daemons: Daemons) -> None:
+    st = daemons.unix_socket.stat()
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    assert "removing stale socket" in daemons.unix.log()
+    client = daemons.unix.client
+    assert client.is_server_live()
+    result = client.infer("add_sub", add_sub_inputs(2.0))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 4.0, np.float32))
+
+
+def test_stale_socket_check_refuses_live_sockets_and_other_files(tmp_path: Path) -> None:
+    regular = tmp_path / "file.sock"
+    regular.write_text("not a socket")
+    with pytest.raises(ConfigError, match="not a socket"):
+        remove_stale_socket(regular)
+    assert regular.exists()
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(live))
+        listener.listen()
+        with pytest.raises(ConfigError, match="another server is listening"):
+            remove_stale_socket(live)
+    assert live.exists()
+
+
+@pytest.mark.parametrize(
+    ("address", "local"),
+    [
+        ("127.0.0.1:8001", True),
+        ("localhost:8001", True),
+        ("[::1]:8001", True),
+        ("0.0.0.0:8001", False),
+        ("[::]:8001", False),
+        ("192.168.1.10:8001", False),
+        ("unix:///run/mpsd/mpsd.sock", True),
+    ],
+)
+def test_address_locality(address: str, local: bool) -> None:
+    assert parse_address(address).is_local is local
+
+
+@pytest.mark.parametrize("address", ["unix:relative.sock", "nonsense", "host:port", "unix:///" + "x" * 200])
+def test_bad_addresses_are_config_errors(address: str) -> None:
+    with pytest.raises(ConfigError, match="grpc_address"):
+        parse_address(address)
+
+
+# ---- TLS -----------------------------------------------------------------------------------------------
+
+
+def test_mutual_tls_refuses_clients_without_a_trusted_certificate(daemons: Daemons) -> None:
+    pki, address = daemons.pki, daemons.mtls.address
+    no_cert = grpcclient.InferenceServerClient(address, ssl=True, root_certificates=str(pki.ca))
+    stranger = _mtls_client(address, pki, pki.stranger_cert, pki.stranger_key)
+    plain = grpcclient.InferenceServerClient(address)
+    try:
+        for client in (no_cert, stranger, plain):
+            code, message = status_of(lambda c=client: c.is_server_live(headers=bearer(ADMIN_TOKEN)))
+            assert code == str(grpc.StatusCode.UNAVAILABLE), message
+    finally:
+        for client in (no_cert, stranger, plain):
+            client.close()
+    assert daemons.mtls.client.is_server_live(headers=bearer(ADMIN_TOKEN))
+
+
+def test_server_only_tls_serves_and_refuses_plain_text(daemons: Daemons) -> None:
+    assert daemons.tls_open.client.is_server_live()
+    plain = grpcclient.InferenceServerClient(daemons.tls_open.address)
+    try:
+        code, message = status_of(plain.is_server_live)
+        assert code == str(grpc.StatusCode.UNAVAILABLE), message
+    finally:
+        plain.close()
+
+
+# ---- tokens ----------------------------------------------------------------------------------------------
+
+
+def test_missing_or_wrong_token_is_unauthenticated(daemons: Daemons) -> None:
+    client = daemons.mtls.client
+    for headers in (None, bearer("not-a-token"), {"authorization": INFER_TOKEN}, bearer(INFER_TOKEN + "x")):
+        code, message = status_of(lambda h=headers: client.infer("add_sub", add_sub_inputs(), headers=h))
+        assert code == str(grpc.StatusCode.UNAUTHENTICATED), message
+        assert "ModelInfer" in message and "inference" in message
+    code, message = status_of(lambda: client.is_server_live())
+    assert code == str(grpc.StatusCode.UNAUTHENTICATED)
+    assert "authorization: Bearer" in message
+
+
+def test_each_token_opens_its_categories_only(daemons: Daemons) -> None:
+    client = daemons.mtls.client
+    infer, reader, admin = bearer(INFER_TOKEN), bearer(READER_TOKEN), bearer(ADMIN_TOKEN)
+    result = client.infer("add_sub", add_sub_inputs(3.0), headers=infer)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 6.0, np.float32))
+    denied = {
+        "health": lambda: client.is_server_live(headers=infer),
+        "model-repository": lambda: client.load_model("add_sub", headers=infer),
+        "logs-statistics": lambda: client.get_inference_statistics(headers=infer),
+        "inference": lambda: client.infer("add_sub", add_sub_inputs(), headers=reader),
+    }
+    for category, call in denied.items():
+        code, message = status_of(call)
+        assert code == str(grpc.StatusCode.PERMISSION_DENIED), message
+        assert f"'{category}'" in message, message
+    assert client.is_server_ready(headers=reader)
+    assert client.get_inference_statistics("add_sub", headers=reader) is not None
+    code, message = status_of(lambda: client.unload_model("add_sub", headers=reader))
+    assert code == str(grpc.StatusCode.PERMISSION_DENIED) and "'model-repository'" in message
+    client.load_model("add_sub", headers=admin)  # unchanged on disk: nothing restarts
+    assert client.is_model_ready("add_sub", headers=admin)
+
+
+def test_tokens_guard_streams_health_and_the_admin_service(daemons: Daemons) -> None:
+    pki, address = daemons.pki, daemons.mtls.address
+    credentials = grpc.ssl_channel_credentials(
+        pki.ca.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()
+    )
+    with grpc.secure_channel(address, credentials) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest(service="")
+        code, _ = status_of(lambda: health.Check(request, timeout=10))
+        assert code == str(grpc.StatusCode.UNAUTHENTICATED)
+        reply = health.Check(request, timeout=10, metadata=tuple(bearer(READER_TOKEN).items()))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        list_workers = channel.unary_unary("/mpsd.v1.MpsdAdmin/ListWorkers")
+        code, message = status_of(
+            lambda: list_workers(b"", timeout=10, metadata=tuple(bearer(INFER_TOKEN).items()))
+        )
+        assert code == str(grpc.StatusCode.PERMISSION_DENIED) and "'logs-statistics'" in message
+        assert isinstance(list_workers(b"", timeout=10, metadata=tuple(bearer(READER_TOKEN).items())), bytes)
+        stream_logs = channel.unary_stream("/mpsd.v1.MpsdAdmin/StreamLogs")
+        code, message = status_of(
+            lambda: list(stream_logs(b"", timeout=10, metadata=tuple(bearer(INFER_TOKEN).items())))
+        )
+        assert code == str(grpc.StatusCode.PERMISSION_DENIED) and "'logs-statistics'" in message
+        reload = channel.unary_unary("/mpsd.v1.MpsdAdmin/Reload")
+        code, message = status_of(
+            lambda: reload(b"", timeout=10, metadata=tuple(bearer(READER_TOKEN).items()))
+        )
+        assert code == str(grpc.StatusCode.PERMISSION_DENIED) and "'model-repository'" in message
+
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        request_bytes = service_pb2.ModelInferRequest(model_name="add_sub").SerializeToString()
+        code, message = status_of(lambda: list(stream(iter([request_bytes]), timeout=10)))
+        assert code == str(grpc.StatusCode.UNAUTHENTICATED), message
+
+
+def test_every_rpc_of_the_served_services_has_a_category() -> None:
+    served = {
+        f"/{service.full_name}/{method.name}"
+        for service in service_pb2.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    served |= {f"/mpsd.v1.MpsdAdmin/{m}" for m in ("StreamLogs", "ListWorkers", "Reload")}
+    served |= {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}
+    served |= {"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}
+    assert {m for m in served if category_of(m) is None} == set()
+    assert set(METHOD_CATEGORY) >= REPOSITORY_CHANGES
+    assert category_of("/inference.GRPCInferenceService/ModelInfer") == "inference"
+    assert category_of("/inference.GRPCInferenceService/SystemSharedMemoryRegister") == "inference"
+    assert category_of("/inference.GRPCInferenceService/ModelConfig") == "health"
+    assert category_of("/inference.GRPCInferenceService/RepositoryIndex") == "model-repository"
+    assert category_of("/mpsd.v1.MpsdAdmin/StreamLogs") == "logs-statistics"
+
+
+def test_open_categories_need_no_token_and_unknown_methods_are_denied() -> None:
+    tokens = [Token(b"secret", frozenset({"inference"}), "test")]
+    policy = AccessPolicy(tokens, open_categories=["health"])
+    assert policy.check("/inference.GRPCInferenceService/ServerLive", None) is None
+    refused = policy.check("/inference.GRPCInferenceService/ModelInfer", None)
+    assert refused is not None and refused.code.value == "UNAUTHENTICATED"
+    assert (
+        policy.check("/inference.GRPCInferenceService/ModelInfer", [("authorization", "bearer secret")])
+        is None
+    )
+    unknown = policy.check("/some.Service/Method", [("authorization", "Bearer secret")])
+    assert unknown is not None and unknown.code.value == "PERMISSION_DENIED"
+
+
+# ---- repository changes without tokens -------------------------------------------------------------------
+
+
+def test_repository_changes_refused_without_token_when_reachable_from_the_network(daemons: Daemons) -> None:
+    client = daemons.tls_open.client
+    for call in (lambda: client.load_model("anything"), lambda: client.unload_model("anything")):
+        code, message = status_of(call)
+        assert code == str(grpc.StatusCode.PERMISSION_DENIED), message
+        for words in (
+            "0.0.0.0",
+            "auth.tokens",
+            "model-repository",
+            "repository_changes_without_token: allow",
+        ):
+            assert words in message, message
+    assert client.get_model_repository_index() is not None  # reading is not a change
+
+
+def test_repository_changes_allowed_without_token_on_a_local_socket(daemons: Daemons) -> None:
+    code, message = status_of(lambda: daemons.unix.client.load_model("not_in_repo"))
+    assert code == str(grpc.StatusCode.NOT_FOUND), message
+
+
+@pytest.mark.parametrize(
+    ("policy", "local", "mutual_tls", "allowed"),
+    [
+        ("loopback", True, False, True),
+        ("loopback", False, False, False),
+        ("loopback", False, True, True),
+        ("allow", False, False, True),
+        ("refuse", True, False, False),
+    ],
+)
+def test_repository_change_rule(policy: str, local: bool, mutual_tls: bool, allowed: bool) -> None:
+    rule = AccessPolicy([], repository_changes=policy, local_only=local, mutual_tls=mutual_tls, address="x")
+    for method in sorted(REPOSITORY_CHANGES):
+        assert (rule.check(method, None) is None) is allowed, method
+    assert rule.check("/inference.GRPCInferenceService/ModelInfer", None) is None
+
+
+# ---- names, symlinks, pickles ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../add_sub", "..", ".", "/etc", "a/b", "a\\b", "add_sub\x00", "x.tmp"])
+def test_model_names_cannot_leave_the_repository(daemons: Daemons, name: str) -> None:
+    code, message = status_of(lambda: daemons.unix.client.load_model(name))
+    assert code == str(grpc.StatusCode.INVALID_ARGUMENT), message
+
+
+def test_symlinks_out_of_the_repository_are_refused_unless_allowed(daemons: Daemons) -> None:
+    index = index_of(daemons.tls_open)
+    for name, what in (("escaped", "model directory"), ("versioned", "version directory 1")):
+        assert index[name]["state"] == "UNAVAILABLE", index[name]
+        reason = index[name]["reason"]
+        for words in (what, "outside the model repository", "allow_symlinks: true"):
+            assert words in reason, reason
+    assert index_of(daemons.unix)["add_sub"]["state"] == "READY"  # allow_symlinks: true there
+
+
+def test_torch_save_pickle_is_refused_unless_the_model_allows_it(daemons: Daemons) -> None:
+    index = index_of(daemons.unix)
+    assert index["pickled"]["state"] == "UNAVAILABLE"
+    for words in ("torch.save", "allow_pickle: true", "arbitrary"):
+        assert words in index["pickled"]["reason"], index["pickled"]["reason"]
+    assert index["pickled_allowed"]["state"] == "READY", index["pickled_allowed"]
+    x = np.array([-2.0, -0.5, 0.0, 1.5], np.float32)
+    result = daemons.unix.client.infer("pickled_allowed", vector_input("x", x))
+    np.testing.assert_array_equal(result.as_numpy("y"), np.maximum(x, 0))
+
+
+def test_exported_program_loads_without_unpickling(daemons: Daemons) -> None:
+    x = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
+    result = daemons.unix.client.infer("linear", vector_input("x", x))
+    np.testing.assert_allclose(result.as_numpy("y"), LINEAR_WEIGHT @ x + LINEAR_BIAS, rtol=1e-6)
+
+
+def test_archive_kinds_and_the_unpickling_guard(tmp_path: Path) -> None:
+    module = nn.Sequential(nn.ReLU())
+    torch.jit.save(torch.jit.script(module), str(tmp_path / "script.pt"))
+    torch.save(module, tmp_path / "saved.pt")
+    torch.save(module, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    kinds = {p.name: archive_kind(str(p)) for p in sorted(tmp_path.iterdir())}
+    assert kinds == {
+        "junk.pt": "unknown",
+        "legacy.pt": "pickle",
+        "saved.pt": "torch.save",
+        "script.pt": "torchscript",
+    }
+
+    with no_unpickling(str(tmp_path / "saved.pt")):
+        with pytest.raises(PickleRefused, match="allow_pickle"):
+            pickle.loads(pickle.dumps(module))
+        with pytest.raises(PickleRefused, match="allow_pickle"):
+            torch.load(tmp_path / "saved.pt", weights_only=False)
+    assert isinstance(pickle.loads(pickle.dumps([1, 2])), list)  # restored afterwards
+    assert isinstance(torch.load(tmp_path / "saved.pt", weights_only=False), nn.Sequential)
+
+
+# ---- configuration ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"auth": {"tokens": [{"token": "inline", "categories": ["health"]}]}}, "token_file or token_env"),
+        (
+            {"auth": {"tokens": [{"token_env": "A", "token_file": "b", "categories": ["health"]}]}},
+            "exactly one",
+        ),
+        (
+            {"auth": {"tokens": [{"token_env": "MPSD_TEST_UNSET_VAR", "categories": ["health"]}]}},
+            "is not set",
+        ),
+        ({"auth": {"tokens": [{"token_env": "HOME", "categories": ["everything"]}]}}, "categories"),
+        ({"auth": {"tokens": [{"token_file": "missing.token", "categories": ["health"]}]}}, "missing.token"),
+        ({"tls": {"cert_file": "nope.pem", "key_file": "nope.key"}}, "tls.cert_file"),
+    ],
+)
+def test_security_config_errors_name_the_field(tmp_path: Path, settings: dict[str, Any], words: str) -> None:
+    path = write_daemon_config(tmp_path / "mpsd.yaml", **settings)
+    with pytest.raises(ConfigError, match=words):
+        load_daemon_config(path)
+
+
+def test_unreadable_token_stops_the_daemon_before_it_starts(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    config = write_daemon_config(
+        tmp_path / "mpsd.yaml",
+        auth={"tokens": [{"token_env": "MPSD_TEST_UNSET_VAR", "categories": ["inference"]}]},
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MPSD_TEST_UNSET_VAR"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpsd", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 78, proc.stderr
+    assert "MPSD_TEST_UNSET_VAR is not set" in proc.stderr
+
+
+def test_auth_config_defaults_to_the_loopback_rule() -> None:
+    assert AuthConfig().repository_changes_without_token == "loopback"
+    assert AuthConfig().tokens == []
