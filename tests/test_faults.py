@@ -166,12 +166,16 @@ def test_model_crashing_at_every_start_backs_off(daemon: RunningDaemon) -> None:
     wait_for(lambda: daemon.client.is_model_ready("crashy"), 30, "crashy back after the fault is gone")
 
 
-def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(daemon: RunningDaemon) -> None:
+def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(
+    daemon: RunningDaemon,
+) -> None:
     (first,) = worker_pids(daemon, "bloats")
     for _ in range(4):  # 4 x 250 MB pushes RSS past the 900 MB ceiling
         assert daemon.client.infer("bloats", x(1.0)).as_numpy("y").tolist() == [1.0]
     wait_for(lambda: "worker replaced" in daemon.log(), 60, "replacement")
-    wait_for(lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie", 30, "old gone")
+    wait_for(
+        lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie", 30, "old gone"
+    )
     assert daemon.client.infer("bloats", x(0.0)).as_numpy("y").tolist() == [0.0]
     assert worker_pids(daemon, "bloats")[-1] != first
     assert "over its memory ceiling" in daemon.log()

@@ -1,0 +1,36 @@
+"""What the tools share: the error they raise for operators and how they find the model repository."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_CONFIG = Path("config/mpsd.yaml")
+
+
+class ToolError(Exception):
+    """An expected failure: printed as one line plus a hint, never as a traceback (unless --debug)."""
+
+    def __init__(self, message: str, hint: str = "", status: int = 1) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.status = status
+
+
+def default_repository(config: Path | None) -> tuple[Path, bool]:
+    """The repository a daemon started with `config` (default config/mpsd.yaml) would serve, and whether
+    that daemon follows symlinks out of it."""
+    from mpsd.config.daemon_config import load_daemon_config
+    from mpsd.errors import ConfigError
+
+    path = config if config is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ToolError(
+            f"no repository given and {path} does not exist",
+            "pass the repository directory, e.g. `mpsd validate config/models`, or --config FILE",
+        )
+    try:
+        settings = load_daemon_config(path)
+    except ConfigError as exc:
+        raise ToolError(exc.message, "fix the daemon config file, or pass the repository directory") from None
+    return settings.model_repository, settings.allow_symlinks
