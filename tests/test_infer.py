@@ -82,7 +82,8 @@ def test_server_live_ready_and_metadata(daemon: RunningDaemon) -> None:
     meta = c.get_server_metadata(as_json=True)
     assert meta["name"] == "mpsd"
     assert "model_repository" in meta["extensions"]
-    assert "system_shared_memory" not in meta["extensions"]
+    assert "system_shared_memory" in meta["extensions"]
+    assert "cuda_shared_memory" not in meta["extensions"]
 
 
 def test_model_metadata_includes_batch_dimension(daemon: RunningDaemon) -> None:
@@ -273,7 +274,6 @@ def test_statistics_move(daemon: RunningDaemon) -> None:
 
 def test_unimplemented_rpcs_say_so(daemon: RunningDaemon) -> None:
     for call in (
-        daemon.client.get_system_shared_memory_status,
         daemon.client.get_cuda_shared_memory_status,
         partial(daemon.client.get_trace_settings),
     ):

@@ -144,8 +144,60 @@ class DynamicBatching(_Strict):
     default_timeout_microseconds: Annotated[int, Field(ge=0)] = 0
 
 
+class WarmupInput(_Strict):
+    """One input of a warm-up sample: type, shape without the batch dimension, and what fills it."""
+
+    data_type: DataType
+    dims: list[Annotated[int, Field(ge=1)]]
+    zero_data: bool = False
+    random_data: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WarmupInput:
+        if self.zero_data == self.random_data:
+            raise ValueError("set exactly one of zero_data, random_data")
+        return self
+
+
+class ModelWarmup(_Strict):
+    """A synthetic request run before the model is marked ready, so first requests do not pay for
+    lazy initialisation (Triton's `model_warmup`)."""
+
+    name: Annotated[str, Field(min_length=1)]
+    batch_size: Annotated[int, Field(ge=1)] = 1
+    inputs: dict[str, WarmupInput]
+    count: Annotated[int, Field(ge=1)] = 1
+
+
+def _check_warmup(config: ModelConfig) -> None:
+    """Every sample feeds every required input with a shape and type the model accepts."""
+    configured = config.input_by_name()
+    for sample in config.model_warmup:
+        where = f"model_warmup '{sample.name}'"
+        unknown = sorted(set(sample.inputs) - set(configured))
+        if unknown:
+            raise ValueError(f"{where}: unknown input(s) {', '.join(unknown)}")
+        missing = [n for n in configured if n not in sample.inputs]
+        if missing:  # optional ones too: mpsd always runs the model with every input
+            raise ValueError(f"{where}: no data for input(s) {', '.join(missing)}")
+        if config.max_batch_size == 0 and sample.batch_size != 1:
+            raise ValueError(f"{where}: batch_size must be 1 for a model with max_batch_size 0")
+        if sample.batch_size > max(config.max_batch_size, 1):
+            raise ValueError(
+                f"{where}: batch_size {sample.batch_size} exceeds max_batch_size {config.max_batch_size}"
+            )
+        for name, data in sample.inputs.items():
+            cfg = configured[name]
+            if data.data_type != cfg.data_type:
+                raise ValueError(f"{where}: input '{name}' is {cfg.data_type}, not {data.data_type}")
+            if len(data.dims) != len(cfg.dims) or any(
+                c != -1 and c != d for c, d in zip(cfg.dims, data.dims, strict=True)
+            ):
+                raise ValueError(f"{where}: input '{name}' dims {data.dims} do not match {cfg.dims}")
+
+
 class ModelConfig(_Strict):
-    """A model's configuration as read from `<repo>/<model>/config.yaml`."""
+    """A model's configuration as read from `<repo>/<model>/config.yaml` (or mapped from `config.pbtxt`)."""
 
     name: str | None = None
     backend: Backend = "torchscript"
@@ -160,6 +212,7 @@ class ModelConfig(_Strict):
     max_device_memory_bytes: Annotated[int, Field(gt=0)] | None = None
     max_rss_bytes: Annotated[int, Field(gt=0)] | None = None
     allow_pickle: bool = False
+    model_warmup: list[ModelWarmup] = []
 
     @field_validator("parameters", mode="before")
     @classmethod
@@ -181,6 +234,7 @@ class ModelConfig(_Strict):
             raise ValueError("output: at least one output is required")
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise ValueError("dynamic_batching needs max_batch_size > 0")
+        _check_warmup(self)
         return self
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from mpsd.config.model_config import ModelConfig
@@ -21,13 +22,15 @@ _KIND = {
 }
 
 
-def infer_response(result: InferResult, request_id: str) -> Any:
+def infer_response(result: InferResult, request_id: str, in_shm: Collection[str] = ()) -> Any:
+    """Outputs written to shared memory (`in_shm`) keep their place with empty raw contents, as Triton's do,
+    so clients find every other output at its index."""
     response = pb.ModelInferResponse(
         model_name=result.model, model_version=str(result.version), id=request_id
     )
     for out in result.outputs:
         response.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
-        response.raw_output_contents.append(out.data)
+        response.raw_output_contents.append(b"" if out.name in in_shm else out.data)
     return response
 
 
@@ -72,6 +75,15 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
             msg.dynamic_batching.default_queue_policy.default_timeout_microseconds = (
                 db.default_timeout_microseconds
             )
+    for sample in config.model_warmup:
+        w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
+        for input_name, data in sample.inputs.items():
+            w.inputs[input_name].data_type = mc.DataType.Value(data.data_type)
+            w.inputs[input_name].dims.extend(data.dims)
+            if data.random_data:
+                w.inputs[input_name].random_data = True
+            else:
+                w.inputs[input_name].zero_data = True
     return msg
 
 

@@ -6,12 +6,12 @@ All device work happens on the calling thread (MPS is not thread-safe).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from mpsd.errors import Internal
-from mpsd.ipc.protocol import ModelSpec, TensorRef, TensorSpec
+from mpsd.ipc.protocol import ModelSpec, TensorRef, TensorSpec, WarmupTensor
 from mpsd.ipc.shm import Region
 from mpsd.worker.backends import Backend
 from mpsd.worker.device import synchronize
@@ -50,18 +50,40 @@ def warmup_inputs(spec: ModelSpec, device: torch.device) -> list[torch.Tensor]:
     return tensors
 
 
+def sample_tensor(t: WarmupTensor, device: torch.device) -> torch.Tensor:
+    """A configured warm-up input: zeros, or random values (uniform [0, 1) floats, small integers)."""
+    dtype = TO_TORCH[t.datatype]
+    if not t.random:
+        return torch.zeros(t.shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        values = torch.rand(t.shape)
+    else:
+        values = torch.randint(0, 2 if dtype == torch.bool else 8, t.shape)
+    return values.to(dtype).to(device)
+
+
+def _warmup_runs(spec: ModelSpec, device: torch.device) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    if not spec.warmup:
+        yield "warm-up", warmup_inputs(spec, device)
+    for sample in spec.warmup:
+        for _ in range(sample.count):
+            yield f"warm-up '{sample.name}'", [sample_tensor(t, device) for t in sample.inputs]
+
+
 def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
-    """Run once before READY and check every output against the config (dims, datatype)."""
-    with torch.inference_mode():
-        outputs = backend(warmup_inputs(spec, device))
-        synchronize(device)
-    problems = [
-        p
-        for o in spec.outputs
-        if (p := check_output(o, outputs[o.name], spec.max_batch_size > 0)) is not None
-    ]
-    if problems:
-        raise ValueError("warm-up: " + "; ".join(problems))
+    """Run the configured samples (else one request of zeros) before READY, checking every output against
+    the config (dims, datatype)."""
+    for label, inputs in _warmup_runs(spec, device):
+        with torch.inference_mode():
+            outputs = backend(inputs)
+            synchronize(device)
+        problems = [
+            p
+            for o in spec.outputs
+            if (p := check_output(o, outputs[o.name], spec.max_batch_size > 0)) is not None
+        ]
+        if problems:
+            raise ValueError(f"{label}: " + "; ".join(problems))
 
 
 class Runner:

@@ -1,0 +1,378 @@
+"""Triton's `config.pbtxt` (protobuf text format) as mpsd's ModelConfig, and back.
+
+A Triton repository should serve unchanged, so every field is accounted for: fields mpsd honours are mapped,
+fields it can ignore without changing any answer come back as warnings naming them, and fields whose meaning
+mpsd cannot honour (another scheduler, another framework, reshaping) fail the load naming the field.
+
+This module imports the generated protobuf code, whose message names clash with tritonclient's in one
+process; it is imported only where a config.pbtxt is read or written (the daemon, `mpsd convert-config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NoReturn
+
+from google.protobuf import text_format  # type: ignore[import-untyped]
+
+from mpsd.config.model_config import InstanceGroup, ModelConfig, VersionPolicy
+from mpsd.config.repository import check_config_name, validate_model_config
+from mpsd.proto import model_config_pb2 as mc
+
+# Triton's platform and backend names that mean a model mpsd serves, and which of its backends that is.
+_PLATFORMS = {"pytorch_libtorch": "torchscript", "torch_export": "torch_export"}
+_BACKENDS = {"pytorch": "torchscript", "torch_export": "torch_export"}
+MPS_ACCELERATOR = "mps"
+MPSD_PREFIX = "mpsd."
+
+# Options of Triton's PyTorch backend: they tune libtorch inside Triton and mean nothing to mpsd.
+_TRITON_PYTORCH_OPTIONS = frozenset(
+    {
+        "DISABLE_OPTIMIZED_EXECUTION",
+        "INFERENCE_MODE",
+        "DISABLE_CUDNN",
+        "ENABLE_WEIGHT_SHARING",
+        "ENABLE_CACHE_CLEANING",
+        "ENABLE_JIT_EXECUTOR",
+        "ENABLE_JIT_PROFILING",
+        "ENABLE_NVFUSER",
+        "ENABLE_TENSOR_FUSER",
+        "INTER_OP_THREAD_COUNT",
+        "INTRA_OP_THREAD_COUNT",
+    }
+)
+
+# Fields whose meaning mpsd cannot honour: serving the model without them would give different answers
+# or a different protocol, so the load fails with the reason.
+_FATAL = {
+    "sequence_batching": "stateful sequence batching is not supported by mpsd",
+    "ensemble_scheduling": "ensembles are not supported by mpsd; chain the models in the client",
+    "batch_input": "batch inputs (tensors built by the batcher) are not supported by mpsd",
+    "batch_output": "batch outputs (tensors split by the batcher) are not supported by mpsd",
+    "model_operations": "custom operator libraries are not loaded by mpsd",
+    "model_repository_agents": "repository agents (which rewrite model files) are not run by mpsd",
+}
+_TENSOR_FATAL = {
+    "reshape": "mpsd passes tensors to the model in the shape the client sent",
+    "is_shape_tensor": "shape tensors are not supported by mpsd",
+    "allow_ragged_batch": "ragged batches are not supported by mpsd",
+}
+
+
+class _Reader:
+    """Maps one parsed message field by field, collecting what is ignored."""
+
+    def __init__(self) -> None:
+        self.warnings: list[str] = []
+
+    def ignore(self, path: str, why: str = "") -> None:
+        self.warnings.append(f"{path} ({why})" if why else path)
+
+    def read(self, msg: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        mps = False
+        for field, value in _set_fields(msg):
+            if field in _FATAL:
+                _fail(field, _FATAL[field])
+            elif field in ("name", "default_model_filename", "max_batch_size"):
+                out[field] = value
+            elif field in ("platform", "backend"):
+                continue  # decided together below
+            elif field in ("input", "output"):
+                out[field] = [self.tensor(field, i, t) for i, t in enumerate(value)]
+            elif field == "version_policy":
+                out[field] = _version_policy(value)
+            elif field == "instance_group":
+                out[field] = [self.instance_group(i, g) for i, g in enumerate(value)]
+            elif field == "dynamic_batching":
+                out[field] = self.dynamic_batching(value)
+            elif field == "optimization":
+                mps = self.optimization(value)
+            elif field == "model_warmup":
+                out[field] = [_warmup(i, w) for i, w in enumerate(value)]
+            elif field == "model_transaction_policy":
+                if value.decoupled:
+                    _fail("model_transaction_policy.decoupled", "decoupled models are not supported by mpsd")
+            elif field != "parameters":
+                self.ignore(field)
+        backend = _backend(msg.platform, msg.backend)
+        if backend is not None:
+            out["backend"] = backend
+        if mps:
+            groups = out.setdefault("instance_group", [{}])
+            for g in groups:
+                if g.get("kind", "KIND_AUTO") in ("KIND_AUTO", "KIND_GPU"):
+                    g["kind"] = "KIND_MPS"
+        self.parameters(msg.parameters, out)
+        return out
+
+    def tensor(self, field: str, i: int, t: Any) -> dict[str, Any]:
+        path = f"{field}.{i}"
+        if t.data_type == mc.TYPE_INVALID:
+            _fail(f"{path}.data_type", "required field is missing")
+        out: dict[str, Any] = {
+            "name": t.name,
+            "data_type": mc.DataType.Name(t.data_type),
+            "dims": list(t.dims),
+        }
+        for key, _ in _set_fields(t):
+            if key in ("name", "data_type", "dims"):
+                continue
+            if key in _TENSOR_FATAL:
+                _fail(f"{path}.{key}", _TENSOR_FATAL[key])
+            if key == "optional":
+                out["optional"] = True
+            else:
+                self.ignore(f"{path}.{key}")
+        return out
+
+    def instance_group(self, i: int, g: Any) -> dict[str, Any]:
+        path = f"instance_group.{i}"
+        out: dict[str, Any] = {}
+        for key, value in _set_fields(g):
+            if key == "kind":
+                kind = mc.ModelInstanceGroup.Kind.Name(value)
+                if kind == "KIND_MODEL":
+                    _fail(f"{path}.kind", "KIND_MODEL (devices chosen by the model itself) is not supported")
+                out["kind"] = kind
+            elif key == "gpus":
+                out["gpus"] = list(value)
+            elif key in ("name", "count"):
+                out[key] = value
+            else:
+                self.ignore(f"{path}.{key}")
+        return out
+
+    def dynamic_batching(self, db: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in _set_fields(db):
+            if key == "preferred_batch_size":
+                out[key] = list(value)
+            elif key == "max_queue_delay_microseconds":
+                out[key] = value
+            elif key == "default_queue_policy":
+                for qkey, qvalue in _set_fields(value):
+                    if qkey in ("max_queue_size", "default_timeout_microseconds"):
+                        out[qkey] = qvalue
+                    else:
+                        self.ignore(f"dynamic_batching.default_queue_policy.{qkey}")
+            else:
+                self.ignore(f"dynamic_batching.{key}")
+        return out
+
+    def optimization(self, opt: Any) -> bool:
+        """Whether MPS is requested; every other optimization setting is reported as ignored."""
+        mps = False
+        for key, value in _set_fields(opt):
+            if key != "execution_accelerators":
+                self.ignore(f"optimization.{key}")
+                continue
+            for kind in ("gpu_execution_accelerator", "cpu_execution_accelerator"):
+                for j, acc in enumerate(getattr(value, kind)):
+                    path = f"optimization.execution_accelerators.{kind}.{j}"
+                    if kind == "gpu_execution_accelerator" and acc.name == MPS_ACCELERATOR:
+                        mps = True
+                        if acc.parameters:
+                            self.ignore(f"{path}.parameters")
+                    else:
+                        self.ignore(path, f"accelerator '{acc.name}' is not supported by mpsd")
+        return mps
+
+    def parameters(self, params: Any, out: dict[str, Any]) -> None:
+        plain: dict[str, str] = {}
+        for key in sorted(params):
+            value = params[key].string_value
+            if key.startswith(MPSD_PREFIX):
+                _mpsd_parameter(key, value, out)
+                continue
+            plain[key] = value
+            if key in _TRITON_PYTORCH_OPTIONS:
+                self.ignore(f"parameters.{key}", "an option of Triton's PyTorch backend")
+        if plain:
+            out["parameters"] = plain
+
+
+def _fail(path: str, why: str) -> NoReturn:
+    raise ValueError(f"field '{path}': {why}")
+
+
+def _set_fields(msg: Any) -> list[tuple[str, Any]]:
+    return [(f.name, v) for f, v in msg.ListFields()]
+
+
+def _backend(platform: str, backend: str) -> str | None:
+    """mpsd's backend for Triton's platform/backend pair; anything but PyTorch fails naming the field."""
+    if platform == "ensemble":
+        _fail("platform", _FATAL["ensemble_scheduling"])
+    chosen: set[str] = set()
+    for field, value, known in (("platform", platform, _PLATFORMS), ("backend", backend, _BACKENDS)):
+        if not value:
+            continue
+        if value not in known:
+            note = " (Triton's Python models have a different interface)" if value == "python" else ""
+            _fail(
+                field,
+                f"'{value}' is not served by mpsd{note}; it serves PyTorch models: "
+                'platform "pytorch_libtorch" or backend "pytorch"',
+            )
+        chosen.add(known[value])
+    if len(chosen) > 1:
+        _fail("backend", f"backend '{backend}' contradicts platform '{platform}'")
+    return chosen.pop() if chosen else None
+
+
+def _version_policy(policy: Any) -> dict[str, Any]:
+    choice = policy.WhichOneof("policy_choice")
+    if choice == "latest":
+        return {"latest": {"num_versions": policy.latest.num_versions or 1}}
+    if choice == "specific":
+        return {"specific": {"versions": list(policy.specific.versions)}}
+    if choice == "all":
+        return {"all": {}}
+    return {}
+
+
+def _warmup(i: int, sample: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": sample.name}
+    if sample.batch_size:
+        out["batch_size"] = sample.batch_size
+    if sample.count:
+        out["count"] = sample.count
+    inputs: dict[str, Any] = {}
+    for name in sorted(sample.inputs):
+        data = sample.inputs[name]
+        path = f"model_warmup.{i}.inputs.{name}"
+        choice = data.WhichOneof("input_data_type")
+        if choice == "input_data_file":
+            _fail(f"{path}.input_data_file", "data files are not supported; use zero_data or random_data")
+        if choice is None:
+            _fail(path, "set zero_data or random_data")
+        inputs[name] = {"data_type": mc.DataType.Name(data.data_type), "dims": list(data.dims)}
+        inputs[name][choice] = getattr(data, choice)
+    out["inputs"] = inputs
+    return out
+
+
+def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
+    """mpsd's own settings, which have no Triton field, travel as `mpsd.*` parameters."""
+    name = key.removeprefix(MPSD_PREFIX)
+    if name in ("allow_pickle", "max_device_memory_bytes", "max_rss_bytes"):
+        out[name] = value
+        return
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "instance_group" and parts[2] in ("kind", "memory_fraction"):
+        groups = out.setdefault("instance_group", [{}])
+        if not parts[1].isdigit() or int(parts[1]) >= len(groups):
+            _fail(f"parameters.{key}", f"there is no instance_group {parts[1]}")
+        groups[int(parts[1])][parts[2]] = value
+        return
+    _fail(
+        f"parameters.{key}",
+        "unknown mpsd parameter (known: allow_pickle, max_device_memory_bytes, max_rss_bytes, "
+        "instance_group.N.kind, instance_group.N.memory_fraction)",
+    )
+
+
+def pbtxt_to_dict(text: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The config.yaml fields equivalent to a config.pbtxt, and the ignored fields; ValueError names the
+    field that cannot be honoured."""
+    try:
+        msg = text_format.Parse(text, mc.ModelConfig())
+    except text_format.ParseError as exc:
+        raise ValueError(f"invalid protobuf text: {exc}") from None
+    reader = _Reader()
+    return reader.read(msg), tuple(reader.warnings)
+
+
+def parse_pbtxt_config(path: Path, text: str, dir_name: str | None) -> tuple[ModelConfig, tuple[str, ...]]:
+    """Parse and validate a config.pbtxt; ValueError messages name the file and the field."""
+    try:
+        raw, warnings = pbtxt_to_dict(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    config = validate_model_config(path, raw)
+    check_config_name(path, config, dir_name)
+    return config, warnings
+
+
+def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
+    """The config.pbtxt equivalent to a validated config; mpsd-only settings become `mpsd.*` parameters."""
+    if config.backend == "python":
+        raise ValueError(
+            "backend 'python': mpsd's Python models have no config.pbtxt form (Triton's Python backend has "
+            "a different interface); keep config.yaml"
+        )
+    msg = mc.ModelConfig()
+    if name is not None or config.name is not None:
+        msg.name = name if name is not None else str(config.name)
+    if config.backend == "torchscript":
+        msg.platform, msg.backend = "pytorch_libtorch", "pytorch"
+    else:
+        msg.backend = config.backend
+    msg.max_batch_size = config.max_batch_size
+    for src, dst in ((config.input, msg.input), (config.output, msg.output)):
+        for t in src:
+            tensor = dst.add(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
+            if t.optional:
+                tensor.optional = True
+    _write_version_policy(config.version_policy, msg)
+    if config.instance_group != [InstanceGroup()]:
+        _write_instance_groups(config.instance_group, msg)
+    if config.default_model_filename:
+        msg.default_model_filename = config.default_model_filename
+    for key, value in config.parameters.items():
+        msg.parameters[key].string_value = value
+    for field in ("max_device_memory_bytes", "max_rss_bytes"):
+        if getattr(config, field) is not None:
+            msg.parameters[MPSD_PREFIX + field].string_value = str(getattr(config, field))
+    if config.allow_pickle:
+        msg.parameters[MPSD_PREFIX + "allow_pickle"].string_value = "true"
+    if config.dynamic_batching is not None:
+        db = config.dynamic_batching
+        msg.dynamic_batching.preferred_batch_size.extend(db.preferred_batch_size)
+        msg.dynamic_batching.max_queue_delay_microseconds = db.max_queue_delay_microseconds
+        if db.max_queue_size or db.default_timeout_microseconds:
+            queue = msg.dynamic_batching.default_queue_policy
+            queue.max_queue_size = db.max_queue_size
+            queue.default_timeout_microseconds = db.default_timeout_microseconds
+    for sample in config.model_warmup:
+        w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
+        for input_name, data in sample.inputs.items():
+            entry = w.inputs[input_name]
+            entry.data_type = mc.DataType.Value(data.data_type)
+            entry.dims.extend(data.dims)
+            if data.random_data:
+                entry.random_data = True
+            else:
+                entry.zero_data = True
+    return str(text_format.MessageToString(msg))
+
+
+def _write_version_policy(policy: VersionPolicy, msg: Any) -> None:
+    if policy.all is not None:
+        msg.version_policy.all.SetInParent()
+    elif policy.specific is not None:
+        msg.version_policy.specific.versions.extend(policy.specific.versions)
+    elif policy.latest is not None:
+        msg.version_policy.latest.num_versions = policy.latest.num_versions
+
+
+def _write_instance_groups(groups: list[InstanceGroup], msg: Any) -> None:
+    """KIND_MPS is Triton's KIND_GPU plus the "mps" accelerator when that is unambiguous (no group is
+    KIND_GPU or KIND_AUTO, which the accelerator would also turn into MPS), else an `mpsd.*` parameter."""
+    kinds = {g.kind for g in groups}
+    accelerator = "KIND_MPS" in kinds and not kinds & {"KIND_GPU", "KIND_AUTO"}
+    for i, group in enumerate(groups):
+        g = msg.instance_group.add(count=group.count)
+        if group.name:
+            g.name = group.name
+        g.kind = mc.ModelInstanceGroup.Kind.Value("KIND_GPU" if group.kind == "KIND_MPS" else group.kind)
+        if group.kind == "KIND_MPS" and not accelerator:
+            msg.parameters[f"{MPSD_PREFIX}instance_group.{i}.kind"].string_value = "KIND_MPS"
+        if group.gpus:
+            g.gpus.extend(group.gpus)
+        if group.memory_fraction is not None:
+            key = f"{MPSD_PREFIX}instance_group.{i}.memory_fraction"
+            msg.parameters[key].string_value = str(group.memory_fraction)
+    if accelerator:
+        msg.optimization.execution_accelerators.gpu_execution_accelerator.add(name=MPS_ACCELERATOR)

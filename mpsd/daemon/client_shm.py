@@ -1,0 +1,231 @@
+"""Clients' system shared-memory regions (Triton's `system_shared_memory` extension).
+
+A registered region is the client's POSIX shared-memory object mapped into the daemon. Inputs reach the
+worker as views of that mapping, so the copy into the worker's own region is the only copy; outputs are
+written straight into it. The client owns the name: mpsd never unlinks it. A region unregistered while
+requests still use it stays mapped until the last of them has finished, and a view that outlives even that
+keeps the mapping alive (Python refuses to unmap memory that is still borrowed), so no request ever reads
+unmapped memory.
+"""
+
+from __future__ import annotations
+
+import _posixshmem
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from mpsd.errors import AlreadyExists, InvalidArgument, NotFound
+from mpsd.ipc.shm import PREFIX
+
+from .request import OutputTensor
+
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+SHM_PARAMS = frozenset({SHM_REGION, SHM_OFFSET, SHM_BYTE_SIZE})
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """Where a tensor lives, as a request names it: region, offset inside it, byte size."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+def _int_param(what: str, parameters: Any, key: str, default: int | None) -> int:
+    if key not in parameters:
+        if default is None:
+            raise InvalidArgument(f"{what}: '{SHM_REGION}' needs '{key}' as well")
+        return default
+    value = parameters[key]
+    choice = value.WhichOneof("parameter_choice")
+    if choice not in ("int64_param", "uint64_param"):
+        raise InvalidArgument(f"{what}: parameter '{key}' must be an integer (int64_param)")
+    number = int(getattr(value, choice))
+    if number < 0:
+        raise InvalidArgument(f"{what}: parameter '{key}' must not be negative, got {number}")
+    return number
+
+
+def shm_ref(what: str, parameters: Any) -> ShmRef | None:
+    """The shared-memory location a tensor's parameters give, or None when its data is in the request."""
+    if not SHM_PARAMS & set(parameters):
+        return None
+    if SHM_REGION not in parameters:
+        raise InvalidArgument(f"{what}: shared-memory parameters given without '{SHM_REGION}'")
+    region = parameters[SHM_REGION]
+    if region.WhichOneof("parameter_choice") != "string_param" or not region.string_param:
+        raise InvalidArgument(f"{what}: parameter '{SHM_REGION}' must be a region name (string_param)")
+    return ShmRef(
+        region.string_param,
+        _int_param(what, parameters, SHM_OFFSET, 0),
+        _int_param(what, parameters, SHM_BYTE_SIZE, None),
+    )
+
+
+class ClientRegion:
+    """One registered region: `byte_size` bytes of the client's object `key`, from `offset`."""
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.name = name
+        self.key = key
+        self.offset = offset
+        self.byte_size = byte_size
+        self.users = 0  # requests holding the region now
+        self.retired = False  # unregistered: unmap when the last user is done
+        try:
+            fd = _posixshmem.shm_open(key, os.O_RDWR, 0o600)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"shared memory region '{name}': cannot open key '{key}': {exc.strerror}"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise InvalidArgument(
+                    f"shared memory region '{name}': offset {offset} + byte_size {byte_size} exceeds the "
+                    f"{size} bytes of key '{key}'"
+                )
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
+            self._mmap = mmap.mmap(fd, offset + byte_size - start, offset=start)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd  # kept to notice an object truncated under us before touching it
+        self._view = memoryview(self._mmap)[offset - start :]
+
+    def view(self, what: str, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` from `offset` inside the region, bounds checked."""
+        if offset + nbytes > self.byte_size:
+            raise InvalidArgument(
+                f"{what}: offset {offset} + byte size {nbytes} is outside shared memory region "
+                f"'{self.name}' ({self.byte_size} bytes)"
+            )
+        assert self._fd is not None
+        size = os.fstat(self._fd).st_size
+        if size < self.offset + self.byte_size:  # touching the missing pages would kill the daemon
+            raise InvalidArgument(
+                f"{what}: shared memory region '{self.name}' was truncated by its owner: key "
+                f"'{self.key}' holds {size} bytes now; register it again"
+            )
+        return self._view[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Unmap and close, never unlink; a view still borrowed unmaps when it is released."""
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        try:
+            self._view.release()
+            self._mmap.close()
+        except BufferError:
+            pass
+
+
+class ClientShmRegistry:
+    """The regions registered by name; all use is on the event loop's thread, so no locks."""
+
+    def __init__(self) -> None:
+        self._regions: dict[str, ClientRegion] = {}
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if not name:
+            raise InvalidArgument("shared memory region name is empty")
+        if name in self._regions:
+            raise AlreadyExists(f"shared memory region '{name}' is already registered")
+        if key.lstrip("/").startswith(PREFIX):
+            raise InvalidArgument(f"shared memory key '{key}' is reserved for mpsd's own tensor buffers")
+        if byte_size == 0:
+            raise InvalidArgument(f"shared memory region '{name}': byte_size must be positive")
+        self._regions[name] = ClientRegion(name, key, offset, byte_size)
+
+    def unregister(self, name: str) -> None:
+        """Forget one region (every region when `name` is empty); an unknown name is not an error."""
+        for region_name in [name] if name else list(self._regions):
+            region = self._regions.pop(region_name, None)
+            if region is not None:
+                region.retired = True
+                if region.users == 0:
+                    region.close()
+
+    def status(self, name: str) -> list[ClientRegion]:
+        if not name:
+            return [self._regions[n] for n in sorted(self._regions)]
+        if name not in self._regions:
+            raise NotFound(f"unable to find system shared memory region: '{name}'")
+        return [self._regions[name]]
+
+    def acquire(self, name: str, what: str) -> ClientRegion:
+        region = self._regions.get(name)
+        if region is None:
+            raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
+        region.users += 1
+        return region
+
+    @staticmethod
+    def release(region: ClientRegion) -> None:
+        region.users -= 1
+        if region.retired and region.users == 0:
+            region.close()
+
+    def lease(self) -> ShmLease:
+        return ShmLease(self)
+
+
+class ShmLease:
+    """The regions one request uses, held from validation until its response is built."""
+
+    def __init__(self, registry: ClientShmRegistry) -> None:
+        self._registry = registry
+        self._held: dict[str, ClientRegion] = {}
+        self.outputs: dict[str, memoryview] = {}  # output name -> where its bytes go
+
+    def _region(self, name: str, what: str) -> ClientRegion:
+        region = self._held.get(name)
+        if region is None:
+            region = self._registry.acquire(name, what)
+            self._held[name] = region
+        return region
+
+    def input(self, what: str, ref: ShmRef, nbytes: int) -> memoryview:
+        """The input's bytes in place (no copy); the byte size must be exactly shape x datatype."""
+        if ref.byte_size != nbytes:
+            raise InvalidArgument(
+                f"{what}: {SHM_BYTE_SIZE} is {ref.byte_size} but its shape and datatype need {nbytes} bytes"
+            )
+        return self._region(ref.region, what).view(what, ref.offset, ref.byte_size)
+
+    def bind_output(self, name: str, ref: ShmRef) -> None:
+        what = f"output '{name}'"
+        self.outputs[name] = self._region(ref.region, what).view(what, ref.offset, ref.byte_size)
+
+    def write_outputs(self, outputs: Sequence[OutputTensor]) -> None:
+        """Copy each output bound to shared memory into its place."""
+        for out in outputs:
+            target = self.outputs.get(out.name)
+            if target is None:
+                continue
+            if len(out.data) > len(target):
+                raise InvalidArgument(
+                    f"output '{out.name}': its shared memory holds {len(target)} bytes but the result has "
+                    f"{len(out.data)} bytes"
+                )
+            target[: len(out.data)] = out.data
+
+    def __enter__(self) -> ShmLease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.outputs.clear()
+        for region in self._held.values():
+            self._registry.release(region)
+        self._held.clear()

@@ -1,0 +1,290 @@
+"""Triton's system shared-memory extension through the stock tritonclient and its own shm helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+from tests import models
+from tests.conftest import RunningDaemon, wait_for
+from tests.triton_shm import shm
+
+DIMS = 16
+NBYTES = DIMS * 4  # one FP32 row of add_sub
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    repo = tmp_path_factory.mktemp("repo")
+    models.add_sub(repo, dims=DIMS)
+    # Blocks on a request of non-zero input until the test creates the file named by the input's first value
+    # (warm-up sends zeros); announces that it started by creating `<file>.started`.
+    gate = tmp_path_factory.mktemp("gate")
+    models.python_model(
+        repo,
+        "gated",
+        f"""
+        x = inputs['x']
+        if float(x.abs().sum()) != 0:
+            gate = os.path.join({str(gate)!r}, str(int(x[0])))
+            open(gate + '.started', 'w').close()
+            while not os.path.exists(gate):
+                time.sleep(0.01)
+        return {{'y': x * 2}}
+        """,
+    )
+    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
+    d.gate = gate  # type: ignore[attr-defined]
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+        d.kill_group()
+
+
+Key = Callable[[str], str]
+
+
+@pytest.fixture
+def key() -> Iterator[Key]:
+    """A shm key unique to this test; any region left by a failing test is removed."""
+    made: list[str] = []
+
+    def new(tag: str) -> str:
+        made.append(f"/mpsdtest_{os.getpid()}_{tag}")
+        return made[-1]
+
+    yield new
+    for k in made:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm{k}")
+
+
+def _regions(client: grpcclient.InferenceServerClient, name: str = "") -> dict[str, tuple[str, int, int]]:
+    """Registered regions as name -> (key, offset, byte_size)."""
+    regions = client.get_system_shared_memory_status(name, as_json=True).get("regions", {})
+    return {n: (r["key"], int(r.get("offset", 0)), int(r["byte_size"])) for n, r in regions.items()}
+
+
+def _error(call: object, *args: object, **kwargs: object) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as err:
+        call(*args, **kwargs)  # type: ignore[operator]
+    return err.value
+
+
+def test_extension_is_listed(daemon: RunningDaemon) -> None:
+    assert "system_shared_memory" in daemon.client.get_server_metadata(as_json=True)["extensions"]
+
+
+def test_tritonclient_example_flow(daemon: RunningDaemon, key: Key) -> None:
+    """The flow of Triton's simple_grpc_shm_client: inputs and outputs in shared memory."""
+    client = daemon.client
+    client.unregister_system_shared_memory()
+    a = np.arange(DIMS, dtype=np.float32).reshape(1, DIMS)
+    b = np.full((1, DIMS), 0.5, dtype=np.float32)
+    out_key, in_key = key("output"), key("input")
+    out_handle = shm.create_shared_memory_region("output_data", out_key, NBYTES * 2)
+    in_handle = shm.create_shared_memory_region("input_data", in_key, NBYTES * 2)
+    try:
+        client.register_system_shared_memory("output_data", out_key, NBYTES * 2)
+        shm.set_shared_memory_region(in_handle, [a])
+        shm.set_shared_memory_region(in_handle, [b], offset=NBYTES)
+        client.register_system_shared_memory("input_data", in_key, NBYTES * 2)
+
+        inputs = [
+            grpcclient.InferInput("INPUT0", [1, DIMS], "FP32"),
+            grpcclient.InferInput("INPUT1", [1, DIMS], "FP32"),
+        ]
+        inputs[0].set_shared_memory("input_data", NBYTES)
+        inputs[1].set_shared_memory("input_data", NBYTES, offset=NBYTES)
+        outputs = [grpcclient.InferRequestedOutput("OUTPUT0"), grpcclient.InferRequestedOutput("OUTPUT1")]
+        outputs[0].set_shared_memory("output_data", NBYTES)
+        outputs[1].set_shared_memory("output_data", NBYTES, offset=NBYTES)
+        result = client.infer("add_sub", inputs, outputs=outputs)
+
+        out0, out1 = result.get_output("OUTPUT0"), result.get_output("OUTPUT1")
+        sum_ = shm.get_contents_as_numpy(out_handle, triton_to_np_dtype(out0.datatype), out0.shape)
+        diff = shm.get_contents_as_numpy(
+            out_handle, triton_to_np_dtype(out1.datatype), out1.shape, offset=NBYTES
+        )
+        np.testing.assert_array_equal(sum_, a + b)
+        np.testing.assert_array_equal(diff, a - b)
+
+        assert _regions(client) == {
+            "input_data": (in_key, 0, NBYTES * 2),
+            "output_data": (out_key, 0, NBYTES * 2),
+        }
+    finally:
+        client.unregister_system_shared_memory()
+        assert _regions(client) == {}
+        # mpsd never unlinks a client's object: it is still there for the client to destroy.
+        assert Path(f"/dev/shm{in_key}").exists()
+        shm.destroy_shared_memory_region(out_handle)
+        shm.destroy_shared_memory_region(in_handle)
+
+
+def test_mixed_shared_memory_and_request_tensors(daemon: RunningDaemon, key: Key) -> None:
+    """One input and one output in shared memory, the others in the request: each is found in its place."""
+    client = daemon.client
+    a = np.full((2, DIMS), 3.0, dtype=np.float32)
+    b = np.arange(2 * DIMS, dtype=np.float32).reshape(2, DIMS)
+    k = key("mixed")
+    handle = shm.create_shared_memory_region("mixed", k, 4 * NBYTES)
+    try:
+        shm.set_shared_memory_region(handle, [b])
+        client.register_system_shared_memory("mixed", k, 4 * NBYTES)
+        in0 = grpcclient.InferInput("INPUT0", [2, DIMS], "FP32")
+        in0.set_data_from_numpy(a)
+        in1 = grpcclient.InferInput("INPUT1", [2, DIMS], "FP32")
+        in1.set_shared_memory("mixed", 2 * NBYTES)
+        out0 = grpcclient.InferRequestedOutput("OUTPUT0")
+        out0.set_shared_memory("mixed", 2 * NBYTES, offset=2 * NBYTES)
+        out1 = grpcclient.InferRequestedOutput("OUTPUT1")
+        result = client.infer("add_sub", [in0, in1], outputs=[out0, out1])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(handle, np.float32, [2, DIMS], offset=2 * NBYTES), a + b
+        )
+    finally:
+        client.unregister_system_shared_memory("mixed")
+        shm.destroy_shared_memory_region(handle)
+
+
+def _shm_inputs(region: str, nbytes: int, offset: int = 0) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        inp = grpcclient.InferInput(name, [1, DIMS], "FP32")
+        inp.set_shared_memory(region, nbytes, offset=offset)
+        inputs.append(inp)
+    return inputs
+
+
+def test_bounds_are_checked(daemon: RunningDaemon, key: Key) -> None:
+    client = daemon.client
+    k = key("bounds")
+    handle = shm.create_shared_memory_region("bounds", k, 2 * NBYTES)
+    try:
+        # Registering more than the object holds.
+        err = _error(client.register_system_shared_memory, "bounds", k, 2 * NBYTES, offset=NBYTES)
+        assert err.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "exceeds the" in err.message()
+        client.register_system_shared_memory("bounds", k, 2 * NBYTES)
+        # A tensor that would end past the region.
+        err = _error(client.infer, "add_sub", _shm_inputs("bounds", NBYTES, offset=NBYTES + 4))
+        assert err.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "outside shared memory region 'bounds'" in err.message()
+        # A byte size that does not match shape x datatype.
+        err = _error(client.infer, "add_sub", _shm_inputs("bounds", NBYTES - 4))
+        assert err.status() == "StatusCode.INVALID_ARGUMENT"
+        assert f"need {NBYTES} bytes" in err.message()
+        # An output region too small for the result.
+        out = grpcclient.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory("bounds", 8)
+        err = _error(client.infer, "add_sub", _shm_inputs("bounds", NBYTES), outputs=[out])
+        assert err.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "holds 8 bytes" in err.message()
+    finally:
+        client.unregister_system_shared_memory("bounds")
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_unregistered_region_is_refused(daemon: RunningDaemon) -> None:
+    err = _error(daemon.client.infer, "add_sub", _shm_inputs("never_registered", NBYTES))
+    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "shared memory region 'never_registered' is not registered" in err.message()
+
+
+def test_register_refusals(daemon: RunningDaemon, key: Key) -> None:
+    client = daemon.client
+    err = _error(client.register_system_shared_memory, "missing", key("missing"), 64)
+    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "cannot open key" in err.message()
+    # mpsd's own tensor buffers are not a client's to map.
+    err = _error(client.register_system_shared_memory, "stolen", "/mpsd-1-0", 64)
+    assert err.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "reserved" in err.message()
+    k = key("twice")
+    handle = shm.create_shared_memory_region("twice", k, 64)
+    try:
+        client.register_system_shared_memory("twice", k, 64)
+        err = _error(client.register_system_shared_memory, "twice", k, 64)
+        assert err.status() == "StatusCode.ALREADY_EXISTS"
+    finally:
+        client.unregister_system_shared_memory("twice")
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_status_lists_registered_regions_and_unregister_while_idle(daemon: RunningDaemon, key: Key) -> None:
+    client = daemon.client
+    handles = []
+    keys = {name: key(name) for name in ("first", "second")}
+    try:
+        for name, offset in (("first", 0), ("second", 64)):
+            handles.append(shm.create_shared_memory_region(name, keys[name], 128))
+            client.register_system_shared_memory(name, keys[name], 64, offset=offset)
+        assert _regions(client) == {"first": (keys["first"], 0, 64), "second": (keys["second"], 64, 64)}
+        assert _regions(client, "second") == {"second": (keys["second"], 64, 64)}
+        err = _error(client.get_system_shared_memory_status, "nope")
+        assert err.status() == "StatusCode.NOT_FOUND"
+
+        client.unregister_system_shared_memory("first")
+        assert _regions(client) == {"second": (keys["second"], 64, 64)}
+        client.unregister_system_shared_memory("not_registered")  # Triton: not an error
+        # The name is free again and the region works after being registered anew.
+        client.register_system_shared_memory("first", keys["first"], 2 * NBYTES)
+        shm.set_shared_memory_region(handles[0], [np.ones((1, DIMS), np.float32)])
+        out = client.infer("add_sub", _shm_inputs("first", NBYTES))
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT0"), np.full((1, DIMS), 2.0, np.float32))
+    finally:
+        client.unregister_system_shared_memory()
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)
+
+
+def test_unregister_while_in_use_is_safe(daemon: RunningDaemon, key: Key) -> None:
+    """A region unregistered while a request uses it stays mapped until that request is answered."""
+    client = daemon.client
+    gate: Path = daemon.gate  # type: ignore[attr-defined]
+    x = np.array([7, 1, 2, 3], dtype=np.float32)
+    k = key("inuse")
+    handle = shm.create_shared_memory_region("inuse", k, 2 * x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        client.register_system_shared_memory("inuse", k, 2 * x.nbytes)
+        inp = grpcclient.InferInput("x", [4], "FP32")
+        inp.set_shared_memory("inuse", x.nbytes)
+        out = grpcclient.InferRequestedOutput("y")
+        out.set_shared_memory("inuse", x.nbytes, offset=x.nbytes)
+        results: list[object] = []
+        done = threading.Event()
+
+        def callback(result: object, error: object) -> None:
+            results.append(error or result)
+            done.set()
+
+        client.async_infer("gated", [inp], callback, outputs=[out])
+        wait_for(lambda: (gate / "7.started").exists(), 60, "the request to reach the model")
+        client.unregister_system_shared_memory("inuse")
+        assert _regions(client) == {}
+        (gate / "7").touch()
+        assert done.wait(60)
+        assert not isinstance(results[0], InferenceServerException), results[0]
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(handle, np.float32, [4], offset=x.nbytes), x * 2
+        )
+        # Once unregistered, new requests may not use it.
+        err = _error(client.infer, "gated", [inp])
+        assert "is not registered" in err.message()
+        assert daemon.proc.poll() is None
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(handle)

@@ -1,0 +1,300 @@
+"""A Triton model repository (config.pbtxt) served unchanged, and `mpsd convert-config` between the formats.
+
+The generated protobuf modules clash with tritonclient's in one process, so config.pbtxt is only ever
+parsed by the daemon or by the `mpsd` command run as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from torch import nn
+
+from tests import models
+from tests.conftest import ROOT, RunningDaemon
+
+DIMS = 16
+
+# Triton's PyTorch naming, a configured warm-up, and fields mpsd ignores (harmless: answers are the same).
+TRITON_ADD = """
+name: "triton_add"
+backend: "pytorch"
+max_batch_size: 8
+input [
+  { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 16 ] },
+  { name: "INPUT__1", data_type: TYPE_FP32, dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 16 ], label_filename: "labels.txt" },
+  { name: "OUTPUT__1", data_type: TYPE_FP32, dims: [ 16 ] }
+]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+dynamic_batching { max_queue_delay_microseconds: 100 }
+optimization { input_pinned_memory { enable: true } }
+response_cache { enable: true }
+model_warmup [
+  {
+    name: "random_rows"
+    batch_size: 2
+    inputs { key: "INPUT__0", value: { data_type: TYPE_FP32, dims: [ 16 ], random_data: true } }
+    inputs { key: "INPUT__1", value: { data_type: TYPE_FP32, dims: [ 16 ], zero_data: true } }
+  }
+]
+"""
+IGNORED = {"output.0.label_filename", "optimization.input_pinned_memory", "response_cache"}
+
+# Output dims are fixed at 3 while the input is variable: the default warm-up (variable dims as 1) fails the
+# output check, so this model loads only if its configured warm-up sample is the one that runs.
+WARMUP_DECIDES = """
+platform: "pytorch_libtorch"
+max_batch_size: 0
+input [ {{ name: "INPUT__0", data_type: TYPE_FP32, dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 3 ] }} ]
+instance_group [ {{ kind: KIND_AUTO }} ]
+model_warmup [ {{
+  name: "{name}"
+  inputs {{ key: "INPUT__0", value: {{ data_type: TYPE_FP32, dims: [ {n} ], zero_data: true }} }}
+}} ]
+"""
+
+SEQUENCE = """
+backend: "pytorch"
+max_batch_size: 4
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+sequence_batching { max_sequence_idle_microseconds: 5000000 }
+"""
+
+ONNX = """
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+def _model(repo: Path, name: str, pbtxt: str, module: nn.Module | None) -> Path:
+    model_dir = repo / name
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.pbtxt").write_text(pbtxt)
+    if module is not None:
+        models.save_torchscript(module, model_dir / "1" / "model.pt")
+    return model_dir
+
+
+def convert(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mpsd", "convert-config", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def triton_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("triton_repo")
+    _model(repo, "triton_add", TRITON_ADD, models.AddSub())
+    _model(repo, "warm_ok", WARMUP_DECIDES.format(name="three", n=3), models.Identity())
+    _model(repo, "warm_bad", WARMUP_DECIDES.format(name="two", n=2), models.Identity())
+    _model(repo, "sequence", SEQUENCE, models.Identity())
+    _model(repo, "onnx", ONNX, None)
+    both = _model(repo, "both", TRITON_ADD.replace('"triton_add"', '"both"'), models.AddSub())
+    shutil.copy(both / "config.pbtxt", both / "config.yaml")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def served(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    d = RunningDaemon(triton_repo, tmp_path_factory.mktemp("log") / "daemon.log")
+    try:
+        d.wait_models_settled()
+        yield d
+    finally:
+        d.stop()
+        d.kill_group()
+
+
+@pytest.fixture(scope="module")
+def converted(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """The same model, its config.pbtxt converted to config.yaml by `mpsd convert-config`."""
+    repo = tmp_path_factory.mktemp("yaml_repo")
+    target = repo / "triton_add"
+    shutil.copytree(triton_repo / "triton_add" / "1", target / "1")
+    done = convert(triton_repo / "triton_add" / "config.pbtxt", "--output", target / "config.yaml")
+    assert done.returncode == 0, done.stderr
+    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
+    try:
+        d.wait_ready()
+        yield d
+    finally:
+        d.stop()
+        d.kill_group()
+
+
+def _index(daemon: RunningDaemon) -> dict[str, dict[str, str]]:
+    return {m["name"]: m for m in daemon.client.get_model_repository_index(as_json=True)["models"]}
+
+
+def _add(client: grpcclient.InferenceServerClient, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, ...]:
+    inputs = []
+    for name, value in (("INPUT__0", a), ("INPUT__1", b)):
+        inp = grpcclient.InferInput(name, list(value.shape), "FP32")
+        inp.set_data_from_numpy(value)
+        inputs.append(inp)
+    result = client.infer("triton_add", inputs)
+    return result.as_numpy("OUTPUT__0"), result.as_numpy("OUTPUT__1")
+
+
+def test_triton_model_serves_with_pytorch_naming(served: RunningDaemon) -> None:
+    client = served.client
+    assert client.is_model_ready("triton_add")
+    meta = client.get_model_metadata("triton_add", as_json=True)
+    assert meta["platform"] == "pytorch_libtorch"
+    assert [i["name"] for i in meta["inputs"]] == ["INPUT__0", "INPUT__1"]
+    assert [o["name"] for o in meta["outputs"]] == ["OUTPUT__0", "OUTPUT__1"]
+    config = client.get_model_config("triton_add", as_json=True)["config"]
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert [(w["name"], w["batch_size"]) for w in config["model_warmup"]] == [("random_rows", 2)]
+    a = np.arange(3 * DIMS, dtype=np.float32).reshape(3, DIMS)
+    b = np.full((3, DIMS), 0.25, dtype=np.float32)
+    total, diff = _add(client, a, b)
+    np.testing.assert_array_equal(total, a + b)
+    np.testing.assert_array_equal(diff, a - b)
+
+
+def test_converted_yaml_gives_identical_answers(served: RunningDaemon, converted: RunningDaemon) -> None:
+    rng = np.random.default_rng(7)
+    for rows in (1, 4, 8):
+        a = rng.standard_normal((rows, DIMS), dtype=np.float32)
+        b = rng.standard_normal((rows, DIMS), dtype=np.float32)
+        for x, y in zip(_add(served.client, a, b), _add(converted.client, a, b), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert converted.client.get_model_metadata(
+        "triton_add", as_json=True
+    ) == served.client.get_model_metadata("triton_add", as_json=True)
+
+
+def test_configured_warmup_runs_before_ready(served: RunningDaemon) -> None:
+    index = _index(served)
+    assert index["warm_ok"]["state"] == "READY"  # the default warm-up would have failed this model
+    inp = grpcclient.InferInput("INPUT__0", [3], "FP32")
+    inp.set_data_from_numpy(np.array([1, 2, 3], dtype=np.float32))
+    np.testing.assert_array_equal(served.client.infer("warm_ok", [inp]).as_numpy("OUTPUT__0"), [1, 2, 3])
+    assert index["warm_bad"]["state"] == "UNAVAILABLE"
+    assert "warm-up 'two'" in index["warm_bad"]["reason"]
+    assert "OUTPUT__0" in index["warm_bad"]["reason"]
+
+
+def test_unsupported_semantics_fail_naming_the_field(served: RunningDaemon) -> None:
+    index = _index(served)
+    assert index["sequence"]["state"] == "UNAVAILABLE"
+    assert "config.pbtxt: field 'sequence_batching'" in index["sequence"]["reason"]
+    assert "field 'platform'" in index["onnx"]["reason"]
+    assert "'onnxruntime_onnx' is not served by mpsd" in index["onnx"]["reason"]
+    assert "both config.yaml and config.pbtxt" in index["both"]["reason"]
+    assert index["triton_add"]["state"] == "READY"  # the others keep serving
+
+
+def test_ignored_fields_are_reported_once(served: RunningDaemon) -> None:
+    served.client.load_model("triton_add")  # another reconcile of the same config: no second warning
+    events = [json.loads(line) for line in served.log().splitlines() if line.startswith("{")]
+    warnings = [
+        e
+        for e in events
+        if e.get("event") == "config fields ignored by mpsd" and e.get("model") == "triton_add"
+    ]
+    assert len(warnings) == 1, warnings
+    assert set(warnings[0]["fields"]) == IGNORED
+
+
+def _pbtxt_to_yaml(tmp_path: Path, pbtxt: str) -> dict[str, object]:
+    source = tmp_path / "config.pbtxt"
+    source.write_text(pbtxt)
+    done = convert(source, "--to", "yaml")
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load(done.stdout)
+    assert isinstance(config, dict)
+    return config
+
+
+GPU_MODEL = """
+platform: "pytorch_libtorch"
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+instance_group [ { kind: KIND_GPU, count: 2, gpus: [ 0 ] }, { kind: KIND_CPU } ]
+"""
+MPS_ACCELERATOR = (
+    'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "mps" } ] } }\n'
+)
+
+
+def test_kind_gpu_maps_to_our_kind_gpu_and_the_mps_accelerator_to_kind_mps(tmp_path: Path) -> None:
+    plain = _pbtxt_to_yaml(tmp_path, GPU_MODEL)
+    assert plain["backend"] == "torchscript"
+    assert plain["instance_group"] == [{"kind": "KIND_GPU", "count": 2, "gpus": [0]}, {"kind": "KIND_CPU"}]
+    mps = _pbtxt_to_yaml(tmp_path, GPU_MODEL + MPS_ACCELERATOR)
+    assert mps["instance_group"] == [{"kind": "KIND_MPS", "count": 2, "gpus": [0]}, {"kind": "KIND_CPU"}]
+
+
+def test_yaml_to_pbtxt_and_back_is_the_same_config(tmp_path: Path) -> None:
+    models.add_sub(tmp_path, "m", instance_group=[{"kind": "KIND_MPS", "count": 2}], max_rss_bytes=1 << 30)
+    config_yaml = tmp_path / "m" / "config.yaml"
+    to_pbtxt = convert(config_yaml)
+    assert to_pbtxt.returncode == 0, to_pbtxt.stderr
+    assert 'name: "mps"' in to_pbtxt.stdout and "kind: KIND_GPU" in to_pbtxt.stdout
+    back = _pbtxt_to_yaml(tmp_path, to_pbtxt.stdout)
+    original = yaml.safe_load(config_yaml.read_text())
+    assert {k: back[k] for k in original} == original
+
+
+BASE = """
+backend: "pytorch"
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ]REST } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+@pytest.mark.parametrize(
+    ("pbtxt", "field"),
+    [
+        ('platform: "ensemble"\n' + BASE.replace('backend: "pytorch"', ""), "platform"),
+        ('backend: "python"\n' + BASE.replace('backend: "pytorch"', ""), "backend"),
+        (BASE + "model_transaction_policy { decoupled: true }", "model_transaction_policy.decoupled"),
+        (BASE.replace("REST", ", reshape: { shape: [ 2, 2 ] }"), "input.0.reshape"),
+        (BASE + "instance_group [ { kind: KIND_MODEL } ]", "instance_group.0.kind"),
+        (
+            BASE + 'model_warmup [ { name: "w", inputs { key: "INPUT__0", value: { data_type: TYPE_FP32, '
+            'dims: [ 4 ], input_data_file: "raw" } } } ]',
+            "model_warmup.0.inputs.INPUT__0.input_data_file",
+        ),
+    ],
+)
+def test_semantics_mpsd_cannot_honour_are_refused(tmp_path: Path, pbtxt: str, field: str) -> None:
+    source = tmp_path / "config.pbtxt"
+    source.write_text(pbtxt.replace("REST", ""))
+    done = convert(source)
+    assert done.returncode == 78, done.stdout
+    assert f"field '{field}'" in done.stderr
+
+
+def test_convert_refuses_what_cannot_be_served(tmp_path: Path) -> None:
+    source = tmp_path / "config.pbtxt"
+    source.write_text(SEQUENCE)
+    done = convert(source)
+    assert done.returncode == 78
+    assert "field 'sequence_batching'" in done.stderr
+    source.write_text(TRITON_ADD.replace("response_cache", "no_such_field"))
+    done = convert(source)
+    assert done.returncode == 78
+    assert "no_such_field" in done.stderr

@@ -1,0 +1,30 @@
+"""tritonclient's system shared-memory helpers (`tritonclient.utils.shared_memory`), importable unchanged.
+
+That module finds its C library with `pkg_resources.resource_filename`, which setuptools 81 removed. When
+pkg_resources is missing, that one function is provided from importlib.resources; when it is present, its
+deprecation warning on import is silenced here rather than failing the suite.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import sys
+import types
+import warnings
+
+
+def _resource_filename(package: str, name: str) -> str:
+    return str(importlib.resources.files(package) / name)
+
+
+if importlib.util.find_spec("pkg_resources") is None:
+    _shim = types.ModuleType("pkg_resources")
+    _shim.resource_filename = _resource_filename  # type: ignore[attr-defined]
+    sys.modules["pkg_resources"] = _shim
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*pkg_resources.*")
+    import tritonclient.utils.shared_memory as shm
+
+__all__ = ["shm"]
