@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-DEFAULT_ADDRESS = "127.0.0.1:8001"
+from mpsd.connect import add_connection_args, open_channel
+
 EX_UNAVAILABLE = 69  # sysexits.h: the daemon cannot be reached
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -161,7 +162,7 @@ def _status(args: argparse.Namespace) -> int:
     from mpsd.proto import grpc_service_pb2 as kserve
     from mpsd.proto import grpc_service_pb2_grpc as kserve_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         inference = kserve_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
         index = inference.RepositoryIndex(kserve.RepositoryIndexRequest(), timeout=args.timeout)
         workers = _admin(channel).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=args.timeout)
@@ -218,7 +219,7 @@ def _logs(args: argparse.Namespace) -> int:
         replay=args.replay,
         follow=args.follow,
     )
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         stream = _admin(channel).StreamLogs(request, timeout=None if args.follow else args.timeout)
         try:
             for event in stream:
@@ -239,7 +240,7 @@ def _health(args: argparse.Namespace) -> int:
 
     service = args.model or ""
     what = f"'{service}'" if service else "daemon"
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=args.timeout)
@@ -257,7 +258,7 @@ def _health(args: argparse.Namespace) -> int:
 def _reload(args: argparse.Namespace) -> int:
     from mpsd.proto import admin_pb2
 
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         reply = _admin(channel).Reload(admin_pb2.ReloadRequest(), timeout=args.timeout)
     print(reply.summary)
     return 0
@@ -267,12 +268,7 @@ def _reload(args: argparse.Namespace) -> int:
 
 
 def _common(parser: argparse.ArgumentParser, timeout: float) -> None:
-    parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"the daemon's gRPC host:port (default {DEFAULT_ADDRESS})"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=timeout, help=f"seconds to wait for the daemon (default {timeout:g})"
-    )
+    add_connection_args(parser, timeout)
 
 
 def add_ops_parsers(sub: Any) -> None:

@@ -723,3 +723,64 @@ def test_unreadable_token_stops_the_daemon_before_it_starts(tmp_path: Path) -> N
 def test_auth_config_defaults_to_the_loopback_rule() -> None:
     assert AuthConfig().repository_changes_without_token == "loopback"
     assert AuthConfig().tokens == []
+
+
+def test_command_line_tools_speak_mutual_tls_and_tokens(daemons: Daemons, tmp_path: Path) -> None:
+    """`mpsd models` / `mpsd infer` with --tls-* and a token; refused without the token, one line."""
+    pki = daemons.pki
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN)
+    tls = [
+        "--address",
+        daemons.mtls.address,
+        "--tls-ca",
+        str(pki.ca),
+        "--tls-cert",
+        str(pki.client_cert),
+        "--tls-key",
+        str(pki.client_key),
+    ]
+    cli = [sys.executable, "-m", "mpsd"]
+    env = {k: v for k, v in os.environ.items() if k != "MPSD_TOKEN"}
+    listed = subprocess.run(
+        [*cli, "models", *tls, "--token-file", str(token)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert "add_sub" in listed.stdout and "READY" in listed.stdout
+    answered = subprocess.run(
+        [
+            *cli,
+            "infer",
+            "add_sub",
+            "--input",
+            "INPUT0=1",
+            "--input",
+            "INPUT1=2",
+            "--output-format",
+            "json",
+            *tls,
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "MPSD_TOKEN": ADMIN_TOKEN},
+        timeout=60,
+    )
+    assert answered.returncode == 0, answered.stderr
+    assert "3.0" in answered.stdout
+    refused = subprocess.run([*cli, "models", *tls], capture_output=True, text=True, env=env, timeout=60)
+    assert refused.returncode != 0
+    assert "UNAUTHENTICATED" in refused.stderr and "--token-file" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    narrow = subprocess.run(
+        [*cli, "infer", "add_sub", "--input", "INPUT0=1", "--input", "INPUT1=2", *tls],
+        capture_output=True,
+        text=True,
+        env={**env, "MPSD_TOKEN": INFER_TOKEN},
+        timeout=60,
+    )
+    assert narrow.returncode != 0
+    assert "PERMISSION_DENIED" in narrow.stderr and "'health'" in narrow.stderr

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsd.ops_cli import DEFAULT_ADDRESS
+from mpsd.connect import add_connection_args
 from mpsd.tools.common import DEFAULT_CONFIG, ToolError, default_repository
 
 Handler = Callable[[argparse.Namespace], int]
@@ -63,7 +63,7 @@ def _infer(args: argparse.Namespace) -> int:
     if not args.input:
         raise ToolError("no --input given", "give one --input NAME=VALUE per model input")
     return run(
-        args.address,
+        args,
         args.model,
         args.version,
         args.input,
@@ -78,7 +78,7 @@ def _infer(args: argparse.Namespace) -> int:
 def _models(args: argparse.Namespace) -> int:
     from mpsd.tools.models import run
 
-    return run(args.address, args.ready, args.json, args.timeout)
+    return run(args, args.ready, args.json, args.timeout)
 
 
 @_guarded
@@ -100,12 +100,7 @@ def _debug(parser: argparse.ArgumentParser) -> None:
 
 
 def _address(parser: argparse.ArgumentParser, timeout: float) -> None:
-    parser.add_argument(
-        "--address", default=DEFAULT_ADDRESS, help=f"the daemon's gRPC host:port (default {DEFAULT_ADDRESS})"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=timeout, help=f"seconds to wait for the daemon (default {timeout:g})"
-    )
+    add_connection_args(parser, timeout)
 
 
 def _config(parser: argparse.ArgumentParser) -> None:

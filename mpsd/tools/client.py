@@ -6,16 +6,17 @@ functions: importing them next to tritonclient in one process registers the same
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import grpc
 
-from mpsd.ops_cli import DEFAULT_ADDRESS, EX_UNAVAILABLE
+from mpsd.connect import DEFAULT_ADDRESS, open_channel
+from mpsd.ops_cli import EX_UNAVAILABLE
 from mpsd.tools.common import ToolError
 
 __all__ = ["DEFAULT_ADDRESS", "EX_UNAVAILABLE", "connect", "inference_stub", "rpc_failure"]
 
-_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
 # Status code -> what to try next, for errors the daemon reports about a request.
 _HINTS: dict[grpc.StatusCode, str] = {
@@ -26,12 +27,14 @@ _HINTS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the device ran out of memory: send a smaller batch, or see "
     "docs/troubleshooting.md",
     grpc.StatusCode.DEADLINE_EXCEEDED: "raise --timeout, or check `mpsd status` for a stuck worker",
+    grpc.StatusCode.UNAUTHENTICATED: "pass --token-file (or set MPSD_TOKEN) with a token the daemon knows",
+    grpc.StatusCode.PERMISSION_DENIED: "use a token whose categories include this call (docs/security.md)",
 }
 
 
-def connect(address: str) -> grpc.Channel:
-    """A channel without message size limits: the daemon enforces its own."""
-    return grpc.insecure_channel(address, options=_OPTIONS)
+def connect(conn: argparse.Namespace) -> grpc.Channel:
+    """A channel to the daemon from the command's connection arguments (address, TLS, token)."""
+    return open_channel(conn)
 
 
 def inference_stub(channel: grpc.Channel, address: str, timeout: float) -> Any:
@@ -44,6 +47,8 @@ def inference_stub(channel: grpc.Channel, address: str, timeout: float) -> Any:
         stub.ServerLive(pb.ServerLiveRequest(), timeout=timeout)
     except grpc.RpcError as exc:
         details = exc.details()  # type: ignore[attr-defined]
+        if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # type: ignore[attr-defined]
+            raise rpc_failure(exc) from None
         raise ToolError(
             f"cannot reach the daemon at {address}: {details}",
             "is it running (`mpsd serve`, `make run`)? pass --address if it listens elsewhere",

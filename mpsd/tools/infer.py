@@ -7,6 +7,7 @@ value lacks it, a batch of one is sent.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -254,7 +255,7 @@ def _metas(tensors: Any) -> list[TensorMeta]:
 
 
 def call(
-    address: str,
+    conn: argparse.Namespace,
     model: str,
     version: str,
     assignments: Sequence[str],
@@ -264,8 +265,8 @@ def call(
     """Fetch the model's metadata, send one request, return the version that answered and its outputs."""
     from mpsd.proto import grpc_service_pb2 as pb
 
-    with connect(address) as channel:
-        stub = inference_stub(channel, address, timeout)
+    with connect(conn) as channel:
+        stub = inference_stub(channel, conn.address, timeout)
         try:
             meta = stub.ModelMetadata(pb.ModelMetadataRequest(name=model, version=version), timeout=timeout)
         except grpc.RpcError as exc:
@@ -293,7 +294,7 @@ def call(
 
 
 def run(
-    address: str,
+    conn: argparse.Namespace,
     model: str,
     version: str,
     assignments: Sequence[str],
@@ -302,7 +303,7 @@ def run(
     output_dir: Path,
     timeout: float,
 ) -> int:
-    answered, results = call(address, model, version, assignments, outputs, timeout)
+    answered, results = call(conn, model, version, assignments, outputs, timeout)
     if output_format == "json":
         print(compact_json(as_json(model, answered, results)))
     elif output_format == "npy":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import grpc
@@ -9,13 +10,13 @@ import grpc
 from mpsd.tools.client import connect, inference_stub, rpc_failure
 
 
-def run(address: str, ready_only: bool, json_output: bool, timeout: float) -> int:
+def run(conn: argparse.Namespace, ready_only: bool, json_output: bool, timeout: float) -> int:
     """One row per model version from RepositoryIndex: name, version, state and why it is not ready."""
     from mpsd.ops_cli import table
     from mpsd.proto import grpc_service_pb2 as pb
 
-    with connect(address) as channel:
-        stub = inference_stub(channel, address, timeout)
+    with connect(conn) as channel:
+        stub = inference_stub(channel, conn.address, timeout)
         try:
             index = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=ready_only), timeout=timeout)
         except grpc.RpcError as exc:
