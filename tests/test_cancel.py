@@ -1,0 +1,128 @@
+"""Client cancellation, closed streams and stale leftovers of a dead daemon."""
+
+from __future__ import annotations
+
+import queue
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+
+from tests import models
+from tests.conftest import RunningDaemon, free_port, wait_for
+
+SLOW = """
+value = float(inputs['x'].reshape(-1)[0])
+with open(self.config['parameters']['log'], 'a') as f:
+    f.write(f'{value:.0f}\\n')
+if value > 0:
+    time.sleep(1.5)
+return {'y': inputs['x']}
+"""
+
+
+def x(value: float) -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput("x", [1], "FP32")
+    inp.set_data_from_numpy(np.array([value], np.float32))
+    return [inp]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, Path, str]]:
+    tmp = tmp_path_factory.mktemp("cancel")
+    repo = tmp / "repo"
+    log = tmp / "ran.log"
+    models.python_model(
+        repo,
+        "slow",
+        SLOW,
+        config={
+            "backend": "python",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [1]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [1]}],
+            "parameters": {"log": str(log)},
+        },
+    )
+    metrics = f"127.0.0.1:{free_port()}"
+    config = tmp / "mpsd.yaml"
+    config.write_text(yaml.safe_dump({"metrics_address": metrics}))
+    daemon = RunningDaemon(repo, tmp / "daemon.log", config=config)
+    try:
+        daemon.wait_ready()
+        yield daemon, log, metrics
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+
+
+def ran(log: Path) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+def pending(metrics: str) -> float:
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mpsd_inference_pending_request_count{")
+    ]
+    return sum(values)
+
+
+def test_cancelled_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon, Path, str]) -> None:
+    daemon, log, metrics = setup
+    done: queue.Queue[object] = queue.Queue()
+    daemon.client.async_infer("slow", x(1000), callback=lambda result, error: done.put(error))
+    time.sleep(0.3)  # the blocker is running; the next request has to wait in the queue
+    call = daemon.client.async_infer("slow", x(4242), callback=lambda result, error: done.put(error))
+    time.sleep(0.2)
+    call.cancel()
+    assert done.get(timeout=30) is not None  # the cancelled call reports its cancellation first
+    assert done.get(timeout=30) is None  # then the blocker completes
+    daemon.client.infer("slow", x(0))
+    assert "4242" not in ran(log)
+    wait_for(lambda: pending(metrics) == 0, 10, "no pending request left")
+
+
+def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDaemon, Path, str]) -> None:
+    daemon, log, metrics = setup
+    client = grpcclient.InferenceServerClient(daemon.address)
+    client.start_stream(callback=lambda result, error: None)
+    for marker in (7001, 7002, 7003):
+        client.async_stream_infer("slow", x(marker))
+    time.sleep(0.4)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    wait_for(lambda: pending(metrics) == 0, 10, "stream's requests released")
+    time.sleep(1.6)  # long enough for a queued request to have started if it had not been dropped
+    assert "7002" not in ran(log) and "7003" not in ran(log)
+    assert daemon.client.infer("slow", x(0)).as_numpy("y").tolist() == [0.0]
+
+
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while psutil.pid_exists(pid):
+        pid += 1
+    return pid
+
+
+def test_next_start_removes_shared_memory_left_by_a_dead_daemon(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    stale = Path("/dev/shm") / f"mpsd-{_dead_pid()}-0"
+    if not stale.parent.is_dir():
+        pytest.skip("no /dev/shm on this system")
+    stale.write_bytes(b"\0" * 4096)
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    daemon = start_daemon(repo)
+    daemon.wait_live()
+    wait_for(lambda: not stale.exists(), 30, "stale segment removed")
+    assert "removed stale shared memory" in daemon.log()
