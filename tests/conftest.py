@@ -4,6 +4,7 @@ stock tritonclient."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -99,6 +100,20 @@ class RunningDaemon:
 
         wait_for(settled, timeout, f"models settled\n{self.log()}")
 
+    def started_workers(self, model: str) -> list[int]:
+        """Pids of the workers the daemon logged as started for `model`, oldest first."""
+        pids = []
+        for line in self.log().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "worker started" and str(event.get("worker", "")).startswith(
+                f"{model}/"
+            ):
+                pids.append(int(event["pid"]))
+        return pids
+
     def worker_pids(self) -> list[int]:
         import psutil
 
@@ -123,6 +138,18 @@ class RunningDaemon:
         """Last-resort cleanup: nothing the test started may outlive it."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serving(repo: Path, log_path: Path, **kwargs: object) -> Iterator[RunningDaemon]:
+    """A daemon for a whole module: started, ready, and stopped (with its process group) at the end."""
+    daemon = RunningDaemon(repo, log_path, **kwargs)  # type: ignore[arg-type]
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.kill_group()
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, serving
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -25,13 +25,8 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     repo = tmp_path_factory.mktemp("repo")
     models.add_sub(repo)  # INPUT0/INPUT1 FP32 [16], max_batch_size 8
-    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
-    try:
-        d.wait_ready()
+    with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as d:
         yield d
-    finally:
-        d.stop()
-        d.kill_group()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.model_config import ModelConfig
-from tests.conftest import ROOT, RunningDaemon
+from tests.conftest import ROOT, RunningDaemon, serving
 
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -167,13 +167,8 @@ def example_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
     repo = tmp_path_factory.mktemp("quickstart") / "models"
     shutil.copytree(ROOT / "config" / "models", repo, ignore=shutil.ignore_patterns("*.pt", "*.pt2"))
     subprocess.run([sys.executable, "-m", "mpsd.examples", str(repo)], check=True, capture_output=True)
-    daemon = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
-    try:
-        daemon.wait_ready()
+    with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as daemon:
         yield daemon
-    finally:
-        daemon.stop()
-        daemon.kill_group()
 
 
 def test_readme_quickstart_runs(example_daemon: RunningDaemon, tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -41,18 +40,6 @@ def x(value: float) -> list[grpcclient.InferInput]:
     inp = grpcclient.InferInput("x", [1], "FP32")
     inp.set_data_from_numpy(np.array([value], np.float32))
     return [inp]
-
-
-def worker_pids(daemon: RunningDaemon, model: str) -> list[int]:
-    pids = []
-    for line in daemon.log().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "worker started" and str(event.get("worker", "")).startswith(f"{model}/"):
-            pids.append(int(event["pid"]))
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +96,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
 
 
 def test_stopped_worker_is_detected_by_heartbeat_and_replaced(daemon: RunningDaemon) -> None:
-    (pid,) = worker_pids(daemon, "stoppable")
+    (pid,) = daemon.started_workers("stoppable")
     errors: list[InferenceServerException] = []
 
     def call() -> None:
@@ -132,23 +119,23 @@ def test_stopped_worker_is_detected_by_heartbeat_and_replaced(daemon: RunningDae
     assert "stoppable" in errors[0].message()
     wait_for(lambda: daemon.client.is_model_ready("stoppable"), 60, "replacement ready")
     assert daemon.client.infer("stoppable", x(0.0)).as_numpy("y").tolist() == [0.0]
-    assert worker_pids(daemon, "stoppable")[-1] != pid
+    assert daemon.started_workers("stoppable")[-1] != pid
     assert daemon.client.infer("bystander", x(0.0)).as_numpy("y").tolist() == [0.0]
 
 
 def test_request_that_never_finishes_hits_the_request_timeout(daemon: RunningDaemon) -> None:
-    (pid,) = worker_pids(daemon, "hangs")
+    (pid,) = daemon.started_workers("hangs")
     with pytest.raises(InferenceServerException) as err:
         daemon.client.infer("hangs", x(30.0))
     assert err.value.status() == "StatusCode.UNAVAILABLE"
     assert "request_timeout_s" in err.value.message()
     wait_for(lambda: daemon.client.is_model_ready("hangs"), 60, "replacement ready")
     assert daemon.client.infer("hangs", x(0.0)).as_numpy("y").tolist() == [0.0]
-    assert worker_pids(daemon, "hangs")[-1] != pid
+    assert daemon.started_workers("hangs")[-1] != pid
 
 
 def test_model_crashing_at_every_start_backs_off(daemon: RunningDaemon) -> None:
-    (pid,) = worker_pids(daemon, "crashy")
+    (pid,) = daemon.started_workers("crashy")
     daemon.marker.write_text("crash")  # type: ignore[attr-defined]
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: daemon.log().count("worker restart failed") >= 3, 30, "restart attempts")
@@ -169,7 +156,7 @@ def test_model_crashing_at_every_start_backs_off(daemon: RunningDaemon) -> None:
 def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(
     daemon: RunningDaemon,
 ) -> None:
-    (first,) = worker_pids(daemon, "bloats")
+    (first,) = daemon.started_workers("bloats")
     for _ in range(4):  # 4 x 250 MB pushes RSS past the 900 MB ceiling
         assert daemon.client.infer("bloats", x(1.0)).as_numpy("y").tolist() == [1.0]
     wait_for(lambda: "worker replaced" in daemon.log(), 60, "replacement")
@@ -177,5 +164,5 @@ def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(
         lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie", 30, "old gone"
     )
     assert daemon.client.infer("bloats", x(0.0)).as_numpy("y").tolist() == [0.0]
-    assert worker_pids(daemon, "bloats")[-1] != first
+    assert daemon.started_workers("bloats")[-1] != first
     assert "over its memory ceiling" in daemon.log()

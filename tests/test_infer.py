@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, serving
 
 NP = {
     "BOOL": np.bool_,
@@ -53,13 +53,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         return {'y': inputs['x']}
         """,
     )
-    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
-    try:
-        d.wait_ready()
+    with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as d:
         yield d
-    finally:
-        d.stop()
-        d.kill_group()
 
 
 def add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list[grpcclient.InferInput]:

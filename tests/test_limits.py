@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, serving
 
 LIMIT = 64 * 1024
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -32,13 +32,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     models.python_model(repo, "grow", "return {'y': inputs['x'].repeat(8)}")
     config = base / "mpsd.yaml"
     config.write_text(yaml.safe_dump({"max_message_bytes": LIMIT, "metrics_address": ""}))
-    d = RunningDaemon(repo, base / "daemon.log", config=config)
-    try:
-        d.wait_ready()
+    with serving(repo, base / "daemon.log", config=config) as d:
         yield d
-    finally:
-        d.stop()
-        d.kill_group()
 
 
 @pytest.fixture(scope="module")

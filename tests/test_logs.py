@@ -24,7 +24,7 @@ from mpsd.errors import InvalidArgument
 from mpsd.logs import apply_log_settings, log_settings, set_level
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
-from tests.conftest import RunningDaemon, wait_for
+from tests.conftest import RunningDaemon, serving, wait_for
 
 # ---- the bus on its own ------------------------------------------------------------------------------
 
@@ -145,13 +145,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     )
     config = tmp_path_factory.mktemp("config") / "mpsd.yaml"
     config.write_text(yaml.safe_dump({"metrics_address": "", "model_control": "explicit"}))
-    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log", config=config)
-    try:
-        d.wait_ready()
+    with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log", config=config) as d:
         yield d
-    finally:
-        d.stop()
-        d.kill_group()
 
 
 @pytest.fixture(scope="module")

@@ -195,7 +195,7 @@ def test_removed_model_finishes_in_flight_requests(
     models.add_sub(repo, "stays")
     daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
     daemon.wait_ready()
-    slow_pid = _worker_pid(daemon, "slow")
+    slow_pid = daemon.started_workers("slow")[-1]
     results: list[object] = []
 
     def call() -> None:
@@ -234,31 +234,6 @@ def test_removed_model_finishes_in_flight_requests(
     assert daemon.client.is_model_ready("stays")
 
 
-def _worker_pid(daemon: RunningDaemon, model: str) -> int:
-    for pid in daemon.worker_pids():
-        with_cmd = psutil.Process(pid)
-        # Workers are matched by their open files: each maps its model through the repository path.
-        if any(model in str(f.path) for f in with_cmd.open_files()) or model in " ".join(with_cmd.cmdline()):
-            return pid
-    pids = _pids_from_log(daemon, model)
-    assert pids, f"no worker for {model}"
-    return pids[-1]
-
-
-def _pids_from_log(daemon: RunningDaemon, model: str) -> list[int]:
-    import json
-
-    pids = []
-    for line in daemon.log().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if event.get("event") == "worker started" and str(event.get("worker", "")).startswith(f"{model}/"):
-            pids.append(int(event["pid"]))
-    return pids
-
-
 def test_instance_count_change_keeps_the_running_instance(
     tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
 ) -> None:
@@ -267,10 +242,10 @@ def test_instance_count_change_keeps_the_running_instance(
     publish_version(model_dir, 1, 1.0)
     daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
     daemon.wait_ready()
-    (first,) = _pids_from_log(daemon, "const")
+    (first,) = daemon.started_workers("const")
     with Load(daemon.address, "const") as load:
         constant_model(repo, count=2)
-        wait_for(lambda: len(_pids_from_log(daemon, "const")) == 2, 60, "second instance started")
+        wait_for(lambda: len(daemon.started_workers("const")) == 2, 60, "second instance started")
         wait_for(lambda: "instance count changed" in daemon.log(), 30, "resize logged")
     assert psutil.pid_exists(first)
     assert first in daemon.worker_pids()

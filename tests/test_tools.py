@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from tests import models
-from tests.conftest import ROOT, RunningDaemon, free_port, wait_for
+from tests.conftest import ROOT, RunningDaemon, free_port, serving, wait_for
 
 EX_UNAVAILABLE = 69
 
@@ -64,13 +64,8 @@ def daemon(example_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A daemon watching its own copy of the example repository (init-model adds models to it)."""
     served = tmp_path_factory.mktemp("served") / "models"
     shutil.copytree(example_repo, served)
-    d = RunningDaemon(served, tmp_path_factory.mktemp("log") / "daemon.log")
-    try:
-        d.wait_ready()
+    with serving(served, tmp_path_factory.mktemp("log") / "daemon.log") as d:
         yield d
-    finally:
-        d.stop()
-        d.kill_group()
 
 
 # ---- validate --------------------------------------------------------------------------------------------

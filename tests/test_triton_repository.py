@@ -20,7 +20,7 @@ import yaml
 from torch import nn
 
 from tests import models
-from tests.conftest import ROOT, RunningDaemon
+from tests.conftest import ROOT, RunningDaemon, serving
 
 DIMS = 16
 
@@ -133,13 +133,8 @@ def converted(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     shutil.copytree(triton_repo / "triton_add" / "1", target / "1")
     done = convert(triton_repo / "triton_add" / "config.pbtxt", "--output", target / "config.yaml")
     assert done.returncode == 0, done.stderr
-    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
-    try:
-        d.wait_ready()
+    with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as d:
         yield d
-    finally:
-        d.stop()
-        d.kill_group()
 
 
 def _index(daemon: RunningDaemon) -> dict[str, dict[str, str]]:

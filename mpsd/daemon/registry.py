@@ -7,7 +7,6 @@ the old versions drain in the background; a failed load leaves the old versions 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -29,11 +28,8 @@ from .worker_process import LoadError
 log = structlog.get_logger("mpsd.daemon.registry")
 
 
-class ModelState(enum.Enum):
-    LOADING = "LOADING"
-    READY = "READY"
-    UNAVAILABLE = "UNAVAILABLE"
-    UNLOADING = "UNLOADING"
+# A model's state is reported with the same four values as a version's (RepositoryIndex uses both).
+ModelState = VersionState
 
 
 @dataclass
