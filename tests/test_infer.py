@@ -322,3 +322,16 @@ def test_repository_index_and_load_unload(daemon: RunningDaemon, tmp_path: Path)
         c.load_model("add_sub", files={"file:1/model.pt": b"\x00"})
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "repository" in err.value.message()
+
+
+def test_tensors_larger_than_the_shared_memory_regions_grow_them(daemon: RunningDaemon) -> None:
+    """3 MB in and out: past the first regions' size, so the input region and the output region grow."""
+    values = {t: _echo_values(t, n=400_000) for t in models.DTYPES}
+    result = daemon.client.infer("echo_all", _echo_inputs(values, raw=True))
+    response = result.get_response()
+    raw_out = {o.name: response.raw_output_contents[i] for i, o in enumerate(response.outputs)}
+    for dtype, v in values.items():
+        assert raw_out[f"OUT_{dtype}"] == v.tobytes(), dtype
+    small = {t: _echo_values(t) for t in models.DTYPES}
+    again = daemon.client.infer("echo_all", _echo_inputs(small, raw=True)).get_response()
+    assert again.raw_output_contents[0] == small["BOOL"].tobytes()

@@ -21,14 +21,15 @@ import structlog
 from mpsd.errors import Internal, MpsdError, Unavailable, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import ConnectionClosed, encode, recv_async
-from mpsd.ipc.shm import Region, page_round
+from mpsd.ipc.shm import Region
 
+from .arena import Arena
+from .arena import ref as arena_ref
 from .request import InferRequest, OutputTensor, Timings
 
 log = structlog.get_logger("mpsd.daemon.worker")
 
 ALIGN = 64
-INITIAL_REGION = 1 << 20
 
 
 class LoadError(Exception):
@@ -96,9 +97,7 @@ class WorkerProcess:
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: asyncio.Future[object] | None = None
         self._req_ids = itertools.count(1)
-        self._input: Region | None = None
-        self._output: Region | None = None
-        self._regions: list[Region] = []
+        self.arena = Arena()
         self._stopping = False
 
     @property
@@ -290,29 +289,12 @@ class WorkerProcess:
             await self.kill()
 
     def _grow_output(self, nbytes: int) -> None:
-        old = self._output
-        self._output = self._new_region(max(nbytes, 2 * (old.size if old else 0)))
-        if old is not None:
-            self._retire(old)
+        region = self.arena.grow_output(nbytes)
         assert self._writer is not None
-        self._writer.write(encode(p.OutputRegion(p.RegionRef(self._output.name, self._output.size))))
-
-    def _new_region(self, size: int) -> Region:
-        region = Region.create(page_round(size))
-        self._regions.append(region)
-        return region
-
-    def _retire(self, region: Region) -> None:
-        region.unlink()
-        if region.close():
-            self._regions.remove(region)
+        self._writer.write(encode(p.OutputRegion(region)))
 
     def _release_regions(self) -> None:
-        for region in self._regions:
-            region.unlink()
-            region.close()
-        self._regions.clear()
-        self._input = self._output = None
+        self.arena.release()
 
     async def infer_batch(
         self, requests: Sequence[InferRequest], timings: Timings
@@ -333,20 +315,15 @@ class WorkerProcess:
             shape = (total_rows, *t.shape[1:]) if len(requests) > 1 else t.shape
             refs.append(p.TensorRef(t.name, t.datatype, shape, offset, n))
             offset = _align(offset + n)
-        if self._input is None or self._input.size < offset:
-            old_size = self._input.size if self._input is not None else 0
-            if self._input is not None:
-                self._retire(self._input)
-            self._input = self._new_region(max(offset, INITIAL_REGION, 2 * old_size))
-        buf = self._input.buf
+        in_region = self.arena.input_for(offset)
+        buf = in_region.buf
         for i, ref in enumerate(refs):
             pos = ref.offset
             for r in requests:  # the batch is assembled in place: one copy per request's bytes
                 data = r.inputs[i].data
                 buf[pos : pos + len(data)] = data
                 pos += len(data)
-        if self._output is None:
-            self._output = self._new_region(INITIAL_REGION)
+        out = self.arena.output_region()
         wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
@@ -354,8 +331,8 @@ class WorkerProcess:
             req_id,
             tuple(refs),
             tuple(wanted),
-            p.RegionRef(self._input.name, self._input.size),
-            p.RegionRef(self._output.name, self._output.size),
+            arena_ref(in_region),
+            arena_ref(out),
         )
         self._pending = loop.create_future()
         self._writer.write(encode(msg))
@@ -367,11 +344,8 @@ class WorkerProcess:
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
             raise Internal(f"protocol error: unexpected reply {type(reply).__name__} from worker")
-        # The worker has mapped both regions now: their names are no longer needed.
-        self._input.unlink()
-        out = self._output
-        assert out is not None
-        out.unlink()
+        self.arena.mapped_by_worker()
+        out = self.arena.output_region()  # the worker may have asked for a larger one meanwhile
         r0 = loop.time()
         results = self._split(requests, reply.outputs, out, total_rows)
         read_ns = int((loop.time() - r0) * 1e9)
