@@ -335,3 +335,20 @@ def test_tensors_larger_than_the_shared_memory_regions_grow_them(daemon: Running
     small = {t: _echo_values(t) for t in models.DTYPES}
     again = daemon.client.infer("echo_all", _echo_inputs(small, raw=True)).get_response()
     assert again.raw_output_contents[0] == small["BOOL"].tobytes()
+
+
+def test_a_stream_longer_than_its_window_is_answered_in_order(daemon: RunningDaemon) -> None:
+    """More requests than a stream may have in progress (256): the stream waits, nothing is dropped."""
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(daemon.address)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(400):
+            a = np.full((1, 16), float(i), np.float32)
+            client.async_stream_infer("add_sub", add_sub_inputs(a, a), request_id=str(i))
+        got = [results.get(timeout=60) for _ in range(400)]
+    finally:
+        client.stop_stream()
+        client.close()
+    assert [e for _, e in got] == [None] * 400
+    assert [r.get_response().id for r, _ in got] == [str(i) for i in range(400)]  # type: ignore[union-attr]

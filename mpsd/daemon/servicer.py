@@ -27,6 +27,7 @@ log = structlog.get_logger("mpsd.daemon.grpc")
 T = TypeVar("T")
 Handler = Callable[..., Awaitable[T]]
 
+STREAM_WINDOW = 256
 EXTENSIONS = [
     "model_repository",
     "model_configuration",
@@ -133,8 +134,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: Any
     ) -> AsyncIterator[Any]:
-        """Requests of one stream run concurrently; responses come back in request order, errors in-band."""
+        """Requests of one stream run concurrently; responses come back in request order, errors in-band.
+
+        At most STREAM_WINDOW requests of a stream are in progress: past that the stream stops reading,
+        and HTTP/2 flow control holds the client back, so one stream cannot fill the daemon's memory.
+        """
         pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
 
         async def one(request: Any) -> Any:
             try:
@@ -148,6 +154,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    await window.acquire()
                     pending.put_nowait(asyncio.create_task(one(request)))
             finally:
                 pending.put_nowait(None)
@@ -155,7 +162,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         reader = asyncio.create_task(read())
         try:
             while (task := await pending.get()) is not None:
-                yield await task
+                response = await task
+                window.release()
+                yield response
         finally:
             reader.cancel()
             while not pending.empty():
