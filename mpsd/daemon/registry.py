@@ -114,6 +114,7 @@ class Registry:
         self._warned: dict[str, str] = {}  # model -> config fingerprint whose ignored fields were logged
         self.unloaded: set[str] = set()
         self.reconcile_lock = asyncio.Lock()
+        self._loading: dict[str, ModelVersion] = {}
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.entries: dict[str, ModelEntry] = {}
@@ -261,6 +262,27 @@ class Registry:
             side_by_side = self._check_budget(entry.name, fresh, retiring, resized, source)
         except ConfigError as exc:
             self._fail(entry, exc.message, fingerprint)
+        # Held from the check until the versions run (or fail), so models loading at the same time count
+        # against each other's budget.
+        for mv in fresh:
+            self._loading[mv.label] = mv
+        try:
+            return await self._start(entry, source, fingerprint, keep, fresh, retiring, resized, side_by_side)
+        finally:
+            for mv in fresh:
+                self._loading.pop(mv.label, None)
+
+    async def _start(
+        self,
+        entry: ModelEntry,
+        source: ModelSource,
+        fingerprint: str,
+        keep: dict[int, ModelVersion],
+        fresh: list[ModelVersion],
+        retiring: list[ModelVersion],
+        resized: list[tuple[ModelVersion, ModelConfig]],
+        side_by_side: bool,
+    ) -> bool:
         for mv, config in resized:
             placements, launches = plan_version(source, mv.version)
             try:
@@ -309,6 +331,7 @@ class Registry:
             for mv in entry.versions.values()
             if mv not in retiring
         }
+        others.update({label + " (loading)": mv.placements for label, mv in self._loading.items()})
         for mv, _config in resized:
             others[mv.label] = plan_version(source, mv.version)[0]
         after = {**others, **{mv.label + " (new)": mv.placements for mv in fresh}}
