@@ -50,8 +50,9 @@ lint: install
 	$(BIN)/ruff format --check mpsd tests bench
 	$(BIN)/mypy mpsd
 
-bench: models
-	$(BIN)/python -m bench.run
+# Overhead benchmarks (bench/README.md); figures land in bench/results/. BENCH_ARGS=--quick: a smoke run.
+bench: install
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(STAMP) mpsd/proto/*_pb2*.py mpsd/proto/*_pb2*.pyi

@@ -129,16 +129,28 @@ def _serve(
             return
 
 
+SMALL_MACHINE_CPUS = 4
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 def _bound_openmp_spinning() -> None:
-    """Before torch loads OpenMP: idle OpenMP threads spin briefly, then sleep.
+    """Before torch loads OpenMP, on machines of at most SMALL_MACHINE_CPUS CPUs: idle OpenMP threads spin
+    briefly, then sleep.
 
     By default they spin for milliseconds after each parallel region (libgomp: 300,000 pauses; LLVM libomp:
-    200 ms), taking the cores the daemon's event loop and gRPC threads need between requests: a 600 KB
-    identity request cost 10 ms of worker CPU instead of 0.5 ms on a two-core machine. A short spin keeps
-    back-to-back operators of one forward pass fast (OMP_WAIT_POLICY=PASSIVE slowed a small CNN at batch 1
-    by 75%). Explicit settings win.
+    200 ms). Where the worker's OpenMP team covers the few cores the daemon's event loop and gRPC threads
+    also need, that spinning starves them: a 600 KB identity request cost 10 ms of worker CPU instead of
+    0.5 ms, and its latency went from 3.5 ms to 17 ms, on a two-core machine. On a 16-core host the short
+    spin made a 16-thread CNN up to 3.6x slower at batch 1 (threads sleep and must be woken for every
+    operator), so larger machines keep torch's defaults. Explicit settings win.
     """
-    if "OMP_WAIT_POLICY" in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ or _usable_cpus() > SMALL_MACHINE_CPUS:
         return
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     os.environ.setdefault("KMP_BLOCKTIME", "1")

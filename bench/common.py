@@ -1,0 +1,266 @@
+"""Processes under test (the mpsd daemon, the floor server), machine description and statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import psutil
+import yaml
+
+from mpsd.proto import grpc_service_pb2 as pb
+from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server process on loopback (mpsd or the floor), with a stub for control RPCs."""
+
+    def __init__(self, args: list[str], log_path: Path, address: str, env: dict[str, str] | None = None):
+        self.address = address
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.started_at = time.perf_counter()
+        self.proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)  # type: ignore[no-untyped-call]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout_s: float = 300.0) -> float:
+        """Seconds from process start to the first ServerReady that says ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args!r} exited: {self.log_path.read_text(errors='replace')}")
+            try:
+                if self.stub.ServerReady(pb.ServerReadyRequest(), timeout=1.0).ready:
+                    return time.perf_counter() - self.started_at
+            except grpc.RpcError:
+                pass
+            time.sleep(0.01)
+        raise TimeoutError(f"not ready after {timeout_s} s: {self.log_path.read_text(errors='replace')}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.channel.close()
+        self._log.close()
+
+    def memory(self) -> dict[str, Any]:
+        """RSS and USS (memory only this process holds) of the server and of each child process."""
+
+        def one(p: psutil.Process) -> dict[str, int]:
+            info = p.memory_full_info()
+            return {"pid": p.pid, "rss_bytes": info.rss, "uss_bytes": info.uss}
+
+        parent = psutil.Process(self.pid)
+        return {"server": one(parent), "children": [one(c) for c in parent.children(recursive=True)]}
+
+
+def start_mpsd(repo: Path, workdir: Path, name: str = "mpsd", env: dict[str, str] | None = None) -> Server:
+    """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run)."""
+    address = f"127.0.0.1:{free_port()}"
+    config = workdir / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({"model_repository": str(repo), "metrics_address": ""}))
+    args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
+    return Server(args, workdir / f"{name}.log", address, env)
+
+
+def start_floor(workdir: Path, reply_shape: list[int] | None = None) -> Server:
+    address = f"127.0.0.1:{free_port()}"
+    args = [sys.executable, "-m", "bench.floor_server", "--address", address]
+    if reply_shape:
+        args += ["--reply-shape", *map(str, reply_shape)]
+    return Server(args, workdir / "floor.log", address)
+
+
+def batch_stats(server: Server, model: str) -> dict[int, dict[str, int]]:
+    """Per batch size so far (ModelStatistics.batch_stats): executions and the worker's time in each
+    phase (compute_input/infer/output, ns)."""
+    reply = server.stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10)
+    return {
+        int(b.batch_size): {
+            "count": int(b.compute_infer.count),
+            "input_ns": int(b.compute_input.ns),
+            "infer_ns": int(b.compute_infer.ns),
+            "output_ns": int(b.compute_output.ns),
+        }
+        for s in reply.model_stats
+        for b in s.batch_stats
+    }
+
+
+def stats_delta(
+    after: dict[int, dict[str, int]], before: dict[int, dict[str, int]]
+) -> dict[int, dict[str, int]]:
+    """What happened between two batch_stats readings (batch sizes with no new execution are left out)."""
+    out = {}
+    for size, now in after.items():
+        was = before.get(size, {})
+        diff = {k: v - was.get(k, 0) for k, v in now.items()}
+        if diff["count"] > 0:
+            out[size] = diff
+    return out
+
+
+def infer_request(
+    model: str, shape: list[int], datatype: str = "FP32", seed: int = 0, input_name: str | None = None
+) -> bytes:
+    """A serialized ModelInferRequest with random raw contents (never zeros)."""
+    rng = np.random.default_rng(seed)
+    dtype = {"FP32": np.float32, "FP16": np.float16}[datatype]
+    data = rng.standard_normal(shape).astype(dtype).tobytes()
+    name = input_name or ("INPUT" if model.startswith("identity") else "image")
+    req = pb.ModelInferRequest(model_name=model)
+    req.inputs.add(name=name, datatype=datatype, shape=shape)
+    req.raw_input_contents.append(data)
+    return bytes(req.SerializeToString())
+
+
+def parse_response(data: bytes) -> Any:
+    response = pb.ModelInferResponse()
+    response.ParseFromString(data)
+    return response
+
+
+def summary_ms(latencies_ns: list[int]) -> dict[str, float]:
+    if not latencies_ns:
+        nan = float("nan")
+        return {"count": 0, "p50_ms": nan, "p90_ms": nan, "p99_ms": nan, "mean_ms": nan}
+    arr = np.asarray(latencies_ns, dtype=np.float64) / 1e6
+    return {
+        "count": len(latencies_ns),
+        "p50_ms": float(np.percentile(arr, 50)),
+        "p90_ms": float(np.percentile(arr, 90)),
+        "p99_ms": float(np.percentile(arr, 99)),
+        "mean_ms": float(arr.mean()),
+    }
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def machine_info() -> dict[str, Any]:
+    import google.protobuf  # type: ignore[import-untyped]
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "grpcio": grpc.__version__,
+        "protobuf": google.protobuf.__version__,
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    parent = psutil.Process(pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    """User plus system CPU time of the processes so far (ones that have exited count as zero)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+class SharedInput:
+    """One input tensor in a POSIX shared-memory object registered with the server (Triton's system
+    shared-memory extension), and a request that names it instead of carrying the bytes. Every request in
+    flight may name the same region: the server only reads inputs."""
+
+    def __init__(self, server: Server, region: str, data: bytes) -> None:
+        import _posixshmem
+        import mmap
+
+        self.server = server
+        self.region = region
+        self.key = f"/bench-{os.getpid()}-{region}"
+        fd = _posixshmem.shm_open(self.key, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, len(data))
+            with mmap.mmap(fd, len(data)) as mm:
+                mm[:] = data
+        finally:
+            os.close(fd)
+        self.nbytes = len(data)
+        server.stub.SystemSharedMemoryRegister(
+            pb.SystemSharedMemoryRegisterRequest(name=region, key=self.key, offset=0, byte_size=len(data)),
+            timeout=10,
+        )
+
+    def request(self, model: str, input_name: str, datatype: str, shape: list[int]) -> bytes:
+        req = pb.ModelInferRequest(model_name=model)
+        tensor = req.inputs.add(name=input_name, datatype=datatype, shape=shape)
+        tensor.parameters["shared_memory_region"].string_param = self.region
+        tensor.parameters["shared_memory_byte_size"].int64_param = self.nbytes
+        return bytes(req.SerializeToString())
+
+    def close(self) -> None:
+        import _posixshmem
+
+        with contextlib.suppress(grpc.RpcError):
+            self.server.stub.SystemSharedMemoryUnregister(
+                pb.SystemSharedMemoryUnregisterRequest(name=self.region), timeout=10
+            )
+        with contextlib.suppress(FileNotFoundError):
+            _posixshmem.shm_unlink(self.key)

@@ -1,0 +1,345 @@
+"""Scenario 5: ResNet-50 (torchvision architecture, random weights, fp16, TorchScript trace) on a GPU, 64
+clients each sending one 3x224x224 image per request, dynamic batching on.
+
+mpsd's throughput and p50/p99 are set against the same TorchScript file called in this process at the batch
+sizes mpsd's batcher formed (read from ModelStatistics.batch_stats), in two ways:
+  - host to host: the batch starts in host memory and the logits end there (the transfers mpsd also does);
+  - on device: the batch is already on the GPU and the logits stay there (the model alone).
+Rounds alternate: load through mpsd, then in-process at that round's batch mix, while the daemon idles.
+
+Usage (on a GPU machine with torchvision): python -m bench.gpu_resnet --out bench/results
+`--tiny --device cpu` runs the same steps with a small stand-in model on the CPU (a check of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from bench import common, profile, report
+from bench.inprocess import InProcess, throughput_at
+from bench.loadgen import ClientPool
+from bench.run import measure
+from mpsd.proto import grpc_service_pb2 as pb
+
+IMAGE = (3, 224, 224)
+
+
+class TinyStandIn(nn.Module):
+    """A stand-in with ResNet-50's input and output shapes, cheap enough to check the script on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 7, stride=8, padding=3)
+        self.head = nn.Linear(16, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.relu(self.stem(x)).mean((2, 3)))
+        return out
+
+
+def build_model(repo: Path, args: argparse.Namespace) -> Path:
+    """repo/resnet50/{config.yaml,1/model.pt}; returns the model file."""
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    if args.tiny:
+        module: nn.Module = TinyStandIn()
+    else:
+        import torchvision  # type: ignore[import-not-found]
+
+        module = torchvision.models.resnet50(weights=None)
+    module = module.eval().to(device=args.device, dtype=dtype)
+    example = torch.randn((2, *IMAGE), device=args.device, dtype=dtype)
+    with torch.inference_mode():
+        traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
+    path = repo / "resnet50" / "1" / "model.pt"
+    path.parent.mkdir(parents=True)
+    torch.jit.save(traced, str(path))
+    wire = "TYPE_FP16" if dtype == torch.float16 else "TYPE_FP32"
+    config = {
+        "name": "resnet50",
+        "backend": "torchscript",
+        "max_batch_size": args.max_batch,
+        "input": [{"name": "input", "data_type": wire, "dims": list(IMAGE)}],
+        "output": [{"name": "logits", "data_type": wire, "dims": [1000]}],
+        "instance_group": [
+            {"kind": "KIND_GPU" if args.device == "cuda" else "KIND_CPU", "count": args.instances}
+        ],
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": args.delay_us,
+            "preferred_batch_size": [args.max_batch],
+        },
+    }
+    (repo / "resnet50" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+class GpuSampler:
+    """nvidia-smi's GPU utilization every 100 ms while a load runs (none where nvidia-smi is missing)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self.samples: list[float] = []
+
+    def __enter__(self) -> GpuSampler:
+        exe = shutil.which("nvidia-smi")
+        if exe is not None:
+            cmd = [exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+            self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        self.samples = [float(x) for x in out.split() if x.replace(".", "", 1).isdigit()]
+
+    @property
+    def busy_percent(self) -> float | None:
+        return sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a small stand-in instead of ResNet-50")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--delay-us", type=int, default=2000, help="max_queue_delay_microseconds")
+    parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument(
+        "--shm-inputs",
+        action="store_true",
+        help="clients pass the image through system shared memory instead of in the request",
+    )
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--name", default="resnet50-gpu")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix="mpsd-bench-gpu-"))
+    dtype_name = "float16" if args.device == "cuda" else "float32"
+    wire = "FP16" if args.device == "cuda" else "FP32"
+    results: dict[str, Any] = {
+        "machine": common.machine_info(),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "load_generator": f"{args.client_processes} client processes with raw grpc stubs, "
+        f"{args.clients // args.client_processes} grpc.aio requests in flight each, pre-serialized requests",
+        "floor": "the bare grpc.aio server (bench/floor_server.py) answering each request with one FP16 "
+        "[1,1000] tensor: what Python gRPC alone can take in at this request size",
+    }
+    try:
+        model_path = build_model(work / "repo", args)
+        print(f"model written ({time.time() - started:.0f} s)", flush=True)
+        pool = ClientPool(args.client_processes)
+        inproc = InProcess(openmp_variants=args.device == "cpu")
+        server = common.start_mpsd(work / "repo", work)
+        floor = common.start_floor(work, [1, 1000])
+        per_proc = args.clients // args.client_processes
+        shared: common.SharedInput | None = None
+        try:
+            results["ready_s"] = server.wait_ready()
+            floor.wait_ready()
+            print(f"mpsd ready in {results['ready_s']:.1f} s", flush=True)
+            request = common.infer_request("resnet50", [1, *IMAGE], wire, input_name="input")
+            floor_request = request
+            if args.shm_inputs:  # the image in shared memory; the floor still gets it in the message
+                req = pb.ModelInferRequest()
+                req.ParseFromString(request)
+                shared = common.SharedInput(server, "image", req.raw_input_contents[0])
+                request = shared.request("resnet50", "input", wire, [1, *IMAGE])
+            # Warm-up at the batch sizes the load will form (the TorchScript executor specializes per shape).
+            measure(pool, server, request, per_proc, args.client_processes, args.warmup * 2, 0.0)
+            rounds = []
+            for r in range(args.rounds):
+                before = common.batch_stats(server, "resnet50")
+                with GpuSampler() as gpu:
+                    row: dict[str, Any] = {
+                        "mpsd": measure(
+                            pool, server, request, per_proc, args.client_processes, args.duration, args.warmup
+                        )
+                    }
+                row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
+                row["floor"] = measure(
+                    pool, floor, floor_request, per_proc, args.client_processes, args.duration, args.warmup
+                )
+                row["mpsd"]["batches"] = common.stats_delta(common.batch_stats(server, "resnet50"), before)
+                executions = {size: s["count"] for size, s in row["mpsd"]["batches"].items()}
+                for label, h2h in (("inprocess_host_to_host", True), ("inprocess_on_device", False)):
+                    secs = inproc.batch_seconds(
+                        str(model_path), IMAGE, executions, dtype_name, args.device, 0.1, h2h
+                    )
+                    row[label] = {
+                        "throughput_rps": throughput_at(executions, secs["best"]),
+                        "seconds_by_batch": secs,
+                    }
+                rounds.append(row)
+                print(f"  round {r + 1}: {round_line(row)}", flush=True)
+            results["rounds"] = rounds
+            results["summary"] = summarize(rounds)
+            check = results["summary"]["ratio_throughput_mpsd_inprocess"] >= report.TARGETS["5"][0][2]
+            if not check and not args.no_profile:
+                worker = profile.worker_pid(server.log_path, "resnet50")
+                with profile.PySpy(
+                    args.out / f"{args.name}-profile", {"daemon": server.pid, "worker": worker}, 6
+                ) as spy:
+                    measure(pool, server, request, per_proc, args.client_processes, 6.0, 0.5)
+                results["profile"] = spy.summaries()
+        finally:
+            if shared is not None:
+                shared.close()
+            server.stop()
+            floor.stop()
+            pool.close()
+            inproc.close()
+        results["wall_s"] = time.time() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["verdicts"] = report.verdicts({"5": {"summary": results.get("summary", {})}})
+    stem = args.out / args.name
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    stem.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def round_line(row: dict[str, Any]) -> str:
+    m = row["mpsd"]
+    return (
+        f"mpsd {m['throughput_rps']:.0f}/s (p50 {m['p50_ms']:.1f} ms, p99 {m['p99_ms']:.1f} ms, mean batch "
+        f"{report.mean_batch(m['batches']):.1f}, GPU busy {_pct(m['gpu_busy_percent'])}); in-process "
+        f"host-to-host {row['inprocess_host_to_host']['throughput_rps']:.0f}/s, on-device "
+        f"{row['inprocess_on_device']['throughput_rps']:.0f}/s; floor {row['floor']['throughput_rps']:.0f}/s"
+    )
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None or value != value else f"{value:.0f}%"
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    med = report.med
+    mp = [r["mpsd"] for r in rounds]
+    sizes: dict[int, dict[str, int]] = {}
+    for m in mp:
+        for size, st in m["batches"].items():
+            acc = sizes.setdefault(int(size), {"count": 0, "input_ns": 0, "infer_ns": 0, "output_ns": 0})
+            for k in acc:
+                acc[k] += st[k]
+    execs = sum(s["count"] for s in sizes.values()) or 1
+    h2h = [r["inprocess_host_to_host"]["throughput_rps"] for r in rounds]
+    dev = [r["inprocess_on_device"]["throughput_rps"] for r in rounds]
+    return {
+        "mpsd": {
+            "throughput_rps": med([m["throughput_rps"] for m in mp]),
+            "p50_ms": med([m["p50_ms"] for m in mp]),
+            "p99_ms": med([m["p99_ms"] for m in mp]),
+            "gpu_busy_percent": med([m["gpu_busy_percent"] for m in mp if m["gpu_busy_percent"] is not None]),
+            "cpu_us_per_request": {
+                k: med([m["cpu_us_per_request"][k] for m in mp]) for k in ("server", "workers", "clients")
+            },
+            # The worker's own split of one execution (ModelStatistics compute_input/infer/output), in ms.
+            "worker_ms_per_execution": {
+                k.removesuffix("_ns"): sum(s[k] for s in sizes.values()) / execs / 1e6
+                for k in ("input_ns", "infer_ns", "output_ns")
+            },
+        },
+        "batch_sizes": {size: sizes[size]["count"] for size in sorted(sizes)},
+        "mean_batch": report.mean_batch(sizes),
+        "floor": {
+            "throughput_rps": med([r["floor"]["throughput_rps"] for r in rounds]),
+            "p50_ms": med([r["floor"]["p50_ms"] for r in rounds]),
+            "p99_ms": med([r["floor"]["p99_ms"] for r in rounds]),
+            "server_cpu_us_per_request": med([r["floor"]["cpu_us_per_request"]["server"] for r in rounds]),
+        },
+        "ratio_throughput_mpsd_floor": med(
+            [r["mpsd"]["throughput_rps"] / r["floor"]["throughput_rps"] for r in rounds]
+        ),
+        "inprocess_host_to_host_rps": med(h2h),
+        "inprocess_on_device_rps": med(dev),
+        "ratio_throughput_mpsd_inprocess": med(
+            [m["throughput_rps"] / h for m, h in zip(mp, h2h, strict=True) if h]
+        ),
+        "ratio_throughput_mpsd_on_device": med(
+            [m["throughput_rps"] / d for m, d in zip(mp, dev, strict=True) if d]
+        ),
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results.get("summary")
+    st = results["settings"]
+    model = "tiny stand-in" if st["tiny"] else "ResNet-50 (torchvision architecture, random weights)"
+    lines = [f"# Scenario 5: {model}, {st['device']}, dynamic batching", ""]
+    lines += report.machine_lines(results["machine"])
+    lines += [
+        f"- {st['clients']} clients, one image per request; max_batch_size {st['max_batch']}, "
+        f"max_queue_delay_microseconds {st['delay_us']}, preferred_batch_size [{st['max_batch']}], "
+        f"{st['instances']} instance(s); {st['rounds']} rounds of {st['duration']} s"
+        + ("; inputs through system shared memory." if st.get("shm_inputs") else "."),
+        f"- Load generator: {results['load_generator']}.",
+        f"- Daemon ready {results.get('ready_s', 0):.1f} s after start; "
+        f"run took {results.get('wall_s', 0):.0f} s.",
+        "",
+    ]
+    if not s:
+        return "\n".join([*lines, "No figures: the run did not finish.", ""])
+    m = s["mpsd"]
+    w = m["worker_ms_per_execution"]
+    cpu = m["cpu_us_per_request"]
+    for check in results["verdicts"].get("5", {}).get("checks", []):
+        verdict = "met" if check["met"] else "**missed**"
+        lines.append(f"Target: {check['what']} {check['target']}: {verdict} ({check['value']:.2f}).")
+    lines += [
+        "",
+        "| | images/s | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+        f"| mpsd | {m['throughput_rps']:.0f} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} |",
+        f"| in-process, host to host, same batch sizes | {s['inprocess_host_to_host_rps']:.0f} | | |",
+        f"| in-process, on device, same batch sizes | {s['inprocess_on_device_rps']:.0f} | | |",
+        f"| floor: bare grpc.aio server, small reply, no model | {s['floor']['throughput_rps']:.0f} | "
+        f"{s['floor']['p50_ms']:.1f} | {s['floor']['p99_ms']:.1f} |",
+        "",
+        f"mpsd / in-process host to host: x{s['ratio_throughput_mpsd_inprocess']:.2f}; mpsd / on device: "
+        f"x{s['ratio_throughput_mpsd_on_device']:.2f}; mpsd / floor: x{s['ratio_throughput_mpsd_floor']:.2f} "
+        f"(the floor spends {s['floor']['server_cpu_us_per_request']:.0f} us of CPU per request, "
+        f"mpsd's daemon {m['cpu_us_per_request']['server']:.0f} us).",
+        "",
+        f"Batches formed (size: executions): {', '.join(f'{k}: {v}' for k, v in s['batch_sizes'].items())}; "
+        f"mean batch {s['mean_batch']:.1f}.",
+        f"Worker time per execution: {w['input']:.2f} ms input (host to device), {w['infer']:.2f} ms model, "
+        f"{w['output']:.2f} ms output; GPU busy {_pct(m['gpu_busy_percent'])} (nvidia-smi) during the load.",
+        f"CPU per request: daemon {cpu['server']:.0f} us, worker {cpu['workers']:.0f} us, "
+        f"clients {cpu['clients']:.0f} us.",
+        "",
+    ]
+    if "profile" in results:
+        lines += ["Profile (py-spy, main thread; busy = not waiting in select/sleep):", ""]
+        for proc, p in results["profile"].items():
+            own = "; ".join(f"{f} {v}%" for f, v in p["own"][:8])
+            lines.append(f"- {proc} ({p['file']}): busy {100 * p['busy_share']:.0f}%; own time: {own}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

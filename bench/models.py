@@ -1,0 +1,95 @@
+"""The benchmark's models and the repositories that serve them (written to a temporary directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+
+class Identity(nn.Module):
+    """Returns a copy of its input: the model costs next to nothing, so the serving path is what is timed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+
+class SmallCNN(nn.Module):
+    """Three conv blocks and a linear head on 3x64x64 images: about 82 MFLOP per image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.features(x).flatten(1))
+        return out
+
+
+CNN_IMAGE = (3, 64, 64)
+CNN_MAX_BATCH = 32
+
+
+def write_model(repo: Path, name: str, module: nn.Module, config: dict[str, Any]) -> Path:
+    """`repo/name/config.yaml` plus `repo/name/1/model.pt` (TorchScript)."""
+    model_dir = repo / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.yaml").write_text(yaml.safe_dump({"name": name, **config}, sort_keys=False))
+    torch.jit.save(torch.jit.script(module.eval()), str(model_dir / "1" / "model.pt"))
+    return model_dir
+
+
+def identity_config(dims: list[int]) -> dict[str, Any]:
+    return {
+        "backend": "torchscript",
+        "max_batch_size": 0,
+        "input": [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": dims}],
+        "output": [{"name": "OUTPUT", "data_type": "TYPE_FP32", "dims": dims}],
+        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+    }
+
+
+def cnn_config(batching: bool, delay_us: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "backend": "torchscript",
+        "max_batch_size": CNN_MAX_BATCH,
+        "input": [{"name": "image", "data_type": "TYPE_FP32", "dims": list(CNN_IMAGE)}],
+        "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}],
+        "instance_group": [{"kind": "KIND_CPU", "count": 1}],
+    }
+    if batching:
+        config["dynamic_batching"] = {
+            "max_queue_delay_microseconds": delay_us,
+            "preferred_batch_size": [CNN_MAX_BATCH],
+        }
+    return config
+
+
+def build_overhead_repo(repo: Path, cnn_delay_us: int) -> None:
+    """Models of scenarios 1-4: two identities (16 floats, 600 KB) and the CNN with and without batching."""
+    write_model(repo, "identity_16", Identity(), identity_config([1, 16]))
+    write_model(repo, "identity_600k", Identity(), identity_config([1, 3, 224, 224]))
+    torch.manual_seed(0)
+    cnn = SmallCNN()
+    write_model(repo, "cnn_batched", cnn, cnn_config(True, cnn_delay_us))
+    write_model(repo, "cnn_unbatched", cnn, cnn_config(False, 0))
+
+
+def build_startup_repo(repo: Path, models: int) -> None:
+    """`models` copies of the small identity model, for start-up time and memory per model."""
+    for i in range(models):
+        write_model(repo, f"identity_{i}", Identity(), identity_config([1, 16]))

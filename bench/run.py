@@ -1,0 +1,332 @@
+"""`make bench`: what mpsd adds to a request, against a bare Python gRPC server and in-process torch.
+
+Scenarios, each run side by side with its references in interleaved rounds:
+  1. identity FP32[1,16], one client: p50/p99 latency; mpsd vs the floor vs in-process
+  2. identity FP32[1,16], 16 requests in flight: throughput; mpsd vs the floor
+  3. identity FP32[1,3,224,224] (600 KB), one client: latency; mpsd vs the floor vs in-process
+  4. small CNN on CPU, 32 clients: dynamic batching on vs off vs in-process at the batch sizes formed
+  5. ResNet-50 on a CUDA GPU, 64 clients (`bench/gpu_resnet.py`; only where a GPU and torchvision are)
+  6. start-up to ServerReady with 1, 4 and 8 models; RSS/USS of the daemon and of each worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench import common, profile, report
+from bench.inprocess import InProcess, throughput_at
+from bench.loadgen import ClientPool, LoadSpec
+from mpsd.proto import grpc_service_pb2 as pb
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    work: Path
+    pool: ClientPool
+    mpsd: common.Server
+    floor: common.Server
+    inproc: InProcess
+
+
+def measure(
+    pool: ClientPool,
+    server: common.Server,
+    request: bytes,
+    concurrency: int,
+    processes: int,
+    duration_s: float,
+    warmup_s: float,
+) -> dict[str, Any]:
+    """One closed-loop measurement (`concurrency` requests in flight in each of `processes` client
+    processes), with the CPU time the server, its workers and the clients spent per request."""
+    tree = common.process_tree(server.pid)
+    groups = [tree[:1], tree[1:], [psutil.Process(pid) for pid in pool.pids[:processes]]]
+    before = [common.cpu_seconds(g) for g in groups]
+    result = pool.run(LoadSpec(server.address, request, concurrency, duration_s, warmup_s), processes)
+    after = [common.cpu_seconds(g) for g in groups]
+    if result.errors:
+        raise RuntimeError(f"{result.errors} requests failed: {result.first_error}")
+    per = [(a - b) / max(result.completed, 1) * 1e6 for a, b in zip(after, before, strict=True)]
+    return {
+        **common.summary_ms(result.latencies_ns),
+        "throughput_rps": result.throughput,
+        "cpu_us_per_request": {"server": per[0], "workers": per[1], "clients": per[2]},
+        "concurrency": concurrency * processes,
+        "client_processes": processes,
+    }
+
+
+def run_load(
+    ctx: Ctx,
+    server: common.Server,
+    request: bytes,
+    concurrency: int,
+    processes: int = 1,
+    duration_s: float = 0,
+) -> dict[str, Any]:
+    duration = duration_s or ctx.args.duration
+    return measure(ctx.pool, server, request, concurrency, processes, duration, ctx.args.warmup)
+
+
+def check_echo(server: common.Server, request: bytes) -> None:
+    """The server answers the prepared request with the input's bytes (identity model / echo)."""
+    req = pb.ModelInferRequest()
+    req.ParseFromString(request)
+    reply = server.stub.ModelInfer(req, timeout=30)
+    if list(reply.outputs[0].shape) != list(req.inputs[0].shape):
+        raise RuntimeError(f"{server.address}: output shape {list(reply.outputs[0].shape)}")
+    if reply.raw_output_contents[0] != req.raw_input_contents[0]:
+        raise RuntimeError(f"{server.address}: output bytes differ from the input")
+
+
+def rotate(items: list[str], r: int) -> list[str]:
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def scenario_latency(ctx: Ctx, model: str, shape: list[int]) -> dict[str, Any]:
+    """mpsd vs the floor vs the model in-process, one request in flight."""
+    request = common.infer_request(model, shape)
+    check_echo(ctx.mpsd, request)
+    check_echo(ctx.floor, request)
+    path = str(ctx.work / "repo" / model / "1" / "model.pt")
+    rounds = []
+    for r in range(ctx.args.rounds):
+        row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
+        for who in rotate(["mpsd", "floor", "inprocess"], r):
+            if who == "inprocess":
+                row[who] = common.summary_ms(ctx.inproc.latency(path, shape, ctx.args.duration))
+            else:
+                row[who] = run_load(ctx, ctx.mpsd if who == "mpsd" else ctx.floor, request, 1)
+        rounds.append(row)
+        print(f"  round {r + 1}: {report.latency_line(row)}", flush=True)
+    return {"model": model, "shape": shape, "request_bytes": len(request), "rounds": rounds}
+
+
+def scenario_throughput(ctx: Ctx, model: str, shape: list[int], concurrency: int) -> dict[str, Any]:
+    """mpsd vs the floor with `concurrency` requests in flight from one client process."""
+    request = common.infer_request(model, shape)
+    rounds = []
+    for r in range(ctx.args.rounds):
+        row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
+        for who in rotate(["mpsd", "floor"], r):
+            row[who] = run_load(ctx, ctx.mpsd if who == "mpsd" else ctx.floor, request, concurrency)
+        rounds.append(row)
+        print(f"  round {r + 1}: {report.throughput_line(row)}", flush=True)
+    return {"model": model, "shape": shape, "concurrency": concurrency, "rounds": rounds}
+
+
+def scenario_batching(ctx: Ctx) -> dict[str, Any]:
+    """The CNN with 32 clients: batching on vs off, and in-process torch at the batch sizes formed."""
+    from bench.models import CNN_IMAGE
+
+    shape = [1, *CNN_IMAGE]
+    procs = ctx.args.cnn_client_processes
+    per_proc = 32 // procs
+    path = str(ctx.work / "repo" / "cnn_batched" / "1" / "model.pt")
+    rounds = []
+    for r in range(ctx.args.rounds):
+        row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
+        for who in rotate(["batched", "unbatched"], r):
+            model = f"cnn_{who}"
+            request = common.infer_request(model, shape, seed=r)
+            before = common.batch_stats(ctx.mpsd, model)
+            row[who] = run_load(ctx, ctx.mpsd, request, per_proc, procs, ctx.args.cnn_duration)
+            row[who]["batches"] = common.stats_delta(common.batch_stats(ctx.mpsd, model), before)
+        executions = {size: s["count"] for size, s in row["batched"]["batches"].items()}
+        seconds = ctx.inproc.batch_seconds(path, CNN_IMAGE, executions)
+        single = ctx.inproc.batch_seconds(path, CNN_IMAGE, {1: 1})
+        row["inprocess"] = {
+            "throughput_rps": throughput_at(executions, seconds["best"]),
+            "throughput_rps_by_openmp": {
+                label: throughput_at(executions, secs) for label, secs in seconds.items() if label != "best"
+            },
+            "seconds_by_batch": seconds,
+            "batch1_throughput_rps": 1.0 / single["best"][1],
+        }
+        rounds.append(row)
+        print(f"  round {r + 1}: {report.batching_line(row)}", flush=True)
+    return {"model": "cnn", "image": list(CNN_IMAGE), "clients": 32, "rounds": rounds}
+
+
+def scenario_startup(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Time to ServerReady and memory, with 1, 4 and 8 identity models (one worker each)."""
+    from bench.models import build_startup_repo
+
+    out: dict[str, Any] = {"runs": []}
+    for models in args.startup_models:
+        repo = work / f"startup{models}"
+        build_startup_repo(repo, models)
+        for rep in range(args.startup_repeats):
+            server = common.start_mpsd(repo, work, f"startup{models}_{rep}")
+            try:
+                ready_s = server.wait_ready()
+                time.sleep(1.0)  # let the workers finish their first memory snapshot and settle
+                memory = server.memory()
+            finally:
+                server.stop()
+            run = {"models": models, "repeat": rep, "ready_s": ready_s, **memory}
+            out["runs"].append(run)
+            print(f"  {models} model(s), run {rep + 1}: {report.startup_line(run)}", flush=True)
+    return out
+
+
+def run_overhead(ctx: Ctx, only: set[str]) -> dict[str, Any]:
+    scenarios: dict[str, Any] = {}
+    if "1" in only:
+        print("scenario 1: identity FP32[1,16], one client", flush=True)
+        scenarios["1"] = scenario_latency(ctx, "identity_16", [1, 16])
+    if "2" in only:
+        print("scenario 2: identity FP32[1,16], 16 in flight", flush=True)
+        scenarios["2"] = scenario_throughput(ctx, "identity_16", [1, 16], 16)
+    if "3" in only:
+        print("scenario 3: identity FP32[1,3,224,224], one client", flush=True)
+        scenarios["3"] = scenario_latency(ctx, "identity_600k", [1, 3, 224, 224])
+    if "4" in only:
+        print("scenario 4: small CNN, 32 clients, batching on/off", flush=True)
+        scenarios["4"] = scenario_batching(ctx)
+    return scenarios
+
+
+def profile_misses(ctx: Ctx, results: dict[str, Any], out_dir: Path) -> None:
+    """py-spy on the daemon and the model's worker during one more mpsd run of each missed scenario."""
+    from bench.models import CNN_IMAGE
+
+    plans = {
+        "1": ("identity_16", [1, 16], 1, 1),
+        "2": ("identity_16", [1, 16], 16, 1),
+        "3": ("identity_600k", [1, 3, 224, 224], 1, 1),
+        "4": (
+            "cnn_batched",
+            [1, *CNN_IMAGE],
+            32 // ctx.args.cnn_client_processes,
+            ctx.args.cnn_client_processes,
+        ),
+    }
+    for key, verdict in results["verdicts"].items():
+        if verdict.get("met", True) or key not in plans or key not in results["scenarios"]:
+            continue
+        model, shape, concurrency, processes = plans[key]
+        request = common.infer_request(model, shape)
+        worker = profile.worker_pid(ctx.mpsd.log_path, model)
+        print(f"profiling scenario {key} (daemon pid {ctx.mpsd.pid}, worker pid {worker})", flush=True)
+        with profile.PySpy(
+            out_dir / f"{ctx.args.name}-profile-s{key}",
+            {"daemon": ctx.mpsd.pid, "worker": worker},
+            ctx.args.duration + 1.0,
+        ) as spy:
+            run_load(ctx, ctx.mpsd, request, concurrency, processes)
+        results["scenarios"][key]["profile"] = spy.summaries()
+
+
+def run_gpu_scenario(args: argparse.Namespace) -> None:
+    """Scenario 5 where a CUDA GPU and torchvision are present (its own results file); skipped otherwise."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("torchvision") is None:
+        print("scenario 5: skipped (needs a CUDA GPU and torchvision; see bench/README.md)", flush=True)
+        return
+    print("scenario 5: ResNet-50 on the GPU", flush=True)
+    cmd = [sys.executable, "-m", "bench.gpu_resnet", "--out", str(args.out)]
+    if args.quick:
+        cmd += ["--rounds", "1", "--duration", "3", "--no-profile", "--name", "resnet50-gpu-quick"]
+    subprocess.run(cmd, check=True, cwd=common.ROOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds measured per side and round")
+    parser.add_argument("--warmup", type=float, default=0.5, help="seconds run before measuring")
+    parser.add_argument("--cnn-duration", type=float, default=5.0)
+    parser.add_argument("--cnn-client-processes", type=int, default=2)
+    parser.add_argument("--cnn-delay-us", type=int, default=2000, help="max_queue_delay_microseconds")
+    parser.add_argument("--startup-models", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--startup-repeats", type=int, default=3)
+    parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated scenarios")
+    parser.add_argument("--no-profile", action="store_true", help="skip py-spy on missed targets")
+    parser.add_argument(
+        "--mpsd-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the daemon and its workers only (e.g. OMP_NUM_THREADS=8); repeatable",
+    )
+    parser.add_argument("--quick", action="store_true", help="2 short rounds: a smoke test, not figures")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", default="overhead-cpu", help="results file stem")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.duration, args.cnn_duration, args.startup_repeats = 2, 1.0, 1.5, 1
+    only = set(args.only.split(","))
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix="mpsd-bench-"))
+    results: dict[str, Any] = {
+        "machine": common.machine_info(),
+        "load_average_at_start": os.getloadavg(),
+        "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
+        "load_generator": "client processes with raw grpc stubs sending pre-serialized requests "
+        "(bench/loadgen.py); one blocking call at a time for latency, grpc.aio tasks for concurrency",
+        "scenarios": {},
+    }
+    try:
+        if only & {"1", "2", "3", "4"}:
+            from bench.models import build_overhead_repo
+
+            build_overhead_repo(work / "repo", args.cnn_delay_us)
+            pool = ClientPool(max(1, args.cnn_client_processes))
+            inproc = InProcess()
+            mpsd_env = dict(item.split("=", 1) for item in args.mpsd_env)
+            mpsd = common.start_mpsd(work / "repo", work, env=mpsd_env)
+            floor = common.start_floor(work)
+            try:
+                print(f"mpsd ready in {mpsd.wait_ready():.1f} s; floor ready in {floor.wait_ready():.1f} s")
+                ctx = Ctx(args, work, pool, mpsd, floor, inproc)
+                results["scenarios"].update(run_overhead(ctx, only))
+                results["verdicts"] = report.verdicts(results["scenarios"])
+                if not args.no_profile and not args.quick:
+                    profile_misses(ctx, results, args.out)
+            finally:
+                mpsd.stop()
+                floor.stop()
+                pool.close()
+                inproc.close()
+        if "5" in only:
+            run_gpu_scenario(args)
+        if "6" in only:
+            print("scenario 6: start-up and memory", flush=True)
+            results["scenarios"]["6"] = scenario_startup(args, work)
+        results["verdicts"] = report.verdicts(results["scenarios"])
+        results["load_average_at_end"] = os.getloadavg()
+        results["wall_s"] = time.time() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stem = args.out / (args.name + ("-quick" if args.quick else ""))
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    stem.with_suffix(".md").write_text(report.markdown(results))
+    print(report.markdown(results))
+    print(f"written: {stem}.json, {stem}.md ({results['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
