@@ -34,6 +34,8 @@ class TinyCNN(nn.Module):
 
 def build(repo: Path) -> None:
     torch.manual_seed(0)
+    for model in ("add_sub", "tiny_cnn"):
+        (repo / model / "1").mkdir(parents=True, exist_ok=True)  # git keeps no empty version folders
     torch.jit.save(torch.jit.script(AddSub()), str(repo / "add_sub" / "1" / "model.pt"))
     cnn = TinyCNN().eval()
     batch = torch.export.Dim("batch", min=1, max=16)
