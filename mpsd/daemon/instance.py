@@ -48,6 +48,7 @@ class Instance:
         self._stopping = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def ready(self) -> bool:
@@ -87,7 +88,9 @@ class Instance:
                     if replacement is not None:
                         await self._hand_over(dispatch, done_with)
                         self.worker = replacement
-                        asyncio.create_task(worker.stop(self.settings.stop_timeout_s))  # noqa: RUF006
+                        retiring = asyncio.create_task(worker.stop(self.settings.stop_timeout_s))
+                        self._retiring.add(retiring)  # a strong reference until it is done
+                        retiring.add_done_callback(self._retiring.discard)
                         continue
             finally:
                 for task in (dispatch, died, over):
