@@ -91,12 +91,21 @@ class Server:
         return {"server": one(parent), "children": [one(c) for c in parent.children(recursive=True)]}
 
 
-def start_mpsd(repo: Path, workdir: Path, name: str = "mpsd", env: dict[str, str] | None = None) -> Server:
-    """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run)."""
+def start_mpsd(
+    repo: Path,
+    workdir: Path,
+    name: str = "mpsd",
+    env: dict[str, str] | None = None,
+    front_processes: str | None = None,
+) -> Server:
+    """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run) and,
+    when given, the number of front processes."""
     address = f"127.0.0.1:{free_port()}"
     config = workdir / f"{name}.yaml"
     config.write_text(yaml.safe_dump({"model_repository": str(repo), "metrics_address": ""}))
     args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
+    if front_processes is not None:
+        args += ["--front-processes", front_processes]
     return Server(args, workdir / f"{name}.log", address, env)
 
 
@@ -209,6 +218,27 @@ def machine_info() -> dict[str, Any]:
 def process_tree(pid: int) -> list[psutil.Process]:
     parent = psutil.Process(pid)
     return [parent, *parent.children(recursive=True)]
+
+
+def is_front(p: psutil.Process) -> bool:
+    """A daemon's gRPC front process (`python -m mpsd.daemon.front`), as opposed to a model worker."""
+    try:
+        return "mpsd.daemon.front" in p.cmdline()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def profile_targets(server_pid: int, worker_pid: int) -> dict[str, int]:
+    """Processes to profile: the daemon, the model's worker and, when there are fronts, the first one."""
+    fronts = [p.pid for p in process_tree(server_pid)[1:] if is_front(p)]
+    return {"daemon": server_pid, "worker": worker_pid, **({"front": fronts[0]} if fronts else {})}
+
+
+def server_groups(pid: int) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """The server side (the daemon and its front processes) and the model workers, for CPU accounting."""
+    tree = process_tree(pid)
+    fronts = [p for p in tree[1:] if is_front(p)]
+    return [tree[0], *fronts], [p for p in tree[1:] if p not in fronts]
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:

@@ -131,6 +131,7 @@ def main() -> None:
         help="clients pass the image through system shared memory instead of in the request",
     )
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--front-processes", help="mpsd's front_processes (default: the daemon's, auto)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--name", default="resnet50-gpu")
     args = parser.parse_args()
@@ -152,7 +153,7 @@ def main() -> None:
         print(f"model written ({time.time() - started:.0f} s)", flush=True)
         pool = ClientPool(args.client_processes)
         inproc = InProcess(openmp_variants=args.device == "cpu")
-        server = common.start_mpsd(work / "repo", work)
+        server = common.start_mpsd(work / "repo", work, front_processes=args.front_processes)
         floor = common.start_floor(work, [1, 1000])
         per_proc = args.clients // args.client_processes
         shared: common.SharedInput | None = None
@@ -200,7 +201,7 @@ def main() -> None:
             if not check and not args.no_profile:
                 worker = profile.worker_pid(server.log_path, "resnet50")
                 with profile.PySpy(
-                    args.out / f"{args.name}-profile", {"daemon": server.pid, "worker": worker}, 6
+                    args.out / f"{args.name}-profile", common.profile_targets(server.pid, worker), 6
                 ) as spy:
                     measure(pool, server, request, per_proc, args.client_processes, 6.0, 0.5)
                 results["profile"] = spy.summaries()

@@ -54,8 +54,9 @@ def measure(
 ) -> dict[str, Any]:
     """One closed-loop measurement (`concurrency` requests in flight in each of `processes` client
     processes), with the CPU time the server, its workers and the clients spent per request."""
-    tree = common.process_tree(server.pid)
-    groups = [tree[:1], tree[1:], [psutil.Process(pid) for pid in pool.pids[:processes]]]
+    server_side, workers = common.server_groups(server.pid)
+    clients = [psutil.Process(pid) for pid in pool.pids[:processes]]
+    groups = [server_side, workers, clients, server_side[1:]]
     before = [common.cpu_seconds(g) for g in groups]
     result = pool.run(LoadSpec(server.address, request, concurrency, duration_s, warmup_s), processes)
     after = [common.cpu_seconds(g) for g in groups]
@@ -65,7 +66,8 @@ def measure(
     return {
         **common.summary_ms(result.latencies_ns),
         "throughput_rps": result.throughput,
-        "cpu_us_per_request": {"server": per[0], "workers": per[1], "clients": per[2]},
+        # server: the daemon and its front processes together; fronts: their part of it.
+        "cpu_us_per_request": {"server": per[0], "workers": per[1], "clients": per[2], "fronts": per[3]},
         "concurrency": concurrency * processes,
         "client_processes": processes,
     }
@@ -227,7 +229,7 @@ def profile_misses(ctx: Ctx, results: dict[str, Any], out_dir: Path) -> None:
         print(f"profiling scenario {key} (daemon pid {ctx.mpsd.pid}, worker pid {worker})", flush=True)
         with profile.PySpy(
             out_dir / f"{ctx.args.name}-profile-s{key}",
-            {"daemon": ctx.mpsd.pid, "worker": worker},
+            common.profile_targets(ctx.mpsd.pid, worker),
             ctx.args.duration + 1.0,
         ) as spy:
             run_load(ctx, ctx.mpsd, request, concurrency, processes)
@@ -271,6 +273,9 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="environment of the daemon and its workers only (e.g. OMP_NUM_THREADS=8); repeatable",
     )
+    parser.add_argument(
+        "--front-processes", help="mpsd's front_processes for scenarios 1-4 (default: the daemon's, auto)"
+    )
     parser.add_argument("--quick", action="store_true", help="2 short rounds: a smoke test, not figures")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead-cpu", help="results file stem")
@@ -297,7 +302,7 @@ def main() -> None:
             pool = ClientPool(max(1, args.cnn_client_processes))
             inproc = InProcess()
             mpsd_env = dict(item.split("=", 1) for item in args.mpsd_env)
-            mpsd = common.start_mpsd(work / "repo", work, env=mpsd_env)
+            mpsd = common.start_mpsd(work / "repo", work, env=mpsd_env, front_processes=args.front_processes)
             floor = common.start_floor(work)
             try:
                 print(f"mpsd ready in {mpsd.wait_ready():.1f} s; floor ready in {floor.wait_ready():.1f} s")

@@ -30,6 +30,11 @@ def _serve(args: argparse.Namespace) -> int:
             config.metrics_address = args.metrics_address
         if args.log_level is not None:
             config.log_level = args.log_level
+        if args.front_processes is not None:
+            config.front_processes = args.front_processes
+        from mpsd.daemon.fronts import front_count
+
+        front_count(config)  # a setting the address cannot serve is a configuration error
         if not config.model_repository.is_dir():
             raise ConfigError(f"model repository {config.model_repository} is not a directory")
     except ConfigError as exc:
@@ -66,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         help='host:port of the Prometheus endpoint (default 127.0.0.1:8002); "" or "off" disables it',
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--front-processes",
+        type=lambda v: v if v == "auto" else int(v),
+        help="gRPC front processes sharing the port (Linux; 0: none; default: the config's, auto)",
+    )
     serve.set_defaults(func=_serve)
 
     from mpsd.ops_cli import add_ops_parsers

@@ -74,6 +74,14 @@ class DaemonConfig(BaseModel):
         256 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.",
     )
+    front_processes: int | Literal["auto"] = Field(
+        "auto",
+        ge=0,
+        description="gRPC front processes sharing the TCP port (SO_REUSEPORT, Linux), so that gRPC's own "
+        "work spreads over cores while batching and workers stay in the daemon. 0: the daemon serves "
+        "gRPC itself. auto: 0 on macOS, on a Unix socket and on machines of at most 4 CPUs; else one per "
+        "4 CPUs, at most 4.",
+    )
     tls: TlsConfig | None = Field(
         None, description="Serve over TLS (cert_file, key_file; client_ca_file for mutual TLS)."
     )

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from .fronts import FrontPool
 from .model_version import ModelVersion
 from .registry import ModelState, Registry
 
@@ -147,6 +148,29 @@ class RegistryCollector(Collector):
         yield from (used, allocated, total, rss, up, restarts)
 
 
+class FrontCollector(Collector):
+    """The front processes: how many run, and what each has handed to the daemon."""
+
+    def __init__(self, pool: FrontPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily("mpsd_front_processes", "gRPC front processes running.")
+        running.add_metric([], self.pool.running())
+        served = CounterMetricFamily(
+            "mpsd_front_requests", "ModelInfer calls a front process handed to the daemon.", labels=["front"]
+        )
+        restarts = CounterMetricFamily(
+            "mpsd_front_restarts", "Times a front process died and was started again.", labels=["front"]
+        )
+        for index, count in self.pool.served().items():
+            served.add_metric([str(index)], count)
+            restarts.add_metric([str(index)], self.pool.restarts.get(index, 0))
+        yield running
+        yield served
+        yield restarts
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """`host:port`, `[v6]:port` or `:port` (all interfaces) into what asyncio.start_server takes."""
     host, sep, port = address.rpartition(":")
@@ -163,6 +187,9 @@ class MetricsEndpoint:
         self.prometheus = CollectorRegistry(auto_describe=False)
         self.prometheus.register(RegistryCollector(registry))
         self._server: asyncio.Server | None = None
+
+    def add_fronts(self, pool: FrontPool) -> None:
+        self.prometheus.register(FrontCollector(pool))
 
     async def start(self) -> None:
         """Listen; a busy port is logged, not fatal: inference matters more than metrics."""

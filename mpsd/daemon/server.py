@@ -6,7 +6,9 @@ Signal handlers only set flags and wake the main loop; the loop does the work.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -27,6 +29,7 @@ from .admin import AdminServicer
 from .auth import AuthInterceptor, build_policy
 from .decode_guard import DecodeGuard
 from .events import BUS
+from .fronts import FrontPool, check_port_free, front_count
 from .health import HealthService, registry_status
 from .instance import SupervisorSettings
 from .listen import bind, parse_address
@@ -74,6 +77,9 @@ class Daemon:
         self._hup = asyncio.Event()
         self._server: grpc.aio.Server | None = None
         self._hurry: asyncio.Future[None] | None = None
+        self.fronts: FrontPool | None = None
+        self._core_dir: Path | None = None
+        self.servicer = InferenceServicer(self.registry, lambda: self.shutting_down, config.model_control)
 
     def _build_server(self) -> grpc.aio.Server:
         limit = self.config.max_message_bytes
@@ -93,9 +99,7 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-            InferenceServicer(self.registry, lambda: self.shutting_down, self.config.model_control), server
-        )
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_pb2_grpc.add_MpsdAdminServicer_to_server(self.admin, server)  # type: ignore[no-untyped-call]
         reflection.enable_server_reflection(
@@ -107,8 +111,22 @@ class Daemon:
             ),
             server,
         )
-        bind(server, address, tls)
+        fronts = front_count(self.config)
+        if fronts:
+            # The fronts own the public port; the core serves them on a Unix socket in a private directory.
+            check_port_free(address)
+            self._core_dir = Path(tempfile.mkdtemp(prefix="mpsd-core-"))
+            core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
+            bind(server, core, None)
+            self.fronts = FrontPool(fronts, self.config, core.grpc_target, self.servicer.infer_serialized)
+            self.metrics.add_fronts(self.fronts)
+        else:
+            bind(server, address, tls)
         return server
+
+    def _remove_core_dir(self) -> None:
+        if self._core_dir is not None:
+            shutil.rmtree(self._core_dir, ignore_errors=True)
 
     async def _update_health(self) -> None:
         """Health is computed when asked; this only wakes Watch streams (lifecycle events wake them too,
@@ -128,6 +146,13 @@ class Daemon:
             log.info("removed stale shared memory", segments=removed)
         self._server = self._build_server()
         await self._server.start()
+        if self.fronts is not None:
+            try:
+                await self.fronts.start()
+            except Exception:
+                await self._server.stop(0)
+                self._remove_core_dir()
+                raise
         await self.metrics.start()
         log.info("listening", address=self.config.grpc_address, repository=str(self.config.model_repository))
         await self._update_health()
@@ -216,6 +241,8 @@ class Daemon:
         if self._stop.is_set():
             log.warning("second stop signal: ending the drain now")
             self.config.drain_timeout_s = 0.0
+            if self.fronts is not None:
+                self.fronts.hurry()
             if self._server is not None:
                 self._hurry = asyncio.ensure_future(self._server.stop(0))
             return
@@ -228,7 +255,10 @@ class Daemon:
         await self._update_health()
         self.admin.close()
         assert self._server is not None
+        if self.fronts is not None:
+            await self.fronts.stop(self.config.drain_timeout_s)
         await self._server.stop(self.config.drain_timeout_s)
+        self._remove_core_dir()
         await self.metrics.stop()
         await self.registry.shutdown()
         shm.cleanup_own()

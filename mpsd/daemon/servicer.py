@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
 import mpsd
 from mpsd.errors import FailedPrecondition, InvalidArgument, MpsdError, NotFound, Unimplemented
@@ -21,6 +22,7 @@ from .client_shm import ClientShmRegistry
 from .registry import Registry
 from .status import grpc_status
 from .validate import check_name, parse_infer_request
+from .wire_split import split_raw_contents
 from .worker_process import LoadError
 
 log = structlog.get_logger("mpsd.daemon.grpc")
@@ -116,14 +118,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- inference -----------------------------------------------------------------------------------
 
-    async def _infer(self, request: Any, deadline: float | None = None) -> Any:
+    async def _infer(
+        self,
+        request: Any,
+        deadline: float | None = None,
+        raw_contents: Sequence[bytes | memoryview] | None = None,
+    ) -> Any:
         check_name("model", request.model_name)
         mv = self.registry.route(request.model_name, request.model_version)
         with self.client_shm.lease() as shm:  # regions the request names stay mapped until it is answered
-            parsed = parse_infer_request(request, mv.config, request.model_version, shm)
+            parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
             result = await mv.infer(parsed, deadline)
             shm.write_outputs(result.outputs)
             return convert.infer_response(result, request.id, in_shm=shm.outputs.keys())
+
+    async def infer_serialized(self, data: bytes | bytearray, deadline: float | None) -> bytes:
+        """ModelInfer for a front process: request bytes in, response bytes out, MpsdError on failure."""
+        split = split_raw_contents(data)
+        header, raw = split if split is not None else (data, None)
+        try:
+            request = pb.ModelInferRequest.FromString(header)
+        except DecodeError as exc:
+            raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
+        response: bytes = (await self._infer(request, deadline, raw or None)).SerializeToString()
+        return response
 
     @rpc
     async def ModelInfer(self, request: Any, context: Any) -> Any:

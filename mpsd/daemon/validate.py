@@ -7,6 +7,7 @@ the expected and the received value.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -155,18 +156,23 @@ def _typed_bytes(name: str, datatype: str, contents: Any, count: int) -> bytes:
 
 
 def parse_infer_request(
-    request: Any, config: ModelConfig, version: str, shm: ShmLease | None = None
+    request: Any,
+    config: ModelConfig,
+    version: str,
+    shm: ShmLease | None = None,
+    raw_contents: Sequence[bytes | memoryview] | None = None,
 ) -> InferRequest:
     """Validate a ModelInferRequest and return the domain request with inputs in config order.
 
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
-    bound in `shm`, which holds those regions until the response is built.
+    bound in `shm`, which holds those regions until the response is built. `raw_contents`, when given,
+    stands for the request's raw_input_contents (views cut out of its wire bytes by `wire_split`).
     """
     model = request.model_name
     check_request_fields(request)
     configured = config.input_by_name()
     max_batch = config.max_batch_size
-    raw = list(request.raw_input_contents)
+    raw = list(request.raw_input_contents if raw_contents is None else raw_contents)
     in_request = sum(not set(t.parameters) & _SHM_PARAMS for t in request.inputs)  # raw entries are theirs
     if raw and len(raw) != in_request:
         where = " not in shared memory" if in_request < len(request.inputs) else ""

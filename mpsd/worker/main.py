@@ -32,7 +32,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     import torch
 
     from mpsd.worker.backends import load_backend
-    from mpsd.worker.device import DeviceUnavailable, select_device
+    from mpsd.worker.device import DeviceUnavailable, limit_host_threads, select_device
     from mpsd.worker.inference import run_warmup
 
     spec = init.model
@@ -40,6 +40,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     try:
         dtypes = ["TYPE_" + t.datatype for t in (*spec.inputs, *spec.outputs)]
         device, info = select_device(init.kind, init.memory_fraction, dtypes)
+        limit_host_threads(device)
         torch.set_grad_enabled(False)
         backend = load_backend(spec, device)
         t1 = time.perf_counter()

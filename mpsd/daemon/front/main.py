@@ -1,0 +1,246 @@
+"""The front process: serve gRPC on the shared port, hand ModelInfer to the core, forward the rest.
+
+It holds no state of its own. ModelInfer travels to the core as the request's bytes over the socketpair
+the core gave it; every other RPC is relayed as raw messages, in its own call shape, to the core's gRPC
+server on its private Unix socket. Access control runs here too, before a call goes anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+import structlog
+
+from mpsd.config.daemon_config import DaemonConfig
+from mpsd.logs import configure
+
+from ..auth import AuthInterceptor, build_policy
+from ..listen import bind, parse_address
+from .wire import FrameProtocol, FrameWriter, Kind, frame
+
+log = structlog.get_logger("mpsd.daemon.front")
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# Metadata gRPC itself sets on a call; everything else (authorization, application keys) is relayed.
+_OWN_METADATA = ("user-agent", "content-type", "te", "grpc-", ":")
+
+
+def relayed_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in metadata or () if not k.lower().startswith(_OWN_METADATA)]
+
+
+class CoreLink:
+    """The front's end of the socketpair: sends ModelInfer calls and resolves them with the core's reply."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.settings: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.lost: asyncio.Future[None] = loop.create_future()
+        self.writer = FrameWriter()
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes | bytearray]]] = {}
+        self._ids = itertools.count(1)
+
+    def protocol(self) -> FrameProtocol:
+        return FrameProtocol(self._on_frame, self._on_lost)
+
+    def send(self, data: bytes) -> None:
+        self.writer.send(data)
+
+    def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
+        if kind == Kind.REPLY:
+            waiter = self._pending.pop(call_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result((int(number), payload))
+        elif kind == Kind.CONFIG and not self.settings.done():
+            self.settings.set_result(json.loads(payload))
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        for waiter in self._pending.values():
+            if not waiter.done():
+                waiter.set_result((grpc.StatusCode.UNAVAILABLE.value[0], b"the daemon core went away"))
+        self._pending.clear()
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if self.lost.done():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon core went away")
+        call_id = next(self._ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = waiter
+        remaining = context.time_remaining()
+        self.send(frame(Kind.INFER, call_id, -1.0 if remaining is None else remaining, request))
+        try:
+            code, payload = await waiter
+        except asyncio.CancelledError:
+            if self._pending.pop(call_id, None) is not None:
+                self.send(frame(Kind.CANCEL, call_id))
+            raise
+        if code:
+            await context.abort(_CODES.get(code, grpc.StatusCode.UNKNOWN), bytes(payload).decode())
+        return payload if isinstance(payload, bytes) else bytes(payload)
+
+
+def served_methods() -> dict[str, tuple[bool, bool]]:
+    """Every method the daemon serves: full name -> (client streaming, server streaming)."""
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    from mpsd.proto import admin_pb2, grpc_service_pb2
+
+    shapes = {}
+    for module in (grpc_service_pb2, admin_pb2, health_pb2, reflection_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for m in service.methods:
+                shapes[f"/{service.full_name}/{m.name}"] = (m.client_streaming, m.server_streaming)
+    return shapes
+
+
+class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """ModelInfer to the core link; the daemon's other methods relayed, each in its own call shape, to
+    the core's gRPC server. Methods the daemon does not have are UNIMPLEMENTED here already."""
+
+    def __init__(self, link: CoreLink, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for method, (client_streaming, server_streaming) in served_methods().items():
+            self._handlers[method] = self._handler(method, client_streaming, server_streaming)
+        self._handlers[MODEL_INFER] = grpc.unary_unary_rpc_method_handler(link.model_infer)
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self._handlers.get(handler_call_details.method)
+
+    def _handler(self, method: str, client_streaming: bool, server_streaming: bool) -> grpc.RpcMethodHandler:
+        channel = self._channel
+
+        def options(context: grpc.aio.ServicerContext) -> dict[str, Any]:
+            return {
+                "metadata": relayed_metadata(context.invocation_metadata()),
+                "timeout": context.time_remaining(),
+            }
+
+        async def unary_unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                response: bytes = await channel.unary_unary(method)(request, **options(context))
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+            return response
+
+        async def unary_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            call = channel.unary_stream(method)(request, **options(context))
+            try:
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    yield response
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+            finally:
+                call.cancel()
+
+        async def stream_stream(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[bytes]:
+            call = channel.stream_stream(method)(**options(context))
+
+            async def pump() -> None:
+                async for request in requests:
+                    await call.write(request)
+                await call.done_writing()
+
+            pumping = asyncio.ensure_future(pump())
+            try:
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    yield response
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+            finally:
+                pumping.cancel()
+                call.cancel()
+
+        async def stream_unary(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                response: bytes = await channel.stream_unary(method)(requests, **options(context))
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "")
+            return response
+
+        if client_streaming and server_streaming:
+            return grpc.stream_stream_rpc_method_handler(stream_stream)
+        if client_streaming:
+            return grpc.stream_unary_rpc_method_handler(stream_unary)
+        if server_streaming:
+            return grpc.unary_stream_rpc_method_handler(unary_stream)
+        return grpc.unary_unary_rpc_method_handler(unary_unary)
+
+
+async def serve(sock: socket.socket) -> int:
+    loop = asyncio.get_running_loop()
+    link = CoreLink()
+    transport, _ = await loop.create_unix_connection(link.protocol, sock=sock)
+    assert isinstance(transport, asyncio.Transport)
+    link.writer.transport = transport
+    settings = await link.settings
+    config = DaemonConfig.model_validate(settings["config"])
+    configure(config.log_level, config.log_format)
+    structlog.contextvars.bind_contextvars(front=settings["index"])
+    address = parse_address(config.grpc_address)
+    limit = config.max_message_bytes
+    sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    channel = grpc.aio.insecure_channel(settings["core_target"], options=sizes)
+    try:
+        policy = build_policy(
+            config.auth,
+            local_only=address.is_local,
+            mutual_tls=config.tls is not None and config.tls.client_ca_file is not None,
+            address=address.text,
+        )
+        server = grpc.aio.server(
+            interceptors=[AuthInterceptor(policy)], options=[*sizes, ("grpc.so_reuseport", 1)]
+        )
+        server.add_generic_rpc_handlers([Relay(link, channel)])
+        bind(server, address, config.tls)
+        await server.start()
+    except Exception as exc:
+        link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))
+        await asyncio.sleep(0.1)  # let the frame leave before the process ends
+        return 1
+    link.send(frame(Kind.READY, payload=json.dumps({"pid": os.getpid()}).encode()))
+
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    def on_term() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    loop.add_signal_handler(signal.SIGINT, lambda: None)  # the daemon decides; a terminal ^C reaches it too
+    waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait()), link.lost]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    if link.lost.done():
+        log.warning("daemon core went away; front stopping")
+        await server.stop(0)
+        return 0
+    stopping = asyncio.ensure_future(server.stop(config.drain_timeout_s))
+    quick = asyncio.ensure_future(hurry.wait())
+    await asyncio.wait({stopping, quick}, return_when=asyncio.FIRST_COMPLETED)
+    if not stopping.done():
+        await server.stop(0)
+    await channel.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpsd.daemon.front")
+    parser.add_argument("--fd", type=int, required=True, help="the socketpair end the daemon passed")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    return asyncio.run(serve(sock))

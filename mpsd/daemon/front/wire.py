@@ -1,0 +1,128 @@
+"""Frames between a front process and the daemon core on their socketpair.
+
+A front hands each ModelInfer call to the core as the request's serialized bytes and gets back the
+serialized response or a status: the front never decodes protobuf on this path, the core never runs
+gRPC for it. The header is fixed-size binary (not pickle) because it is paid once per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from collections.abc import Callable
+
+# kind, call id, a number (request: seconds left before the client's deadline, < 0 for none;
+# response: gRPC status code), payload length.
+HEADER = struct.Struct("!BQdI")
+MAX_PAYLOAD = 2**32 - 1
+# A payload at least this large is read straight into its own buffer instead of the shared one.
+_DIRECT = 32 * 1024
+_SCRATCH = 64 * 1024
+
+
+class Kind(enum.IntEnum):
+    CONFIG = 1  # core -> front: the front's settings (JSON), the first frame
+    READY = 2  # front -> core: listening (payload: JSON with the front's pid)
+    FAILED = 3  # front -> core: could not start (payload: the reason)
+    INFER = 4  # front -> core: a ModelInfer call (number: seconds left, payload: request bytes)
+    CANCEL = 5  # front -> core: the client went away; drop the call
+    REPLY = 6  # core -> front: number 0 and response bytes, or a status code and a message
+
+
+def frame(kind: Kind, call_id: int = 0, number: float = 0.0, payload: bytes = b"") -> bytes:
+    return HEADER.pack(kind, call_id, number, len(payload)) + payload
+
+
+Handler = Callable[[int, int, float, bytes | bytearray], None]
+
+
+class FrameWriter:
+    """Frames written in one event-loop iteration leave in one send: under load, one system call (and
+    one wake-up of the other process) carries many requests or replies instead of one each."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._pending: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(pending)
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Splits the byte stream into frames and calls `on_frame(kind, call_id, number, payload)`.
+
+    Small frames are cut out of one reusable buffer; a large payload (an image, a big tensor) gets a
+    buffer of its exact size that the socket reads into directly, so it is copied once on arrival.
+    """
+
+    def __init__(self, on_frame: Handler, on_lost: Callable[[Exception | None], None]) -> None:
+        self._on_frame = on_frame
+        self._on_lost = on_lost
+        self._buf = bytearray(_SCRATCH)
+        self._start = 0  # first unparsed byte in _buf
+        self._end = 0  # end of received bytes in _buf
+        self._big: bytearray | None = None  # payload being read directly
+        self._big_got = 0
+        self._big_header: tuple[int, int, float] = (0, 0, 0.0)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._on_lost(exc)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._big is not None:
+            return memoryview(self._big)[self._big_got :]
+        if self._end == len(self._buf):
+            self._compact()
+        return memoryview(self._buf)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._big is not None:
+            self._big_got += nbytes
+            if self._big_got == len(self._big):
+                kind, call_id, number = self._big_header
+                payload, self._big = self._big, None
+                self._on_frame(kind, call_id, number, payload)
+            return
+        self._end += nbytes
+        self._parse()
+
+    def _compact(self) -> None:
+        pending = self._end - self._start
+        if self._start:
+            self._buf[:pending] = self._buf[self._start : self._end]
+        elif pending == len(self._buf):  # a frame larger than the buffer but below _DIRECT: grow
+            self._buf.extend(bytes(len(self._buf)))
+        self._start, self._end = 0, pending
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while self._end - self._start >= HEADER.size:
+            kind, call_id, number, length = HEADER.unpack_from(buf, self._start)
+            body = self._start + HEADER.size
+            have = self._end - body
+            if have >= length:
+                payload = bytes(buf[body : body + length])
+                self._start = body + length
+                self._on_frame(kind, call_id, number, payload)
+                continue
+            if length >= _DIRECT:
+                big = bytearray(length)
+                big[:have] = buf[body : self._end]
+                self._start = self._end = 0
+                self._big, self._big_got, self._big_header = big, have, (kind, call_id, number)
+            break
+        if self._start == self._end:
+            self._start = self._end = 0

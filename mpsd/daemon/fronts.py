@@ -1,0 +1,299 @@
+"""Front processes: more cores for gRPC, one place where requests meet.
+
+One Python process spends most of a small request's CPU time in gRPC itself (HTTP/2, the asyncio
+machinery), so one front caps a daemon at a few thousand requests per second. With `front_processes: N`
+the daemon starts N front processes that share the TCP port through SO_REUSEPORT (the kernel spreads
+connections over them) and keeps the rest here: the registry, the batcher and the workers.
+
+A front hands ModelInfer calls to the core as serialized bytes over a socketpair (`front/wire.py`); the
+core decodes, validates, batches and answers with serialized bytes, so gRPC runs in the fronts and
+mpsd's own work here. Every other RPC the front forwards unchanged to the core's gRPC server on a
+private Unix socket, so the core stays the one place that holds state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from mpsd.config.daemon_config import DaemonConfig
+from mpsd.errors import ConfigError, MpsdError
+
+from .front.wire import FrameProtocol, FrameWriter, Kind, frame
+from .launch import worker_base_env
+from .listen import Address, parse_address
+from .status import grpc_status
+
+log = structlog.get_logger("mpsd.daemon.fronts")
+
+InferBytes = Callable[[bytes | bytearray, float | None], Awaitable[bytes]]
+
+# Calls one front may have in the core at once; past this the core stops reading that front's socket,
+# its writes block, and gRPC flow control holds the clients back.
+MAX_IN_FLIGHT = 4096
+START_TIMEOUT_S = 30.0
+RESTART_DELAY_S = 1.0
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+
+
+def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: str = sys.platform) -> int:
+    """How many front processes to run; ConfigError when the setting cannot work with the address."""
+    wanted = config.front_processes
+    address = parse_address(config.grpc_address)
+    if wanted == "auto":
+        cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+        if not platform.startswith("linux") or address.unix_path is not None or cpus <= 4:
+            return 0
+        return min(4, cpus // 4)
+    if wanted == 0:
+        return 0
+    where = f"front_processes: {wanted}"
+    if not platform.startswith("linux"):
+        raise ConfigError(
+            f"{where}: front processes share the port through SO_REUSEPORT, which spreads connections "
+            "only on Linux; use 0 (the daemon serves gRPC itself)"
+        )
+    if address.unix_path is not None:
+        raise ConfigError(f"{where}: a Unix socket cannot be shared by several processes; use a TCP address")
+    if address.port == 0:
+        raise ConfigError(f"{where}: front processes need a fixed port, not 0")
+    return wanted
+
+
+def check_port_free(address: Address) -> None:
+    """Fail now, with a clear message, if another server holds the port: with SO_REUSEPORT on, another
+    mpsd of the same user could otherwise join the port and share its connections unnoticed."""
+    try:
+        infos = socket.getaddrinfo(
+            address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise ConfigError(f"grpc_address {address.text!r}: {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(f"cannot listen on {address.text}: the port is in use") from None
+                if exc.errno != errno.EADDRNOTAVAIL:  # e.g. no IPv6 on this host: the front skips it too
+                    raise
+
+
+class FrontFailed(Exception):
+    """A front process could not start (its reason, or how it exited)."""
+
+
+@dataclass
+class FrontLink:
+    """The core's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
+
+    index: int
+    infer: InferBytes
+    on_lost: Callable[[FrontLink], None]
+    transport: asyncio.Transport | None = None
+    ready: asyncio.Future[dict[str, object]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    served: int = 0
+    writer: FrameWriter = field(default_factory=FrameWriter)
+    _paused: bool = False
+
+    def protocol(self) -> FrameProtocol:
+        return FrameProtocol(self._on_frame, self._lost)
+
+    def attach(self, transport: asyncio.Transport) -> None:
+        self.transport = self.writer.transport = transport
+
+    def send(self, data: bytes) -> None:
+        self.writer.send(data)
+
+    def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
+        if kind == Kind.INFER:
+            deadline = time.monotonic() + number if number >= 0 else None
+            self.calls[call_id] = asyncio.get_running_loop().create_task(
+                self._serve(call_id, payload, deadline)
+            )
+            if len(self.calls) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
+                self._paused = True
+                self.transport.pause_reading()
+        elif kind == Kind.CANCEL:
+            task = self.calls.pop(call_id, None)
+            if task is not None:
+                task.cancel()
+        elif kind == Kind.READY and not self.ready.done():
+            self.ready.set_result(json.loads(payload))
+        elif kind == Kind.FAILED and not self.ready.done():
+            self.ready.set_exception(FrontFailed(bytes(payload).decode("utf-8", "replace")))
+        else:
+            log.warning("unexpected frame from a front", front=self.index, kind=kind)
+
+    async def _serve(self, call_id: int, payload: bytes | bytearray, deadline: float | None) -> None:
+        try:
+            reply = frame(Kind.REPLY, call_id, 0, await self.infer(payload, deadline))
+        except asyncio.CancelledError:
+            return
+        except MpsdError as exc:
+            reply = frame(Kind.REPLY, call_id, grpc_status(exc).value[0], exc.message.encode())
+        except Exception as exc:
+            log.exception("unexpected error in a forwarded request", front=self.index)
+            reply = frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
+        finally:
+            self.calls.pop(call_id, None)
+            if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
+        self.served += 1
+        self.send(reply)
+
+    def _lost(self, exc: Exception | None) -> None:
+        for task in list(self.calls.values()):
+            task.cancel()
+        self.calls.clear()
+        if not self.ready.done():
+            self.ready.set_exception(FrontFailed("it closed its connection before it was listening"))
+        self.on_lost(self)
+
+
+@dataclass
+class Front:
+    index: int
+    process: asyncio.subprocess.Process
+    link: FrontLink
+
+
+class FrontPool:
+    """Starts, supervises and stops the front processes."""
+
+    def __init__(self, count: int, config: DaemonConfig, core_target: str, infer: InferBytes) -> None:
+        self.count = count
+        self._config = config
+        self._core_target = core_target
+        self._infer = infer
+        self.fronts: dict[int, Front] = {}
+        self.restarts: dict[int, int] = {}
+        self._served_before: dict[int, int] = {}  # by fronts that have since been replaced
+        self._stopping = False
+        self._supervisors: list[asyncio.Task[None]] = []
+
+    def served(self) -> dict[int, int]:
+        """ModelInfer calls each front slot has handed to the core, over restarts."""
+        return {i: self._served_before.get(i, 0) + f.link.served for i, f in sorted(self.fronts.items())}
+
+    def running(self) -> int:
+        return sum(f.process.returncode is None for f in self.fronts.values())
+
+    async def start(self) -> None:
+        """Start every front and wait until all listen; FrontFailed (the others stopped) if one cannot."""
+        started = await asyncio.gather(*(self._spawn(i) for i in range(self.count)), return_exceptions=True)
+        errors = [r for r in started if isinstance(r, BaseException)]
+        if errors:
+            await self.stop(0.0)
+            raise errors[0]
+        self._supervisors = [asyncio.create_task(self._supervise(i)) for i in range(self.count)]
+
+    async def _spawn(self, index: int) -> Front:
+        loop = asyncio.get_running_loop()
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "mpsd.daemon.front",
+                "--fd",
+                str(child.fileno()),
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                env=worker_base_env(),
+            )
+        finally:
+            child.close()
+        link = FrontLink(index, self._infer, self._on_link_lost)
+        transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
+        assert isinstance(transport, asyncio.Transport)
+        link.attach(transport)
+        settings = {
+            "index": index,
+            "core_target": self._core_target,
+            "config": self._config.model_dump(mode="json"),
+        }
+        link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
+        try:
+            await asyncio.wait_for(link.ready, START_TIMEOUT_S)
+        except (FrontFailed, TimeoutError) as exc:
+            await _end(process, 0.0)
+            reason = str(exc) or f"it did not listen within {START_TIMEOUT_S:g} s"
+            raise FrontFailed(f"front process {index} could not start: {reason}") from None
+        front = Front(index, process, link)
+        self.fronts[index] = front
+        log.info("front listening", front=index, pid=process.pid, address=self._config.grpc_address)
+        return front
+
+    def _on_link_lost(self, link: FrontLink) -> None:
+        if not self._stopping and link.ready.done() and not link.ready.exception():
+            log.warning("front process connection lost", front=link.index)
+
+    async def _supervise(self, index: int) -> None:
+        """Restart a front that died; its clients reconnect and the kernel sends them to the live ones."""
+        while not self._stopping:
+            front = self.fronts[index]
+            code = await front.process.wait()
+            if self._stopping:
+                return
+            log.error("front process exited; restarting it", front=index, pid=front.process.pid, code=code)
+            if front.link.transport is not None:
+                front.link.transport.close()
+            self._served_before[index] = self._served_before.get(index, 0) + front.link.served
+            front.link.served = 0
+            self.restarts[index] = self.restarts.get(index, 0) + 1
+            while not self._stopping:
+                await asyncio.sleep(RESTART_DELAY_S)
+                try:
+                    await self._spawn(index)
+                    break
+                except FrontFailed as exc:
+                    log.error("front restart failed", front=index, reason=str(exc))
+
+    def hurry(self) -> None:
+        """Second stop signal: fronts stop waiting for their in-flight calls."""
+        for front in self.fronts.values():
+            with contextlib.suppress(ProcessLookupError):
+                front.process.send_signal(signal.SIGTERM)
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Stop accepting calls, let the fronts finish theirs (the core still answers them), then end."""
+        self._stopping = True
+        for task in self._supervisors:
+            task.cancel()
+        for front in self.fronts.values():
+            with contextlib.suppress(ProcessLookupError):
+                front.process.send_signal(signal.SIGTERM)
+        await asyncio.gather(*(_end(f.process, drain_timeout_s + 5.0) for f in self.fronts.values()))
+        for front in self.fronts.values():
+            if front.link.transport is not None:
+                front.link.transport.close()
+
+
+async def _end(process: asyncio.subprocess.Process, timeout_s: float) -> None:
+    """Wait for a process to exit; kill it after `timeout_s`."""
+    try:
+        await asyncio.wait_for(process.wait(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()

@@ -1,0 +1,66 @@
+"""Take a ModelInferRequest's tensor bytes out of its wire form without copying them.
+
+protobuf copies every `raw_input_contents` entry into a new `bytes` when it parses, and again when it is
+read. For requests that reach the daemon as bytes (from a front process) the entries are instead cut out
+of the received buffer as memoryviews, and only the rest of the message, a few hundred bytes of names and
+shapes, is parsed: the tensor bytes are then copied once, into the worker's shared memory.
+"""
+
+from __future__ import annotations
+
+RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
+_LENGTH_DELIMITED = 2
+
+
+def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]  # IndexError on a truncated message
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def split_raw_contents(data: bytes | bytearray) -> tuple[bytes | bytearray, list[memoryview]] | None:
+    """(the message without its raw_input_contents, views of those entries in order), or None when the
+    bytes are not a well-formed message (the caller then lets protobuf report the error)."""
+    view = memoryview(data)
+    size = len(data)
+    rest: list[memoryview] = []
+    raw: list[memoryview] = []
+    pos = start = 0
+    try:
+        while pos < size:
+            field_start = pos
+            tag, pos = _varint(data, pos)
+            wire_type = tag & 7
+            if wire_type == _LENGTH_DELIMITED:
+                length, pos = _varint(data, pos)
+                end = pos + length
+                if end > size:
+                    return None
+                if tag >> 3 == RAW_INPUT_CONTENTS:
+                    rest.append(view[start:field_start])
+                    raw.append(view[pos:end])
+                    start = end
+                pos = end
+            elif wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            else:
+                return None
+    except (IndexError, ValueError):
+        return None
+    if pos != size:
+        return None
+    if not raw:
+        return data, raw
+    rest.append(view[start:size])
+    return b"".join(rest), raw

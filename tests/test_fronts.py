@@ -1,0 +1,401 @@
+"""Front processes (`front_processes: N`): gRPC spread over processes sharing the port, one daemon behind.
+
+Checked against real daemons with two fronts, real workers and the stock tritonclient:
+
+- every kind of RPC works through a front: ModelInfer on the fast path, the others (unary, server
+  streaming, bidirectional) relayed to the daemon, with the same answers and the same error statuses;
+- connections are spread over the fronts (the kernel's SO_REUSEPORT balancing), counted in the metrics;
+- deadlines reach the daemon, tokens and TLS are enforced at the front, system shared memory works;
+- a killed front is restarted, a killed daemon takes its fronts with it, SIGTERM drains through them;
+- settings the address cannot serve (a Unix socket, port 0) are configuration errors; a port in use fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import ROOT, RunningDaemon, free_port, serving, shm_segments, wait_for
+
+FRONTS = 2
+SLOW = """
+time.sleep(float(inputs['x'][0]))
+return {'y': inputs['x'] * 2}
+"""
+
+
+def front_pids(daemon: RunningDaemon) -> list[int]:
+    try:
+        children = psutil.Process(daemon.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [p.pid for p in children if "mpsd.daemon.front" in " ".join(p.cmdline())]
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^(mpsd_front_\w+(?:\{[^}]*\})?) (\S+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    return values
+
+
+def add_sub_inputs(a: np.ndarray, b: np.ndarray) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, value in (("INPUT0", a), ("INPUT1", b)):
+        inp = grpcclient.InferInput(name, list(value.shape), "FP32")
+        inp.set_data_from_numpy(value)
+        inputs.append(inp)
+    return inputs
+
+
+def slow_input(seconds: float) -> list[grpcclient.InferInput]:
+    inp = grpcclient.InferInput("x", [1], "FP32")
+    inp.set_data_from_numpy(np.array([seconds], np.float32))
+    return [inp]
+
+
+def status_of(call: object) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as info:
+        call()  # type: ignore[operator]
+    return str(info.value.status()), str(info.value.message())
+
+
+class Setup:
+    def __init__(self, daemon: RunningDaemon, metrics_port: int, repo: Path) -> None:
+        self.daemon = daemon
+        self.metrics_port = metrics_port
+        self.repo = repo
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    base = tmp_path_factory.mktemp("fronts")
+    repo = base / "repo"
+    models.add_sub(repo)
+    models.python_model(repo, "slow", SLOW)
+    metrics_port = free_port()
+    args = ["--front-processes", str(FRONTS), "--metrics-address", f"127.0.0.1:{metrics_port}"]
+    with serving(repo, base / "daemon.log", extra_args=args) as daemon:
+        yield Setup(daemon, metrics_port, repo)
+
+
+def test_the_fronts_listen_and_the_daemon_does_not_hold_the_port_alone(setup: Setup) -> None:
+    fronts = front_pids(setup.daemon)
+    assert len(fronts) == FRONTS
+    listening = {
+        c.pid
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == setup.daemon.port
+    }
+    assert set(fronts) <= listening, "every front listens on the shared port"
+    assert setup.daemon.pid not in listening, "the daemon serves its fronts on a private socket"
+    assert scrape(setup.metrics_port)["mpsd_front_processes"] == FRONTS
+
+
+def test_every_rpc_shape_through_a_front(setup: Setup) -> None:
+    client = setup.daemon.client
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata().name == "mpsd"
+    assert client.is_model_ready("add_sub")
+    assert [i.name for i in client.get_model_metadata("add_sub").inputs] == ["INPUT0", "INPUT1"]
+    assert client.get_model_config("add_sub").config.max_batch_size == 8
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    b = np.ones((1, 16), np.float32)
+    result = client.infer("add_sub", add_sub_inputs(a, b), request_id="r1")
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    assert result.get_response().id == "r1"
+    stats = client.get_inference_statistics("add_sub").model_stats[0]
+    assert stats.inference_stats.success.count >= 1
+    names = {m.name for m in client.get_model_repository_index().models}
+    assert {"add_sub", "slow"} <= names
+
+    # bidirectional streaming, relayed: responses in order
+    answers: list[object] = []
+    done = threading.Event()
+
+    def on_response(result: object, error: object) -> None:
+        answers.append(error or result)
+        if len(answers) == 3:
+            done.set()
+
+    client.start_stream(callback=on_response)
+    try:
+        for k in range(3):
+            client.async_stream_infer("add_sub", add_sub_inputs(a * k, b), request_id=str(k))
+        assert done.wait(30)
+    finally:
+        client.stop_stream()
+    assert [r.get_response().id for r in answers] == ["0", "1", "2"]  # type: ignore[attr-defined]
+
+    # the gRPC health service (unary Check through the relay)
+    with grpc.insecure_channel(setup.daemon.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_errors_keep_their_status_through_a_front(setup: Setup) -> None:
+    client = setup.daemon.client
+    code, message = status_of(
+        lambda: client.infer(
+            "nope", add_sub_inputs(np.ones((1, 16), np.float32), np.ones((1, 16), np.float32))
+        )
+    )
+    assert code == "StatusCode.NOT_FOUND" and "nope" in message
+    bad = np.ones((1, 15), np.float32)
+    code, message = status_of(lambda: client.infer("add_sub", add_sub_inputs(bad, bad)))
+    assert code == "StatusCode.INVALID_ARGUMENT" and "INPUT0" in message
+    code, _ = status_of(lambda: client.get_model_metadata("nope"))
+    assert code == "StatusCode.NOT_FOUND"
+    with grpc.insecure_channel(setup.daemon.address) as channel:
+        for method in ("ModelInfer", "ModelMetadata"):  # fast path and relay: undecodable bytes
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\xff\xff\xff", timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+            assert "not a valid protobuf message" in (info.value.details() or "")
+        unknown = channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
+        with pytest.raises(grpc.RpcError) as info:
+            unknown(b"", timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert client.is_server_ready(), "the daemon is unharmed"
+
+
+def test_connections_are_spread_over_the_fronts(setup: Setup) -> None:
+    before = scrape(setup.metrics_port)
+    a = np.ones((1, 16), np.float32)
+    # Channels to one target share one connection unless each has its own subchannel pool.
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    clients = [
+        grpcclient.InferenceServerClient(setup.daemon.address, channel_args=own_connection) for _ in range(16)
+    ]
+    try:
+        for _ in range(3):
+            for c in clients:
+                c.infer("add_sub", add_sub_inputs(a, a))
+    finally:
+        for c in clients:
+            c.close()
+    after = scrape(setup.metrics_port)
+    handed = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("mpsd_front_requests_total")}
+    assert sum(handed.values()) == 48, handed
+    assert sum(v > 0 for v in handed.values()) >= 2, f"16 connections all went to one front: {handed}"
+
+
+def test_deadline_reaches_the_daemon_and_cancelled_calls_end(setup: Setup) -> None:
+    client = setup.daemon.client
+    code, _ = status_of(lambda: client.infer("slow", slow_input(1.0), client_timeout=0.3))
+    assert code == "StatusCode.DEADLINE_EXCEEDED"
+    # queued behind the one still sleeping, this call's deadline passes in the daemon's queue
+    code, _ = status_of(lambda: client.infer("slow", slow_input(0.0), client_timeout=0.3))
+    assert code == "StatusCode.DEADLINE_EXCEEDED"
+    time.sleep(1.0)
+    assert client.infer("slow", slow_input(0.0)).as_numpy("y").tolist() == [0.0]
+
+
+def test_system_shared_memory_through_a_front(setup: Setup) -> None:
+    from tests.triton_shm import shm
+
+    client = setup.daemon.client
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    handle = shm.create_shared_memory_region("fronts_in", f"/fronts_in_{os.getpid()}", a.nbytes * 2)
+    try:
+        shm.set_shared_memory_region(handle, [a, a])
+        client.register_system_shared_memory("fronts_in", f"/fronts_in_{os.getpid()}", a.nbytes * 2)
+        inputs = add_sub_inputs(a, a)
+        inputs[0].set_shared_memory("fronts_in", a.nbytes)
+        inputs[1].set_shared_memory("fronts_in", a.nbytes, offset=a.nbytes)
+        result = client.infer("add_sub", inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+        status = client.get_system_shared_memory_status()
+        assert "fronts_in" in {r.name for r in status.regions.values()}
+        client.unregister_system_shared_memory("fronts_in")
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_killed_front_is_restarted(setup: Setup) -> None:
+    victim = front_pids(setup.daemon)[0]
+    psutil.Process(victim).kill()
+    wait_for(
+        lambda: len(front_pids(setup.daemon)) == FRONTS and victim not in front_pids(setup.daemon),
+        30,
+        "the front restarted",
+    )
+    wait_for(lambda: scrape(setup.metrics_port)["mpsd_front_processes"] == FRONTS, 30, "front listening")
+    restarts = {k: v for k, v in scrape(setup.metrics_port).items() if k.startswith("mpsd_front_restarts")}
+    assert sum(restarts.values()) == 1, restarts
+    a = np.ones((1, 16), np.float32)
+    for _ in range(8):  # new connections, wherever the kernel sends them
+        fresh = grpcclient.InferenceServerClient(
+            setup.daemon.address, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            np.testing.assert_array_equal(
+                fresh.infer("add_sub", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2
+            )
+        finally:
+            fresh.close()
+
+
+def write_config(path: Path, **settings: object) -> Path:
+    path.write_text(yaml.safe_dump({"metrics_address": "", **settings}))
+    return path
+
+
+def serve_once(repo: Path, config: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mpsd",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--config",
+            str(config),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_settings_the_address_cannot_serve_are_configuration_errors(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    unix = write_config(tmp_path / "unix.yaml", grpc_address=f"unix://{tmp_path}/m.sock", front_processes=2)
+    done = serve_once(repo, unix)
+    assert done.returncode == 78, done.stderr
+    assert "front_processes: 2" in done.stderr and "Unix socket" in done.stderr
+    zero = write_config(tmp_path / "zero.yaml", grpc_address="127.0.0.1:0", front_processes=2)
+    done = serve_once(repo, zero)
+    assert done.returncode == 78 and "fixed port" in done.stderr, done.stderr
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        busy = write_config(tmp_path / "busy.yaml", grpc_address=f"127.0.0.1:{port}", front_processes=2)
+        done = serve_once(repo, busy)
+    assert done.returncode == 1 and "in use" in done.stderr, done.stderr
+
+
+def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
+    from tests.test_security import bearer, make_pki
+
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    (tmp_path / "token").write_text("s3cret-token\n")
+    (tmp_path / "token").chmod(0o600)
+    config = write_config(
+        tmp_path / "mpsd.yaml",
+        front_processes=2,
+        tls={"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)},
+        auth={"tokens": [{"token_file": str(tmp_path / "token"), "categories": ["inference", "health"]}]},
+    )
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log", config=config)
+    client = grpcclient.InferenceServerClient(daemon.address, ssl=True, root_certificates=str(pki.ca))
+    try:
+        wait_for(
+            lambda: client.is_server_ready(headers=bearer("s3cret-token")), 120, f"ready\n{daemon.log()}"
+        )
+        assert len(front_pids(daemon)) == 2
+        a = np.ones((1, 16), np.float32)
+        code, _ = status_of(lambda: client.infer("add_sub", add_sub_inputs(a, a)))
+        assert code == "StatusCode.UNAUTHENTICATED"
+        code, _ = status_of(lambda: client.get_model_metadata("add_sub"))
+        assert code == "StatusCode.UNAUTHENTICATED"
+        code, message = status_of(lambda: client.get_model_repository_index(headers=bearer("s3cret-token")))
+        assert code == "StatusCode.PERMISSION_DENIED" and "model-repository" in message
+        result = client.infer("add_sub", add_sub_inputs(a, a), headers=bearer("s3cret-token"))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+        plain = grpcclient.InferenceServerClient(daemon.address)
+        with pytest.raises(InferenceServerException):
+            plain.is_server_live(headers=bearer("s3cret-token"), client_timeout=3)
+        plain.close()
+    finally:
+        client.close()
+        daemon.stop()
+        daemon.kill_group()
+
+
+def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_along(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    models.python_model(repo, "slow", SLOW)
+    before = shm_segments()
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log", extra_args=["--front-processes", "2"])
+    try:
+        daemon.wait_ready()
+        fronts = front_pids(daemon)
+        results: list[object] = []
+
+        def call() -> None:
+            c = grpcclient.InferenceServerClient(daemon.address)
+            try:
+                results.append(c.infer("slow", slow_input(1.5)).as_numpy("y").tolist())
+            except InferenceServerException as exc:
+                results.append(exc)
+            finally:
+                c.close()
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.7)
+        daemon.proc.send_signal(signal.SIGTERM)
+        caller.join(30)
+        assert results == [[3.0]], results
+        assert daemon.proc.wait(60) == 0
+        wait_for(lambda: not any(psutil.pid_exists(p) for p in fronts), 10, "fronts gone")
+        assert shm_segments() <= before
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+
+    second = RunningDaemon(repo, tmp_path / "second.log", extra_args=["--front-processes", "2"])
+    try:
+        second.wait_ready()
+        fronts = front_pids(second)
+        assert len(fronts) == 2
+        second.proc.send_signal(signal.SIGKILL)
+        second.proc.wait(10)
+        wait_for(
+            lambda: (
+                not any(
+                    psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                    for p in fronts
+                )
+            ),
+            15,
+            "fronts exit after the daemon died",
+        )
+    finally:
+        second.stop()
+        second.kill_group()
