@@ -294,7 +294,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += [
         f"- {st['clients']} clients, one image per request; max_batch_size {st['max_batch']}, "
         f"max_queue_delay_microseconds {st['delay_us']}, preferred_batch_size [{st['max_batch']}], "
-        f"{st['instances']} instance(s); {st['rounds']} rounds of {st['duration']} s"
+        f"{st['instances']} instance(s); front_processes {st.get('front_processes') or 'auto'}; "
+        f"{st['rounds']} rounds of {st['duration']} s"
         + ("; inputs through system shared memory." if st.get("shm_inputs") else "."),
         f"- Load generator: {results['load_generator']}.",
         f"- Daemon ready {results.get('ready_s', 0):.1f} s after start; "
@@ -322,13 +323,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"mpsd / in-process host to host: x{s['ratio_throughput_mpsd_inprocess']:.2f}; mpsd / on device: "
         f"x{s['ratio_throughput_mpsd_on_device']:.2f}; mpsd / floor: x{s['ratio_throughput_mpsd_floor']:.2f} "
         f"(the floor spends {s['floor']['server_cpu_us_per_request']:.0f} us of CPU per request, "
-        f"mpsd's daemon {m['cpu_us_per_request']['server']:.0f} us).",
+        f"mpsd's daemon and front processes {m['cpu_us_per_request']['server']:.0f} us).",
         "",
         f"Batches formed (size: executions): {', '.join(f'{k}: {v}' for k, v in s['batch_sizes'].items())}; "
         f"mean batch {s['mean_batch']:.1f}.",
         f"Worker time per execution: {w['input']:.2f} ms input (host to device), {w['infer']:.2f} ms model, "
         f"{w['output']:.2f} ms output; GPU busy {_pct(m['gpu_busy_percent'])} (nvidia-smi) during the load.",
-        f"CPU per request: daemon {cpu['server']:.0f} us, worker {cpu['workers']:.0f} us, "
+        f"CPU per request: daemon and fronts {cpu['server']:.0f} us, worker {cpu['workers']:.0f} us, "
         f"clients {cpu['clients']:.0f} us.",
         "",
     ]

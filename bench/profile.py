@@ -74,7 +74,7 @@ class PySpy:
         return {
             name: summarize(path, top) | {"file": path.name}
             for name, path in self.paths.items()
-            if path.exists()
+            if path.exists() and path.stat().st_size > 0  # empty: py-spy could not sample that process
         }
 
 

@@ -294,3 +294,59 @@ def test_hidden_gpus_make_gpu_fail_and_auto_fall_back() -> None:
     assert "GPU: KIND_GPU requested but CUDA is not available: " in out
     assert "CUDA_VISIBLE_DEVICES=''" in out
     assert "AUTO: cpu" in out
+
+
+def test_region_cache_unpins_before_unmapping_and_keeps_borrowed_regions_pinned() -> None:
+    """The pin hook's contract, with a recording hook (page-locking itself needs CUDA: next test)."""
+    from mpsd.ipc.protocol import RegionRef, TensorRef
+    from mpsd.ipc.shm import Region
+    from mpsd.worker.inference import tensor_from_region
+    from mpsd.worker.regions import RegionCache
+
+    events: list[str] = []
+
+    def pin(buf: memoryview) -> Callable[[], None]:
+        key = f"{len(buf)}"
+        events.append(f"pin {key}")
+        return lambda: events.append(f"unpin {key}")
+
+    first, second, third = Region.create(4096), Region.create(8192), Region.create(16384)
+    try:
+        cache = RegionCache(pin)
+        region = cache.get("input", RegionRef(first.name, first.size))
+        borrowed = tensor_from_region(region, TensorRef("x", "UINT8", (16,), 0, 16))  # uses the mapping
+        cache.get("input", RegionRef(second.name, second.size))  # first is retired, but borrowed
+        assert events == ["pin 4096", "pin 8192", "unpin 4096", "pin 4096"], "unpinned to try, pinned again"
+        del borrowed
+        events.clear()
+        cache.get("output", RegionRef(third.name, third.size))  # retirement tried again: now it goes
+        assert events == ["pin 16384", "unpin 4096"]
+        assert first.buf[:1] == b"\x00", "the creator's own mapping is untouched"
+    finally:
+        for r in (first, second, third):
+            r.unlink()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_pins_shared_memory_and_copies_from_it() -> None:
+    from mpsd.ipc.shm import Region
+
+    region = Region.create(1 << 20)
+    try:
+        region.buf[:8] = bytes(range(8))
+        pin = dev.host_pinner(torch.device("cuda", 0))
+        assert pin is not None
+        unpin = pin(region.buf)
+        assert unpin is not None, "cudaHostRegister refused a shared-memory mapping"
+        host = torch.frombuffer(region.buf, dtype=torch.uint8)
+        assert host.is_pinned()
+        on_gpu = host.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert on_gpu[:8].tolist() == list(range(8))
+        del host
+        unpin()
+        assert not torch.frombuffer(region.buf, dtype=torch.uint8).is_pinned()
+        assert dev.host_pinner(torch.device("cpu")) is None
+    finally:
+        region.unlink()
+        region.close()

@@ -73,6 +73,7 @@ class Region:
             self.buf.release()
             self._mmap.close()
         except BufferError:
+            self.buf = memoryview(self._mmap)  # the mapping stays; so must a usable view of it
             return False
         return True
 

@@ -16,7 +16,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -246,6 +246,31 @@ def limit_host_threads(device: torch.device) -> int | None:
         return None
     torch.set_num_threads(ACCELERATOR_HOST_THREADS)
     return ACCELERATOR_HOST_THREADS
+
+
+def host_pinner(device: torch.device) -> Callable[[memoryview], Callable[[], None] | None] | None:
+    """For CUDA: page-lock shared-memory mappings, so inputs go to the GPU by DMA without a staging copy.
+
+    From pageable memory the driver copies through its own pinned buffer, on the CPU; a registered
+    mapping is copied by the GPU itself. Registration fails harmlessly (the copy stays pageable) where the
+    driver refuses it. None for other devices.
+    """
+    if device.type != "cuda":
+        return None
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+    def pin(buf: memoryview) -> Callable[[], None] | None:
+        view = torch.frombuffer(buf, dtype=torch.uint8)
+        pointer, size = view.data_ptr(), view.numel()
+        del view  # the address stays valid for as long as the mapping does
+        if size == 0 or int(cudart.cudaHostRegister(pointer, size, 0)) != 0:
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:  # so the refusal is not reported by the next kernel launch
+                clear()
+            return None
+        return lambda: cudart.cudaHostUnregister(pointer)
+
+    return pin
 
 
 def synchronize(device: torch.device) -> None:

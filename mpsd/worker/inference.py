@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from mpsd.errors import Internal
@@ -23,7 +24,9 @@ def tensor_from_region(region: Region, ref: TensorRef) -> torch.Tensor:
     dtype = TO_TORCH[ref.datatype]
     if ref.nbytes == 0:
         return torch.empty(ref.shape, dtype=dtype)
-    flat = torch.frombuffer(region.buf, dtype=torch.uint8, count=ref.nbytes, offset=ref.offset)
+    # Through numpy, whose array holds a buffer export for as long as any tensor uses it: the region then
+    # cannot be unmapped under the tensor (torch.frombuffer keeps no export, so nothing would stop it).
+    flat = torch.from_numpy(np.frombuffer(region.buf, dtype=np.uint8, count=ref.nbytes, offset=ref.offset))
     return flat.view(dtype).reshape(ref.shape)
 
 

@@ -88,9 +88,9 @@ def _infer(sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Inf
 def _serve(
     sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0, after_request: bool = False
 ) -> None:
-    from mpsd.worker.device import is_out_of_memory, memory_counters, release_cached_memory
+    from mpsd.worker.device import host_pinner, is_out_of_memory, memory_counters, release_cached_memory
 
-    regions = RegionCache()
+    regions = RegionCache(host_pinner(runner.device))
     last_snapshot = 0.0
     while True:
         now = time.monotonic()

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mpsd.ipc.protocol import RegionRef
 from mpsd.ipc.shm import Region
 
+# Called on a freshly mapped region; returns what to call before it is unmapped (or None).
+Pin = Callable[[memoryview], Callable[[], None] | None]
+
 
 class RegionCache:
-    """Keeps the current input and output mappings; old ones are unmapped once no tensor borrows them."""
+    """Keeps the current input and output mappings; old ones are unmapped once no tensor borrows them.
 
-    def __init__(self) -> None:
+    `pin`, when given, page-locks each mapping for the device (fast, asynchronous host-device copies)
+    and is undone before the mapping goes away.
+    """
+
+    def __init__(self, pin: Pin | None = None) -> None:
         self._current: dict[str, Region] = {}
         self._retired: list[Region] = []
+        self._pin = pin
+        self._unpin: dict[int, Callable[[], None]] = {}
 
     def get(self, role: str, ref: RegionRef) -> Region:
         region = self._current.get(role)
@@ -20,6 +31,22 @@ class RegionCache:
         if region is not None:
             self._retired.append(region)
         region = Region.attach(ref.name, ref.size)
+        if self._pin is not None:
+            undo = self._pin(region.buf)
+            if undo is not None:
+                self._unpin[id(region)] = undo
         self._current[role] = region
-        self._retired = [r for r in self._retired if not r.close()]
+        self._retired = [r for r in self._retired if not self._close(r)]
         return region
+
+    def _close(self, region: Region) -> bool:
+        undo = self._unpin.pop(id(region), None)
+        if undo is not None:
+            undo()
+        if region.close():
+            return True
+        if undo is not None:  # still borrowed: pin again so the next attempt finds it as before
+            pinned = self._pin(region.buf) if self._pin is not None else None
+            if pinned is not None:
+                self._unpin[id(region)] = pinned
+        return False
