@@ -22,7 +22,6 @@ from mpsd.ipc import shm
 from mpsd.logs import set_level
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
-from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .admin import AdminServicer
@@ -38,6 +37,7 @@ from .reconciler import Reconciler
 from .registry import Registry
 from .sdnotify import SdNotifier
 from .servicer import InferenceServicer
+from .servicer import add_to_server as add_inference_service
 from .watcher import watch_repository
 
 log = structlog.get_logger("mpsd.daemon")
@@ -99,7 +99,7 @@ class Daemon:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(self.servicer, server)  # type: ignore[no-untyped-call]
+        add_inference_service(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_pb2_grpc.add_MpsdAdminServicer_to_server(self.admin, server)  # type: ignore[no-untyped-call]
         reflection.enable_server_reflection(

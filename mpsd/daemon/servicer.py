@@ -144,10 +144,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return response
 
     @rpc
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
+    async def ModelInfer(self, request: bytes, context: Any) -> bytes:
+        """Registered without protobuf (de)serializers (`add_to_server`): the same bytes path as a front's."""
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        return await self._infer(request, deadline)
+        return await self.infer_serialized(request, deadline)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: Any
@@ -318,3 +319,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             field = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(setting)]
             setattr(reply.settings[key], field, setting)
         return reply
+
+
+RAW_METHODS = frozenset({"ModelInfer"})
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register the service from its descriptor, like the generated `add_..._to_server`, except that the
+    methods in RAW_METHODS get the request's bytes and return the response's bytes: ModelInfer cuts the
+    tensor bytes out of the wire form itself (`wire_split`) instead of letting protobuf copy them."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        behavior = getattr(servicer, method.name)
+        if method.name in RAW_METHODS:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior)
+            continue
+        codec = {
+            "request_deserializer": getattr(pb, method.input_type.name).FromString,
+            "response_serializer": getattr(pb, method.output_type.name).SerializeToString,
+        }
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, **codec)
+        elif method.client_streaming:
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(behavior, **codec)
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(behavior, **codec)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior, **codec)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
