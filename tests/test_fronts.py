@@ -399,3 +399,43 @@ def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_a
     finally:
         second.stop()
         second.kill_group()
+
+
+@pytest.mark.parametrize(
+    ("setting", "address", "cpus", "platform", "expected"),
+    [
+        ("auto", "127.0.0.1:8001", 2, "linux", 0),
+        ("auto", "127.0.0.1:8001", 4, "linux", 0),
+        ("auto", "127.0.0.1:8001", 8, "linux", 2),
+        ("auto", "0.0.0.0:8001", 16, "linux", 4),
+        ("auto", "127.0.0.1:8001", 64, "linux", 4),
+        ("auto", "127.0.0.1:8001", 16, "darwin", 0),
+        ("auto", "unix:///tmp/mpsd.sock", 16, "linux", 0),
+        (0, "127.0.0.1:8001", 16, "darwin", 0),
+        (3, "127.0.0.1:8001", 2, "linux", 3),
+    ],
+)
+def test_how_many_fronts(setting: object, address: str, cpus: int, platform: str, expected: int) -> None:
+    from mpsd.config.daemon_config import DaemonConfig
+    from mpsd.daemon.fronts import front_count
+
+    config = DaemonConfig(front_processes=setting, grpc_address=address)  # type: ignore[arg-type]
+    assert front_count(config, cpu_count=cpus, platform=platform) == expected
+
+
+def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip_to_a_front(
+    tmp_path: Path,
+) -> None:
+    from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
+    from mpsd.daemon.fronts import front_count
+    from mpsd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="only on Linux"):
+        front_count(DaemonConfig(front_processes=2), cpu_count=16, platform="darwin")
+    for value in ("auto", 0, 4):
+        config = load_daemon_config(write_config(tmp_path / f"{value}.yaml", front_processes=value))
+        assert config.front_processes == value
+        # what a front receives: the daemon's settings as JSON
+        assert DaemonConfig.model_validate(config.model_dump(mode="json")).front_processes == value
+    with pytest.raises(ConfigError, match="front_processes"):
+        load_daemon_config(write_config(tmp_path / "bad.yaml", front_processes="many"))

@@ -74,9 +74,8 @@ class DaemonConfig(BaseModel):
         256 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.",
     )
-    front_processes: int | Literal["auto"] = Field(
+    front_processes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto",
-        ge=0,
         description="gRPC front processes sharing the TCP port (SO_REUSEPORT, Linux), so that gRPC's own "
         "work spreads over cores while batching and workers stay in the daemon. 0: the daemon serves "
         "gRPC itself. auto: 0 on macOS, on a Unix socket and on machines of at most 4 CPUs; else one per "
