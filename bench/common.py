@@ -88,7 +88,12 @@ class Server:
             return {"pid": p.pid, "rss_bytes": info.rss, "uss_bytes": info.uss}
 
         parent = psutil.Process(self.pid)
-        return {"server": one(parent), "children": [one(c) for c in parent.children(recursive=True)]}
+        children = parent.children(recursive=True)
+        return {
+            "server": one(parent),
+            "children": [one(c) for c in children if not is_front(c)],  # model workers
+            "fronts": [one(c) for c in children if is_front(c)],
+        }
 
 
 def start_mpsd(

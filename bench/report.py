@@ -151,6 +151,11 @@ def summarize_batching(s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _processes(run: dict[str, Any]) -> list[dict[str, int]]:
+    """The daemon, its workers and its front processes, as recorded by Server.memory()."""
+    return [run["server"], *run["children"], *run.get("fronts", [])]
+
+
 def summarize_startup(s: dict[str, Any]) -> dict[str, Any]:
     by_models: dict[int, dict[str, Any]] = {}
     for n in sorted({r["models"] for r in s["runs"]}):
@@ -161,12 +166,10 @@ def summarize_startup(s: dict[str, Any]) -> dict[str, Any]:
             "daemon_uss_mib": med([mib(r["server"]["uss_bytes"]) for r in runs]),
             "worker_rss_mib": med([mib(w["rss_bytes"]) for r in runs for w in r["children"]]),
             "worker_uss_mib": med([mib(w["uss_bytes"]) for r in runs for w in r["children"]]),
-            "total_rss_mib": med(
-                [mib(r["server"]["rss_bytes"] + sum(w["rss_bytes"] for w in r["children"])) for r in runs]
-            ),
-            "total_uss_mib": med(
-                [mib(r["server"]["uss_bytes"] + sum(w["uss_bytes"] for w in r["children"])) for r in runs]
-            ),
+            "fronts": med([float(len(r.get("fronts", []))) for r in runs]),
+            "front_rss_mib": med([mib(f["rss_bytes"]) for r in runs for f in r.get("fronts", [])] or [0.0]),
+            "total_rss_mib": med([mib(sum(p["rss_bytes"] for p in _processes(r))) for r in runs]),
+            "total_uss_mib": med([mib(sum(p["uss_bytes"] for p in _processes(r))) for r in runs]),
             "workers": med([float(len(r["children"])) for r in runs]),
         }
     out: dict[str, Any] = {"by_models": by_models}
@@ -259,6 +262,9 @@ def markdown(results: dict[str, Any]) -> str:
         f"(after {st['warmup']} s warm-up); figures are medians over rounds, ratios are medians of "
         "the per-round ratios.",
         f"- Load generator: {results.get('load_generator', '')}.",
+        f"- mpsd's front_processes: {st.get('front_processes') or 'the default (auto: 0 up to 4 CPUs, else '}"
+        + ("" if st.get("front_processes") else "one per 4 CPUs, at most 4)")
+        + ".",
         f"- Run took {results.get('wall_s', 0):.0f} s.",
     ]
     if st.get("mpsd_env"):
@@ -354,13 +360,14 @@ def markdown(results: dict[str, Any]) -> str:
             "## Scenario 6: start-up and memory",
             "",
             "| models | ServerReady s | daemon RSS MiB | worker RSS MiB (each) | worker USS MiB (each) | "
-            "total RSS MiB | total USS MiB |",
-            "|---|---|---|---|---|---|---|",
+            "front processes (RSS MiB each) | total RSS MiB | total USS MiB |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for n, b in s["by_models"].items():
+            fronts = f"{b.get('fronts', 0):.0f} ({b.get('front_rss_mib', 0):.0f})" if b.get("fronts") else "0"
             lines.append(
                 f"| {n} | {b['ready_s']:.2f} | {b['daemon_rss_mib']:.0f} | {b['worker_rss_mib']:.0f} | "
-                f"{b['worker_uss_mib']:.0f} | {b['total_rss_mib']:.0f} | {b['total_uss_mib']:.0f} |"
+                f"{b['worker_uss_mib']:.0f} | {fronts} | {b['total_rss_mib']:.0f} | {b['total_uss_mib']:.0f} |"
             )
         if "per_added_model" in s:
             g = s["per_added_model"]
