@@ -367,7 +367,8 @@ def markdown(results: dict[str, Any]) -> str:
             fronts = f"{b.get('fronts', 0):.0f} ({b.get('front_rss_mib', 0):.0f})" if b.get("fronts") else "0"
             lines.append(
                 f"| {n} | {b['ready_s']:.2f} | {b['daemon_rss_mib']:.0f} | {b['worker_rss_mib']:.0f} | "
-                f"{b['worker_uss_mib']:.0f} | {fronts} | {b['total_rss_mib']:.0f} | {b['total_uss_mib']:.0f} |"
+                f"{b['worker_uss_mib']:.0f} | {fronts} | "
+                f"{b['total_rss_mib']:.0f} | {b['total_uss_mib']:.0f} |"
             )
         if "per_added_model" in s:
             g = s["per_added_model"]
