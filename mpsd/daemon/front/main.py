@@ -23,7 +23,7 @@ import structlog
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.logs import configure
 
-from ..auth import AuthInterceptor, build_policy
+from ..auth import AccessPolicy, build_policy, refusal
 from ..listen import bind, parse_address
 from .wire import FrameProtocol, FrameWriter, Kind, frame
 
@@ -110,15 +110,23 @@ class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
     """ModelInfer to the core link; the daemon's other methods relayed, each in its own call shape, to
     the core's gRPC server. Methods the daemon does not have are UNIMPLEMENTED here already."""
 
-    def __init__(self, link: CoreLink, channel: grpc.aio.Channel) -> None:
+    def __init__(self, link: CoreLink, channel: grpc.aio.Channel, policy: AccessPolicy) -> None:
         self._channel = channel
+        self._policy = policy
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method, (client_streaming, server_streaming) in served_methods().items():
             self._handlers[method] = self._handler(method, client_streaming, server_streaming)
         self._handlers[MODEL_INFER] = grpc.unary_unary_rpc_method_handler(link.model_infer)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        return self._handlers.get(handler_call_details.method)
+        """Access control happens here rather than in an interceptor: the same check, without the extra
+        coroutine an asyncio interceptor costs every call."""
+        method: str = handler_call_details.method
+        error = self._policy.check(method, handler_call_details.invocation_metadata)
+        if error is not None:
+            log.info("call refused", method=method, code=error.code.value, reason=error.message)
+            return refusal(error)
+        return self._handlers.get(method)
 
     def _handler(self, method: str, client_streaming: bool, server_streaming: bool) -> grpc.RpcMethodHandler:
         channel = self._channel
@@ -203,10 +211,8 @@ async def serve(sock: socket.socket) -> int:
             mutual_tls=config.tls is not None and config.tls.client_ca_file is not None,
             address=address.text,
         )
-        server = grpc.aio.server(
-            interceptors=[AuthInterceptor(policy)], options=[*sizes, ("grpc.so_reuseport", 1)]
-        )
-        server.add_generic_rpc_handlers([Relay(link, channel)])
+        server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
+        server.add_generic_rpc_handlers([Relay(link, channel, policy)])
         bind(server, address, config.tls)
         await server.start()
     except Exception as exc:
