@@ -114,12 +114,14 @@ def start_mpsd(
     return Server(args, workdir / f"{name}.log", address, env)
 
 
-def start_floor(workdir: Path, reply_shape: list[int] | None = None) -> Server:
+def start_floor(workdir: Path, reply_shape: list[int] | None = None, worker_hop: bool = False) -> Server:
     address = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-m", "bench.floor_server", "--address", address]
     if reply_shape:
         args += ["--reply-shape", *map(str, reply_shape)]
-    return Server(args, workdir / "floor.log", address)
+    if worker_hop:
+        args.append("--worker-hop")
+    return Server(args, workdir / ("floor-hop.log" if worker_hop else "floor.log"), address)
 
 
 def batch_stats(server: Server, model: str) -> dict[int, dict[str, int]]:

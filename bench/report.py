@@ -80,11 +80,17 @@ def summarize_latency(s: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for who in ("mpsd", "floor", "inprocess"):
         out[who] = {k: med([r[who][k] for r in rounds]) for k in ("p50_ms", "p99_ms", "mean_ms")}
-    for who in ("mpsd", "floor"):
+    hop = "floor_hop" in rounds[0]
+    for who in ("mpsd", "floor", *(["floor_hop"] if hop else [])):
+        out[who] = {k: med([r[who][k] for r in rounds]) for k in ("p50_ms", "p99_ms", "mean_ms")}
         out[who]["cpu_us_per_request"] = {
             k: med([r[who]["cpu_us_per_request"][k] for r in rounds])
             for k in ("server", "workers", "clients")
         }
+    if hop:
+        out["ratio_p50_mpsd_floor_hop"] = med(
+            [_ratio(r["mpsd"]["p50_ms"], r["floor_hop"]["p50_ms"]) for r in rounds]
+        )
     out["ratio_p50_mpsd_floor"] = med([_ratio(r["mpsd"]["p50_ms"], r["floor"]["p50_ms"]) for r in rounds])
     out["ratio_p99_mpsd_floor"] = med([_ratio(r["mpsd"]["p99_ms"], r["floor"]["p99_ms"]) for r in rounds])
     out["ratio_p50_mpsd_inprocess"] = med(
@@ -97,12 +103,17 @@ def summarize_latency(s: dict[str, Any]) -> dict[str, Any]:
 def summarize_throughput(s: dict[str, Any]) -> dict[str, Any]:
     rounds = s["rounds"]
     out: dict[str, Any] = {}
-    for who in ("mpsd", "floor"):
+    hop = "floor_hop" in rounds[0]
+    for who in ("mpsd", "floor", *(["floor_hop"] if hop else [])):
         out[who] = {k: med([r[who][k] for r in rounds]) for k in ("throughput_rps", "p50_ms", "p99_ms")}
         out[who]["cpu_us_per_request"] = {
             k: med([r[who]["cpu_us_per_request"][k] for r in rounds])
             for k in ("server", "workers", "clients")
         }
+    if hop:
+        out["ratio_throughput_mpsd_floor_hop"] = med(
+            [_ratio(r["mpsd"]["throughput_rps"], r["floor_hop"]["throughput_rps"]) for r in rounds]
+        )
     out["ratio_throughput_mpsd_floor"] = med(
         [_ratio(r["mpsd"]["throughput_rps"], r["floor"]["throughput_rps"]) for r in rounds]
     )
@@ -297,14 +308,22 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {who} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['mean_ms']:.3f} | "
                 f"{_cpu(w['cpu_us_per_request'])} |"
             )
+        if "floor_hop" in s:
+            w = s["floor_hop"]
+            lines.append(
+                f"| floor + worker hop | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['mean_ms']:.3f} | "
+                f"{_cpu(w['cpu_us_per_request'])} |"
+            )
         i = s["inprocess"]
         lines.append(f"| in-process | {i['p50_ms']:.4f} | {i['p99_ms']:.4f} | {i['mean_ms']:.4f} | |")
         lines += [
             "",
             f"mpsd / floor: p50 x{s['ratio_p50_mpsd_floor']:.2f}, p99 x{s['ratio_p99_mpsd_floor']:.2f}; "
             f"mpsd adds {s['added_p50_ms_over_floor'] * 1e3:.0f} us at p50 over the floor.",
-            "",
         ]
+        if "ratio_p50_mpsd_floor_hop" in s:
+            lines.append(f"mpsd / floor with a worker hop: p50 x{s['ratio_p50_mpsd_floor_hop']:.2f}.")
+        lines.append("")
     if "2" in sc:
         s = sc["2"]["summary"]
         lines += [
@@ -313,13 +332,19 @@ def markdown(results: dict[str, Any]) -> str:
             "| | requests/s | p50 ms | p99 ms | CPU us/request (server / workers / client) |",
             "|---|---|---|---|---|",
         ]
-        for who in ("mpsd", "floor"):
+        for who in ("mpsd", "floor", "floor_hop"):
+            if who not in s:
+                continue
             w = s[who]
+            label = "floor + worker hop" if who == "floor_hop" else who
             lines.append(
-                f"| {who} | {w['throughput_rps']:.0f} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | "
+                f"| {label} | {w['throughput_rps']:.0f} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | "
                 f"{_cpu(w['cpu_us_per_request'])} |"
             )
-        lines += ["", f"mpsd / floor throughput: x{s['ratio_throughput_mpsd_floor']:.2f}", ""]
+        lines += ["", f"mpsd / floor throughput: x{s['ratio_throughput_mpsd_floor']:.2f}"]
+        if "ratio_throughput_mpsd_floor_hop" in s:
+            lines.append(f"mpsd / floor with a worker hop: x{s['ratio_throughput_mpsd_floor_hop']:.2f}")
+        lines.append("")
     if "4" in sc:
         s = sc["4"]["summary"]
         lines += [

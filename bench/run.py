@@ -41,6 +41,7 @@ class Ctx:
     mpsd: common.Server
     floor: common.Server
     inproc: InProcess
+    floor_hop: common.Server
 
 
 def measure(
@@ -96,6 +97,10 @@ def check_echo(server: common.Server, request: bytes) -> None:
         raise RuntimeError(f"{server.address}: output bytes differ from the input")
 
 
+def servers(ctx: Ctx) -> dict[str, common.Server]:
+    return {"mpsd": ctx.mpsd, "floor": ctx.floor, "floor_hop": ctx.floor_hop}
+
+
 def rotate(items: list[str], r: int) -> list[str]:
     k = r % len(items)
     return items[k:] + items[:k]
@@ -104,17 +109,17 @@ def rotate(items: list[str], r: int) -> list[str]:
 def scenario_latency(ctx: Ctx, model: str, shape: list[int]) -> dict[str, Any]:
     """mpsd vs the floor vs the model in-process, one request in flight."""
     request = common.infer_request(model, shape)
-    check_echo(ctx.mpsd, request)
-    check_echo(ctx.floor, request)
+    for server in (ctx.mpsd, ctx.floor, ctx.floor_hop):
+        check_echo(server, request)
     path = str(ctx.work / "repo" / model / "1" / "model.pt")
     rounds = []
     for r in range(ctx.args.rounds):
         row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
-        for who in rotate(["mpsd", "floor", "inprocess"], r):
+        for who in rotate(["mpsd", "floor", "inprocess", "floor_hop"], r):
             if who == "inprocess":
                 row[who] = common.summary_ms(ctx.inproc.latency(path, shape, ctx.args.duration))
             else:
-                row[who] = run_load(ctx, ctx.mpsd if who == "mpsd" else ctx.floor, request, 1)
+                row[who] = run_load(ctx, servers(ctx)[who], request, 1)
         rounds.append(row)
         print(f"  round {r + 1}: {report.latency_line(row)}", flush=True)
     return {"model": model, "shape": shape, "request_bytes": len(request), "rounds": rounds}
@@ -126,8 +131,8 @@ def scenario_throughput(ctx: Ctx, model: str, shape: list[int], concurrency: int
     rounds = []
     for r in range(ctx.args.rounds):
         row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
-        for who in rotate(["mpsd", "floor"], r):
-            row[who] = run_load(ctx, ctx.mpsd if who == "mpsd" else ctx.floor, request, concurrency)
+        for who in rotate(["mpsd", "floor", "floor_hop"], r):
+            row[who] = run_load(ctx, servers(ctx)[who], request, concurrency)
         rounds.append(row)
         print(f"  round {r + 1}: {report.throughput_line(row)}", flush=True)
     return {"model": model, "shape": shape, "concurrency": concurrency, "rounds": rounds}
@@ -304,9 +309,11 @@ def main() -> None:
             mpsd_env = dict(item.split("=", 1) for item in args.mpsd_env)
             mpsd = common.start_mpsd(work / "repo", work, env=mpsd_env, front_processes=args.front_processes)
             floor = common.start_floor(work)
+            floor_hop = common.start_floor(work, worker_hop=True)
             try:
                 print(f"mpsd ready in {mpsd.wait_ready():.1f} s; floor ready in {floor.wait_ready():.1f} s")
-                ctx = Ctx(args, work, pool, mpsd, floor, inproc)
+                floor_hop.wait_ready()
+                ctx = Ctx(args, work, pool, mpsd, floor, inproc, floor_hop)
                 results["scenarios"].update(run_overhead(ctx, only))
                 results["verdicts"] = report.verdicts(results["scenarios"])
                 if not args.no_profile and not args.quick:
@@ -314,6 +321,7 @@ def main() -> None:
             finally:
                 mpsd.stop()
                 floor.stop()
+                floor_hop.stop()
                 pool.close()
                 inproc.close()
         if "5" in only:
