@@ -439,3 +439,40 @@ def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip
         assert DaemonConfig.model_validate(config.model_dump(mode="json")).front_processes == value
     with pytest.raises(ConfigError, match="front_processes"):
         load_daemon_config(write_config(tmp_path / "bad.yaml", front_processes="many"))
+
+
+def test_a_front_whose_daemon_is_gone_before_it_was_told_what_to_serve_exits() -> None:
+    daemon_end, front_end = socket.socketpair()
+    front = subprocess.Popen(
+        [sys.executable, "-m", "mpsd.daemon.front", "--fd", str(front_end.fileno())],
+        pass_fds=(front_end.fileno(),),
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+    front_end.close()
+    daemon_end.close()
+    assert front.wait(30) == 1
+
+
+def test_socket_directories_of_dead_daemons_are_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+    import tempfile
+
+    from mpsd.daemon import fronts
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="mpsdt-", dir="/tmp"))  # short: it holds socket paths
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"mpsd-core-{gone.pid}-abc"
+    stale.mkdir()
+    (stale / "core.sock").touch()
+    alive = tmp_path / f"mpsd-core-{os.getppid()}-def"  # our parent is running
+    alive.mkdir()
+    mine = fronts.make_core_dir()
+    assert mine.parent == tmp_path and oct(mine.stat().st_mode & 0o777) == "0o700"
+    try:
+        assert fronts.remove_stale_core_dirs() == [stale.name]
+        assert not stale.exists() and alive.exists() and mine.exists()
+    finally:
+        shutil.rmtree(tmp_path)

@@ -18,12 +18,15 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import structlog
@@ -31,7 +34,8 @@ import structlog
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError, MpsdError
 
-from .front.wire import FrameProtocol, FrameWriter, Kind, frame
+# A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
+from .front.wire import MAX_IN_FLIGHT, FrameProtocol, FrameWriter, Kind, frame
 from .launch import worker_base_env
 from .listen import Address, parse_address
 from .status import grpc_status
@@ -40,9 +44,6 @@ log = structlog.get_logger("mpsd.daemon.fronts")
 
 InferBytes = Callable[[bytes | bytearray, float | None], Awaitable[bytes]]
 
-# Calls one front may have in the core at once; past this the core stops reading that front's socket,
-# its writes block, and gRPC flow control holds the clients back.
-MAX_IN_FLIGHT = 4096
 START_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
@@ -83,6 +84,8 @@ def check_port_free(address: Address) -> None:
         raise ConfigError(f"grpc_address {address.text!r}: {exc.strerror}") from None
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as probe:
+            # As the servers themselves do: connections of a previous run in TIME_WAIT do not count.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
@@ -92,6 +95,45 @@ def check_port_free(address: Address) -> None:
                     raise OSError(f"cannot listen on {address.text}: the port is in use") from None
                 if exc.errno != errno.EADDRNOTAVAIL:  # e.g. no IPv6 on this host: the front skips it too
                     raise
+
+
+CORE_DIR_PREFIX = "mpsd-core-"
+
+
+def _socket_base() -> Path:
+    """Where the daemon's private socket directory goes: short enough for a socket path."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) if len(base) <= 60 and os.path.isdir(base) else Path("/tmp")
+
+
+def make_core_dir() -> Path:
+    """A private (0700) directory for the daemon's internal gRPC socket, named after this process."""
+    return Path(tempfile.mkdtemp(prefix=f"{CORE_DIR_PREFIX}{os.getpid()}-", dir=_socket_base()))
+
+
+def remove_stale_core_dirs() -> list[str]:
+    """Remove socket directories of daemons that died without cleaning up (kill -9)."""
+    removed = []
+    for entry in _socket_base().glob(f"{CORE_DIR_PREFIX}*-*"):
+        pid = entry.name[len(CORE_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or not entry.is_dir() or entry.owner() != _me():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _me() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
 
 
 class FrontFailed(Exception):
@@ -165,7 +207,7 @@ class FrontLink:
         for task in list(self.calls.values()):
             task.cancel()
         self.calls.clear()
-        if not self.ready.done():
+        if not self.ready.done():  # (a cancelled wait counts as done)
             self.ready.set_exception(FrontFailed("it closed its connection before it was listening"))
         self.on_lost(self)
 
@@ -208,44 +250,55 @@ class FrontPool:
         self._supervisors = [asyncio.create_task(self._supervise(i)) for i in range(self.count)]
 
     async def _spawn(self, index: int) -> Front:
+        """Start one front and wait until it listens. On any failure, or if cancelled (the daemon
+        stopping meanwhile), the process is ended and the socket closed: nothing half-started stays."""
         loop = asyncio.get_running_loop()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "mpsd.daemon.front",
-                "--fd",
-                str(child.fileno()),
-                pass_fds=(child.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
-                env=worker_base_env(),
-            )
-        finally:
-            child.close()
+        process: asyncio.subprocess.Process | None = None
         link = FrontLink(index, self._infer, self._on_link_lost)
-        transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
-        assert isinstance(transport, asyncio.Transport)
-        link.attach(transport)
-        settings = {
-            "index": index,
-            "core_target": self._core_target,
-            "config": self._config.model_dump(mode="json"),
-        }
-        link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
         try:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "mpsd.daemon.front",
+                    "--fd",
+                    str(child.fileno()),
+                    pass_fds=(child.fileno(),),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    env=worker_base_env(),
+                )
+            finally:
+                child.close()
+            transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
+            assert isinstance(transport, asyncio.Transport)
+            link.attach(transport)
+            settings = {
+                "index": index,
+                "core_target": self._core_target,
+                "config": self._config.model_dump(mode="json"),
+            }
+            link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
-        except (FrontFailed, TimeoutError) as exc:
-            await _end(process, 0.0)
-            reason = str(exc) or f"it did not listen within {START_TIMEOUT_S:g} s"
-            raise FrontFailed(f"front process {index} could not start: {reason}") from None
+        except BaseException as exc:
+            if link.transport is not None:
+                link.transport.close()
+            else:
+                parent.close()
+            if process is not None:
+                await _end(process, 0.0)
+            if isinstance(exc, (FrontFailed, TimeoutError)):
+                reason = str(exc) or f"it did not listen within {START_TIMEOUT_S:g} s"
+                raise FrontFailed(f"front process {index} could not start: {reason}") from None
+            raise
         front = Front(index, process, link)
         self.fronts[index] = front
         log.info("front listening", front=index, pid=process.pid, address=self._config.grpc_address)
         return front
 
     def _on_link_lost(self, link: FrontLink) -> None:
-        if not self._stopping and link.ready.done() and not link.ready.exception():
+        ready = link.ready
+        if not self._stopping and ready.done() and not ready.cancelled() and not ready.exception():
             log.warning("front process connection lost", front=link.index)
 
     async def _supervise(self, index: int) -> None:
@@ -266,8 +319,8 @@ class FrontPool:
                 try:
                     await self._spawn(index)
                     break
-                except FrontFailed as exc:
-                    log.error("front restart failed", front=index, reason=str(exc))
+                except Exception as exc:  # e.g. EMFILE: keep trying, the slot must not be given up
+                    log.error("front restart failed", front=index, reason=str(exc) or type(exc).__name__)
 
     def hurry(self) -> None:
         """Second stop signal: fronts stop waiting for their in-flight calls."""
@@ -280,6 +333,7 @@ class FrontPool:
         self._stopping = True
         for task in self._supervisors:
             task.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)  # a restart in progress ends
         for front in self.fronts.values():
             with contextlib.suppress(ProcessLookupError):
                 front.process.send_signal(signal.SIGTERM)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,7 @@ from .admin import AdminServicer
 from .auth import AuthInterceptor, build_policy
 from .decode_guard import DecodeGuard
 from .events import BUS
-from .fronts import FrontPool, check_port_free, front_count
+from .fronts import FrontPool, check_port_free, front_count, make_core_dir, remove_stale_core_dirs
 from .health import HealthService, registry_status
 from .instance import SupervisorSettings
 from .listen import bind, parse_address
@@ -115,7 +114,7 @@ class Daemon:
         if fronts:
             # The fronts own the public port; the core serves them on a Unix socket in a private directory.
             check_port_free(address)
-            self._core_dir = Path(tempfile.mkdtemp(prefix="mpsd-core-"))
+            self._core_dir = make_core_dir()
             core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
             bind(server, core, None)
             self.fronts = FrontPool(fronts, self.config, core.grpc_target, self.servicer.infer_serialized)
@@ -144,6 +143,17 @@ class Daemon:
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
+        stale_dirs = remove_stale_core_dirs()
+        if stale_dirs:
+            log.info("removed socket directories of dead daemons", directories=stale_dirs)
+        try:
+            return await self._serve()
+        finally:  # whatever failed: no front outlives the daemon, no socket directory stays behind
+            if self.fronts is not None:
+                await self.fronts.stop(0.0)
+            self._remove_core_dir()
+
+    async def _serve(self) -> int:
         self._server = self._build_server()
         await self._server.start()
         if self.fronts is not None:
@@ -151,7 +161,6 @@ class Daemon:
                 await self.fronts.start()
             except Exception:
                 await self._server.stop(0)
-                self._remove_core_dir()
                 raise
         await self.metrics.start()
         log.info("listening", address=self.config.grpc_address, repository=str(self.config.model_repository))

@@ -264,11 +264,20 @@ def host_pinner(device: torch.device) -> Callable[[memoryview], Callable[[], Non
         pointer, size = view.data_ptr(), view.numel()
         del view  # the address stays valid for as long as the mapping does
         if size == 0 or int(cudart.cudaHostRegister(pointer, size, 0)) != 0:
-            clear = getattr(cudart, "cudaGetLastError", None)
-            if clear is not None:  # so the refusal is not reported by the next kernel launch
-                clear()
+            clear_error()
             return None
-        return lambda: cudart.cudaHostUnregister(pointer)
+
+        def unpin() -> None:
+            if int(cudart.cudaHostUnregister(pointer)) != 0:
+                clear_error()
+
+        return unpin
+
+    def clear_error() -> None:
+        """So a refused call is not reported later by an unrelated kernel launch."""
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:
+            clear()
 
     return pin
 

@@ -5,6 +5,7 @@ All device work happens on the calling thread (MPS is not thread-safe).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 
@@ -105,7 +106,14 @@ class Runner:
         inputs = [tensor_from_region(region, r).to(self.device, non_blocking=True) for r in refs]
         t1 = time.perf_counter_ns()
         with torch.inference_mode():
-            outputs = self.backend(inputs)
+            try:
+                outputs = self.backend(inputs)
+            except BaseException:
+                # Copies from the (page-locked) region may still be running: let them finish before the
+                # region can be reused or unmapped. A failing device must not hide the model's error.
+                with contextlib.suppress(Exception):
+                    synchronize(self.device)
+                raise
             synchronize(self.device)
         del inputs
         t2 = time.perf_counter_ns()

@@ -25,7 +25,7 @@ from mpsd.logs import configure
 
 from ..auth import AccessPolicy, build_policy, refusal
 from ..listen import bind, parse_address
-from .wire import FrameProtocol, FrameWriter, Kind, frame
+from .wire import MAX_IN_FLIGHT, FrameProtocol, FrameWriter, Kind, frame
 
 log = structlog.get_logger("mpsd.daemon.front")
 
@@ -47,6 +47,9 @@ class CoreLink:
         self.settings: asyncio.Future[dict[str, Any]] = loop.create_future()
         self.lost: asyncio.Future[None] = loop.create_future()
         self.writer = FrameWriter()
+        # Calls handed to the daemon and not yet answered. Past this many, calls wait here (holding their
+        # gRPC stream, so flow control reaches the client) instead of piling up in the socket's buffer.
+        self._window = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes | bytearray]]] = {}
         self._ids = itertools.count(1)
 
@@ -75,17 +78,18 @@ class CoreLink:
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if self.lost.done():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon core went away")
-        call_id = next(self._ids)
-        waiter = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = waiter
-        remaining = context.time_remaining()
-        self.send(frame(Kind.INFER, call_id, -1.0 if remaining is None else remaining, request))
-        try:
-            code, payload = await waiter
-        except asyncio.CancelledError:
-            if self._pending.pop(call_id, None) is not None:
-                self.send(frame(Kind.CANCEL, call_id))
-            raise
+        async with self._window:
+            call_id = next(self._ids)
+            waiter = asyncio.get_running_loop().create_future()
+            self._pending[call_id] = waiter
+            remaining = context.time_remaining()  # measured now: time spent waiting above counts
+            self.send(frame(Kind.INFER, call_id, -1.0 if remaining is None else remaining, request))
+            try:
+                code, payload = await waiter
+            except asyncio.CancelledError:
+                if self._pending.pop(call_id, None) is not None:
+                    self.send(frame(Kind.CANCEL, call_id))
+                raise
         if code:
             await context.abort(_CODES.get(code, grpc.StatusCode.UNKNOWN), bytes(payload).decode())
         return payload if isinstance(payload, bytes) else bytes(payload)
@@ -196,7 +200,11 @@ async def serve(sock: socket.socket) -> int:
     transport, _ = await loop.create_unix_connection(link.protocol, sock=sock)
     assert isinstance(transport, asyncio.Transport)
     link.writer.transport = transport
-    settings = await link.settings
+    first: list[asyncio.Future[Any]] = [link.settings, link.lost]
+    await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+    if not link.settings.done():
+        return 1  # the daemon went away before it said what to serve
+    settings = link.settings.result()
     config = DaemonConfig.model_validate(settings["config"])
     configure(config.log_level, config.log_format)
     structlog.contextvars.bind_contextvars(front=settings["index"])

@@ -17,6 +17,8 @@ from collections.abc import Callable
 HEADER = struct.Struct("!BQdI")
 MAX_PAYLOAD = 2**32 - 1
 # A payload at least this large is read straight into its own buffer instead of the shared one.
+# ModelInfer calls one front may have in the daemon at once (both ends hold to it).
+MAX_IN_FLIGHT = 4096
 _DIRECT = 32 * 1024
 _SCRATCH = 64 * 1024
 
