@@ -117,8 +117,14 @@ class RunningDaemon:
     def worker_pids(self) -> list[int]:
         import psutil
 
-        try:
-            return [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        def is_front(child: psutil.Process) -> bool:
+            try:
+                return "mpsd.daemon.front" in child.cmdline()
+            except psutil.Error:
+                return False
+
+        try:  # model workers only: front processes (`front_processes`) are children too
+            return [c.pid for c in psutil.Process(self.pid).children(recursive=True) if not is_front(c)]
         except psutil.NoSuchProcess:
             return []
 

@@ -85,7 +85,7 @@ def identity(repo: Path, name: str, data_type: str, dims: list[int], max_batch_s
 
 
 def python_model(
-    repo: Path, name: str, body: str, config: dict[str, Any] | None = None, version: int = 1
+    repo: Path, name: str, body: str, config: dict[str, Any] | None = None, version: int = 1, **extra: Any
 ) -> Path:
     """A `backend: python` model whose `infer` body is given as source (inputs dict `inputs`)."""
     model_dir = repo / name
@@ -97,6 +97,7 @@ def python_model(
             "max_batch_size": 0,
             "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
             "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1]}],
+            **extra,
         },
     )
     source = textwrap.dedent(

@@ -23,7 +23,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     repo = tmp_path_factory.mktemp("repo")
-    models.add_sub(repo, dims=4)
+    models.add_sub(repo, dims=4, instance_group=[{"kind": "KIND_CPU", "count": 1}])  # device label: cpu
     models.python_model(
         repo,
         "raiser",

@@ -17,8 +17,11 @@ from tests.conftest import ROOT, RunningDaemon, free_port
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     repo = tmp_path_factory.mktemp("repo")
-    models.python_model(
-        repo, "echo", "print('echo saw', float(inputs['x'].sum()))\nreturn {'y': inputs['x']}"
+    models.python_model(  # on the CPU wherever the tests run: the status rows below name the device
+        repo,
+        "echo",
+        "print('echo saw', float(inputs['x'].sum()))\nreturn {'y': inputs['x']}",
+        instance_group=[{"kind": "KIND_CPU", "count": 1}],
     )
     models.python_model(repo, "broken", "raise RuntimeError('broken on purpose')")
     config = tmp_path_factory.mktemp("config") / "mpsd.yaml"
