@@ -23,11 +23,13 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     repo = tmp_path_factory.mktemp("repo")
-    models.add_sub(repo, dims=4, instance_group=[{"kind": "KIND_CPU", "count": 1}])  # device label: cpu
+    # On the CPU wherever the tests run: the checks below name the device and expect no GPU metrics.
+    models.add_sub(repo, dims=4, instance_group=[{"kind": "KIND_CPU", "count": 1}])
     models.python_model(
         repo,
         "raiser",
         "if float(inputs['x'].sum()) > 0:\n    raise ValueError('no')\nreturn {'y': inputs['x']}",
+        instance_group=[{"kind": "KIND_CPU", "count": 1}],
     )
     d = RunningDaemon(
         repo,
