@@ -116,7 +116,9 @@ def remove_stale_core_dirs() -> list[str]:
     removed = []
     for entry in _socket_base().glob(f"{CORE_DIR_PREFIX}*-*"):
         pid = entry.name[len(CORE_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or not entry.is_dir() or entry.owner() != _me():
+        if not pid.isdigit() or int(pid) == os.getpid() or not entry.is_dir():
+            continue
+        if entry.stat().st_uid != os.getuid():
             continue
         try:
             os.kill(int(pid), 0)
@@ -128,12 +130,6 @@ def remove_stale_core_dirs() -> list[str]:
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry.name)
     return removed
-
-
-def _me() -> str:
-    import pwd
-
-    return pwd.getpwuid(os.getuid()).pw_name
 
 
 class FrontFailed(Exception):

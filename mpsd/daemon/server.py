@@ -267,7 +267,6 @@ class Daemon:
         if self.fronts is not None:
             await self.fronts.stop(self.config.drain_timeout_s)
         await self._server.stop(self.config.drain_timeout_s)
-        self._remove_core_dir()
         await self.metrics.stop()
         await self.registry.shutdown()
         shm.cleanup_own()

@@ -68,7 +68,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def __init__(self, on_frame: Handler, on_lost: Callable[[Exception | None], None]) -> None:
         self._on_frame = on_frame
         self._on_lost = on_lost
-        self._buf = bytearray(_SCRATCH)
+        self._buf = bytearray(_SCRATCH)  # never resized, so one view of it serves every read and slice
+        self._view = memoryview(self._buf)
         self._start = 0  # first unparsed byte in _buf
         self._end = 0  # end of received bytes in _buf
         self._big: bytearray | None = None  # payload being read directly
@@ -88,7 +89,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return memoryview(self._big)[self._big_got :]
         if self._end == len(self._buf):
             self._compact()
-        return memoryview(self._buf)[self._end :]
+        return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._big is not None:
@@ -102,15 +103,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._parse()
 
     def _compact(self) -> None:
+        """Move the unparsed tail to the front. It is always shorter than the buffer: a frame that would
+        not fit (_DIRECT or more) leaves for its own buffer as soon as its header is parsed."""
         pending = self._end - self._start
-        if self._start:
-            self._buf[:pending] = self._buf[self._start : self._end]
-        elif pending == len(self._buf):  # a frame larger than the buffer but below _DIRECT: grow
-            self._buf.extend(bytes(len(self._buf)))
+        self._view[:pending] = self._view[self._start : self._end]
         self._start, self._end = 0, pending
 
     def _parse(self) -> None:
-        buf = self._buf
+        buf = self._view
         while self._end - self._start >= HEADER.size:
             kind, call_id, number, length = HEADER.unpack_from(buf, self._start)
             body = self._start + HEADER.size
