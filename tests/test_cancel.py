@@ -13,6 +13,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
+from tritonclient.utils import InferenceServerException
 
 from tests import models
 from tests.conftest import RunningDaemon, free_port, wait_for
@@ -104,6 +105,24 @@ def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDa
     time.sleep(1.6)  # long enough for a queued request to have started if it had not been dropped
     assert "7002" not in ran(log) and "7003" not in ran(log)
     assert daemon.client.infer("slow", x(0)).as_numpy("y").tolist() == [0.0]
+
+
+def test_a_request_abandoned_while_it_runs_does_not_disturb_the_next(
+    setup: tuple[RunningDaemon, Path, str],
+) -> None:
+    """A request that finds its instance idle runs from the caller's own task; when the client gives up
+    during the run, the worker still finishes it, and the next request waits for that before it reuses the
+    shared memory, then gets its own answer (not the abandoned one's)."""
+    daemon, log, metrics = setup
+    with pytest.raises(InferenceServerException) as info:
+        daemon.client.infer("slow", x(5151), client_timeout=0.4)
+    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    t0 = time.monotonic()
+    answer = daemon.client.infer("slow", x(-3)).as_numpy("y").tolist()
+    assert answer == [-3.0]
+    assert time.monotonic() - t0 > 0.5, "the next request waited for the abandoned one to finish"
+    assert ran(log)[-2:] == ["5151", "-3"]
+    wait_for(lambda: pending(metrics) == 0, 10, "nothing left pending")
 
 
 def _dead_pid() -> int:

@@ -298,9 +298,9 @@ def test_hidden_gpus_make_gpu_fail_and_auto_fall_back() -> None:
 
 def test_region_cache_unpins_before_unmapping_and_keeps_borrowed_regions_pinned() -> None:
     """The pin hook's contract, with a recording hook (page-locking itself needs CUDA: next test)."""
-    from mpsd.ipc.protocol import RegionRef, TensorRef
+    from mpsd.ipc.protocol import RegionRef
     from mpsd.ipc.shm import Region
-    from mpsd.worker.inference import tensor_from_region
+    from mpsd.worker.inference import region_view
     from mpsd.worker.regions import RegionCache
 
     events: list[str] = []
@@ -314,8 +314,11 @@ def test_region_cache_unpins_before_unmapping_and_keeps_borrowed_regions_pinned(
     try:
         cache = RegionCache(pin)
         region = cache.get("input", RegionRef(first.name, first.size))
-        borrowed = tensor_from_region(region, TensorRef("x", "UINT8", (16,), 0, 16))  # uses the mapping
+        cached = region_view(region, cache.views("input"), 0, 16)  # kept in the cache: dropped on retirement
+        borrowed = region_view(region, {}, 0, 16)[:8]  # held elsewhere: keeps the mapping alive
+        del cached
         cache.get("input", RegionRef(second.name, second.size))  # first is retired, but borrowed
+        assert not cache.views("input"), "views of a replaced region are dropped"
         assert events == ["pin 4096", "pin 8192", "unpin 4096", "pin 4096"], "unpinned to try, pinned again"
         del borrowed
         events.clear()

@@ -13,14 +13,14 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from mpsd.errors import Internal, MpsdError, Unavailable, error_from_code
 from mpsd.ipc import protocol as p
-from mpsd.ipc.framing import ConnectionClosed, encode, recv_async
+from mpsd.ipc.framing import FrameProtocol, encode
 from mpsd.ipc.shm import Region
 
 from .arena import Arena
@@ -92,8 +92,8 @@ class WorkerProcess:
         self.memory: dict[str, int] = {}
         self.died = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader: asyncio.StreamReader | None = None
+        self._transport: asyncio.Transport | None = None
+        self._load_reply: asyncio.Future[object] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._pending: asyncio.Future[object] | None = None
         self._req_ids = itertools.count(1)
@@ -125,7 +125,13 @@ class WorkerProcess:
         finally:
             child_sock.close()
         self.pid = self._proc.pid
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=parent_sock)
+        loop = asyncio.get_running_loop()
+        self._load_reply = loop.create_future()
+        transport, _ = await loop.create_unix_connection(
+            lambda: FrameProtocol(self._on_message, self._on_closed), sock=parent_sock
+        )
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
         log.info("worker started", worker=self.launch.label, pid=self.pid, kind=self.launch.kind)
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self._tasks.append(asyncio.create_task(self._pump_output(self._proc.stdout, "stdout")))
@@ -139,10 +145,10 @@ class WorkerProcess:
             heartbeat_interval_s=beat,
             snapshot_after_request=bool(self.launch.max_device_memory_bytes or self.launch.max_rss_bytes),
         )
-        self._writer.write(encode(init))
+        self._transport.write(encode(init))
         try:
-            reply = await asyncio.wait_for(self._recv_load_reply(), timeout_s)
-        except (ConnectionClosed, TimeoutError) as exc:
+            reply = await asyncio.wait_for(asyncio.shield(self._load_reply), timeout_s)
+        except (ConnectionError, TimeoutError) as exc:
             timed_out = isinstance(exc, TimeoutError)
             await self.kill()
             if timed_out:
@@ -168,19 +174,10 @@ class WorkerProcess:
             load_ms=round(reply.load_ms, 1),
             warmup_ms=round(reply.warmup_ms, 1),
         )
-        self.last_seen = asyncio.get_running_loop().time()
-        self._tasks.append(asyncio.create_task(self._read_loop()))
+        self.last_seen = loop.time()
         if self.heartbeat_timeout_s:
             self._tasks.append(asyncio.create_task(self._watch_heartbeat()))
         return reply
-
-    async def _recv_load_reply(self) -> object:
-        """The worker's answer to Init; heartbeats sent while it loads only prove it is alive."""
-        assert self._reader is not None
-        while True:
-            msg = await recv_async(self._reader)
-            if not isinstance(msg, p.Heartbeat):
-                return msg
 
     async def _pump_output(self, stream: asyncio.StreamReader, name: str) -> None:
         """Every line a worker prints becomes a log event tagged with its model and pid."""
@@ -198,34 +195,44 @@ class WorkerProcess:
                 pid=self.pid,
             )
 
-    async def _read_loop(self) -> None:
-        assert self._reader is not None
-        try:
-            while True:
-                msg = await recv_async(self._reader)
-                self.last_seen = asyncio.get_running_loop().time()
-                if isinstance(msg, p.NeedOutput):
-                    self._grow_output(msg.nbytes)
-                elif isinstance(msg, p.Heartbeat):
-                    pass
-                elif isinstance(msg, p.MemorySnapshot):
-                    self.memory = msg.memory
-                    self._check_ceilings(msg.memory)
-                    log.debug("worker memory", worker=self.launch.label, pid=self.pid, **msg.memory)
-                elif self._pending is not None and not self._pending.done():
-                    self._pending.set_result(msg)
-        except (ConnectionClosed, OSError):
-            pass
+    def _on_message(self, msg: object) -> None:
+        """Every message from the worker, handled as it arrives (in the socket's read callback)."""
+        self.last_seen = asyncio.get_running_loop().time()
+        if isinstance(msg, p.Heartbeat):
+            return
+        if self._load_reply is not None:  # loading: the first other message is the answer to Init
+            if not self._load_reply.done():
+                self._load_reply.set_result(msg)
+            self._load_reply = None
+        elif isinstance(msg, p.NeedOutput):
+            self._grow_output(msg.nbytes)
+        elif isinstance(msg, p.MemorySnapshot):
+            self.memory = msg.memory
+            self._check_ceilings(msg.memory)
+            log.debug("worker memory", worker=self.launch.label, pid=self.pid, **msg.memory)
+        elif self._pending is not None:
+            pending, self._pending = self._pending, None
+            if not pending.done():
+                pending.set_result(msg)
+
+    def _on_closed(self, exc: Exception | None) -> None:
+        if self._load_reply is not None and not self._load_reply.done():
+            self._load_reply.set_exception(ConnectionError("the worker closed its channel"))
+        self._tasks.append(asyncio.create_task(self._after_close()))
+
+    async def _after_close(self) -> None:
+        """The channel is gone: wait for the process, fail the request in flight, report the death."""
         await self._wait_exit(None)
-        if self._pending is not None and not self._pending.done():
+        pending, self._pending = self._pending, None
+        if pending is not None and not pending.done():
             why = f" ({self.kill_reason})" if self.kill_reason else ""
-            self._pending.set_exception(
+            pending.set_exception(
                 WorkerDied(
                     f"model '{self.launch.model.name}' version {self.launch.model.version}: worker pid "
                     f"{self.pid} {self.exit_description}{why} while running the request"
                 )
             )
-        if not self._stopping:
+        if not self._stopping and self.ready is not None:
             log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
         self._release_regions()
         self.died.set()
@@ -290,11 +297,19 @@ class WorkerProcess:
 
     def _grow_output(self, nbytes: int) -> None:
         region = self.arena.grow_output(nbytes)
-        assert self._writer is not None
-        self._writer.write(encode(p.OutputRegion(region)))
+        assert self._transport is not None
+        self._transport.write(encode(p.OutputRegion(region)))
 
     def _release_regions(self) -> None:
         self.arena.release()
+
+    def when_free(self, callback: Callable[[], None]) -> None:
+        """Call back once no request runs on the worker: now, or when the one in flight is answered (or the
+        worker dies), for a request whose caller went away during the run."""
+        if self._pending is None:
+            callback()
+        else:
+            self._pending.add_done_callback(lambda _: callback())
 
     async def infer_batch(
         self, requests: Sequence[InferRequest], timings: Timings
@@ -302,7 +317,12 @@ class WorkerProcess:
         """Run requests as one execution: their inputs are concatenated along the batch dimension straight
         into shared memory, and each request gets its own rows of every output it asked for."""
         model = self.launch.model
-        if self.died.is_set() or self._writer is None:
+        while self._pending is not None:
+            # The caller of the previous request went away (cancelled) while the worker still runs it:
+            # its shared memory is in use until the worker answers.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._pending)
+        if self.died.is_set() or self._transport is None:
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -334,12 +354,9 @@ class WorkerProcess:
             arena_ref(in_region),
             arena_ref(out),
         )
-        self._pending = loop.create_future()
-        self._writer.write(encode(msg))
-        try:
-            reply = await self._wait_reply(self._pending)
-        finally:
-            self._pending = None
+        pending = self._pending = loop.create_future()  # settled by the reply or by the worker's death
+        self._transport.write(encode(msg))
+        reply = await self._wait_reply(pending)
         if isinstance(reply, p.InferFailed):
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
@@ -399,10 +416,14 @@ class WorkerProcess:
         return results
 
     async def _wait_reply(self, pending: asyncio.Future[object]) -> object:
-        """The worker's answer; past the request timeout the worker counts as hung and is killed."""
+        """The worker's answer; past the request timeout the worker counts as hung and is killed.
+
+        Shielded: a caller that is cancelled leaves the request running, and the next request waits for
+        its answer before it reuses the shared memory.
+        """
         timeout = self.request_timeout_s
         if not timeout:
-            return await pending
+            return await asyncio.shield(pending)
         try:
             return await asyncio.wait_for(asyncio.shield(pending), timeout)
         except TimeoutError:
@@ -411,16 +432,16 @@ class WorkerProcess:
             if self._proc is not None and self._proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     self._proc.kill()
-            return await pending
+            return await asyncio.shield(pending)
 
     async def stop(self, timeout_s: float) -> None:
         """Ask the worker to exit; TERM, then KILL if it does not."""
         self._stopping = True
         if self._proc is None or self.died.is_set():
             return
-        if self._writer is not None:
+        if self._transport is not None:
             with contextlib.suppress(Exception):
-                self._writer.write(encode(p.Shutdown()))
+                self._transport.write(encode(p.Shutdown()))
         for sig, wait in ((None, timeout_s), (signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
             if sig is not None and self._proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -443,8 +464,8 @@ class WorkerProcess:
         self._close()
 
     def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._transport is not None:
+            self._transport.close()
         self._release_regions()
 
 

@@ -11,6 +11,7 @@ import pickle
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
@@ -54,12 +55,140 @@ def recv_blocking(sock: socket.socket) -> object:
     return pickle.loads(_recv_exactly(sock, length))
 
 
-async def recv_async(reader: asyncio.StreamReader) -> object:
-    try:
-        header = await reader.readexactly(_HEADER.size)
-        (length,) = _HEADER.unpack(header)
+class FrameReader:
+    """The worker's receiving end: one `recv` system call per message in the common case, where
+    `recv_blocking` makes two plus a `select`.
+
+    Bytes are read into a reusable buffer that may hold several messages; a receive timeout (SO_RCVTIMEO,
+    set once) lets the caller do periodic work while idle without polling first.
+    """
+
+    BUFFER = 64 * 1024
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self._sock = sock
+        self._buf = bytearray(self.BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        seconds = int(timeout_s)
+        micros = max(int((timeout_s - seconds) * 1e6), 0 if seconds else 1)  # all zeros: no timeout at all
+        # struct timeval: a 64-bit tv_sec then tv_usec (a 64-bit long on Linux, a 32-bit int plus padding
+        # on macOS: the same bytes on little-endian machines).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("qq", seconds, micros))
+
+    def _fill(self) -> bool:
+        """Read what is available; False when the timeout passed with nothing read."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):  # compact: the partial message moves to the front
+            pending = self._end - self._start
+            self._buf[:pending] = self._view[self._start : self._end]
+            self._start, self._end = 0, pending
+        try:
+            n = self._sock.recv_into(self._view[self._end :])
+        except (BlockingIOError, TimeoutError):
+            return False
+        if n == 0:
+            raise ConnectionClosed("peer closed the connection")
+        self._end += n
+        return True
+
+    def recv(self) -> object | None:
+        """The next message, or None when none arrived within the timeout."""
+        while self._end - self._start < _HEADER.size:
+            if not self._fill():
+                return None
+        (length,) = _HEADER.unpack_from(self._buf, self._start)
         if length > MAX_MESSAGE:
             raise ConnectionClosed(f"message of {length} bytes exceeds the protocol limit")
-        return pickle.loads(await reader.readexactly(length))
-    except asyncio.IncompleteReadError:
-        raise ConnectionClosed("peer closed the connection") from None
+        body = self._start + _HEADER.size
+        if body + length <= self._end:
+            self._start = body + length
+            message: object = pickle.loads(self._view[body : body + length])
+            return message
+        # A message larger than what is buffered: the rest is read straight into a buffer of its own.
+        have = self._end - body
+        whole = bytearray(length)
+        whole[:have] = self._view[body : self._end]
+        self._start = self._end = 0
+        view = memoryview(whole)
+        while have < length:
+            try:
+                k = self._sock.recv_into(view[have:])
+            except (BlockingIOError, TimeoutError):
+                continue  # mid-message: the rest is on its way
+            if k == 0:
+                raise ConnectionClosed("peer closed the connection")
+            have += k
+        message = pickle.loads(whole)
+        return message
+
+    def recv_wait(self) -> object:
+        """The next message, however long it takes."""
+        while (message := self.recv()) is None:
+            pass
+        return message
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """The daemon's receiving end: frames are cut out of the socket's bytes as they arrive and handed to
+    `on_message` within the same event-loop callback (no reader task to wake per message)."""
+
+    BUFFER = 64 * 1024
+
+    def __init__(
+        self, on_message: Callable[[object], None], on_closed: Callable[[Exception | None], None]
+    ) -> None:
+        self.on_message = on_message
+        self.on_closed = on_closed
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray(self.BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._big: bytearray | None = None  # a message larger than the buffer, being filled
+        self._big_have = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._big is not None:
+            return memoryview(self._big)[self._big_have :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            pending = self._end - self._start
+            self._buf[:pending] = self._view[self._start : self._end]
+            self._start, self._end = 0, pending
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._big is not None:
+            self._big_have += nbytes
+            if self._big_have < len(self._big):
+                return
+            whole, self._big = self._big, None
+            self.on_message(pickle.loads(whole))
+            return
+        self._end += nbytes
+        while self._end - self._start >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buf, self._start)
+            if length > MAX_MESSAGE:
+                assert self.transport is not None
+                self.transport.abort()  # connection_lost reports it
+                return
+            body = self._start + _HEADER.size
+            if body + length > self._end:
+                if length > len(self._buf) - _HEADER.size:  # cannot fit even after compaction
+                    have = self._end - body
+                    self._big = bytearray(length)
+                    self._big[:have] = self._view[body : self._end]
+                    self._big_have = have
+                    self._start = self._end = 0
+                return
+            self._start = body + length
+            self.on_message(pickle.loads(self._view[body : body + length]))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_closed(exc)

@@ -20,17 +20,6 @@ from mpsd.worker.device import synchronize
 from mpsd.worker.dtypes import TO_TORCH, datatype_of
 
 
-def tensor_from_region(region: Region, ref: TensorRef) -> torch.Tensor:
-    """A CPU tensor that borrows the region's memory: no copy."""
-    dtype = TO_TORCH[ref.datatype]
-    if ref.nbytes == 0:
-        return torch.empty(ref.shape, dtype=dtype)
-    # Through numpy, whose array holds a buffer export for as long as any tensor uses it: the region then
-    # cannot be unmapped under the tensor (torch.frombuffer keeps no export, so nothing would stop it).
-    flat = torch.from_numpy(np.frombuffer(region.buf, dtype=np.uint8, count=ref.nbytes, offset=ref.offset))
-    return flat.view(dtype).reshape(ref.shape)
-
-
 def check_output(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> str | None:
     """Why the tensor does not match the configured output, or None when it does."""
     got_type = datatype_of(tensor)
@@ -90,31 +79,70 @@ def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
             raise ValueError(f"{label}: " + "; ".join(problems))
 
 
+# The set of output (name, dtype, shape) already checked against the config is bounded: a model whose
+# output shapes vary without end is checked every time past this many.
+CHECKED_LIMIT = 1024
+Views = dict[object, torch.Tensor]
+
+
+def region_view(region: Region, views: Views, offset: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor on bytes [offset, offset + nbytes) of the region, made once per place and kept in
+    `views` (which the region cache empties before the region is unmapped)."""
+    key = (offset, nbytes)
+    view = views.get(key)
+    if view is None:
+        # Through numpy, whose array holds a buffer export for as long as the view lives: the region then
+        # cannot be unmapped under it (torch.frombuffer keeps no export, so nothing would stop that).
+        view = torch.from_numpy(np.frombuffer(region.buf, dtype=np.uint8, count=nbytes, offset=offset))
+        views[key] = view
+    return view
+
+
 class Runner:
-    """Runs requests for one loaded model on one device."""
+    """Runs requests for one loaded model on one device.
+
+    Called under `torch.inference_mode()`, which the serving loop enters once. What repeats from request
+    to request (tensor views on shared memory, output checks) is built once and reused: a request then costs
+    a few tensor operations beyond the model itself.
+    """
 
     def __init__(self, spec: ModelSpec, backend: Backend, device: torch.device) -> None:
         self.spec = spec
         self.backend = backend
         self.device = device
+        self._on_cpu = device.type == "cpu"
         self._outputs = {o.name: o for o in spec.outputs}
         self._batched = spec.max_batch_size > 0
+        self._checked: set[tuple[str, torch.dtype, tuple[int, ...]]] = set()
 
-    def compute(self, region: Region, refs: Sequence[TensorRef]) -> tuple[dict[str, torch.Tensor], int, int]:
-        """Build inputs (zero-copy on CPU), run the model; returns CPU outputs and input/infer times."""
+    def _input(self, region: Region, views: Views, ref: TensorRef) -> torch.Tensor:
+        if ref.nbytes == 0:
+            return torch.empty(ref.shape, dtype=TO_TORCH[ref.datatype], device=self.device)
+        key = (ref.offset, ref.nbytes, ref.datatype, ref.shape)
+        typed = views.get(key)
+        if typed is None:
+            flat = region_view(region, views, ref.offset, ref.nbytes)
+            typed = views[key] = flat.view(TO_TORCH[ref.datatype]).reshape(ref.shape)
+        if self._on_cpu:
+            return typed.detach()  # the model gets its own tensor object: in-place shape changes stay its own
+        return typed.to(self.device, non_blocking=True)
+
+    def compute(
+        self, region: Region, refs: Sequence[TensorRef], views: Views
+    ) -> tuple[dict[str, torch.Tensor], int, int]:
+        """Build inputs (zero-copy on CPU), run the model; returns its outputs and input/infer times."""
         t0 = time.perf_counter_ns()
-        inputs = [tensor_from_region(region, r).to(self.device, non_blocking=True) for r in refs]
+        inputs = [self._input(region, views, r) for r in refs]
         t1 = time.perf_counter_ns()
-        with torch.inference_mode():
-            try:
-                outputs = self.backend(inputs)
-            except BaseException:
-                # Copies from the (page-locked) region may still be running: let them finish before the
-                # region can be reused or unmapped. A failing device must not hide the model's error.
-                with contextlib.suppress(Exception):
-                    synchronize(self.device)
-                raise
-            synchronize(self.device)
+        try:
+            outputs = self.backend(inputs)
+        except BaseException:
+            # Copies from the (page-locked) region may still be running: let them finish before the region
+            # can be reused or unmapped. A failing device must not hide the model's error.
+            with contextlib.suppress(Exception):
+                synchronize(self.device)
+            raise
+        synchronize(self.device)
         del inputs
         t2 = time.perf_counter_ns()
         return outputs, t1 - t0, t2 - t1
@@ -124,15 +152,21 @@ class Runner:
         prepared = []
         for name in names:
             tensor = outputs[name]
-            problem = check_output(self._outputs[name], tensor, self._batched)
-            if problem is not None:
-                raise Internal(problem)
-            prepared.append(tensor.detach().to("cpu").contiguous())
+            seen = (name, tensor.dtype, tuple(tensor.shape))
+            if seen not in self._checked:
+                problem = check_output(self._outputs[name], tensor, self._batched)
+                if problem is not None:
+                    raise Internal(problem)
+                if len(self._checked) < CHECKED_LIMIT:
+                    self._checked.add(seen)
+            if not self._on_cpu:
+                tensor = tensor.to("cpu")
+            prepared.append(tensor.contiguous())
         return prepared
 
 
 def write_outputs(
-    region: Region, names: Sequence[str], tensors: Sequence[torch.Tensor]
+    region: Region, names: Sequence[str], tensors: Sequence[torch.Tensor], views: Views
 ) -> tuple[TensorRef, ...]:
     """Copy each output into the region once, back to back, and describe where it went."""
     refs = []
@@ -140,9 +174,7 @@ def write_outputs(
     for name, tensor in zip(names, tensors, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
-            dst = torch.frombuffer(region.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            dst.copy_(tensor.reshape(-1).view(torch.uint8))
-            del dst
+            region_view(region, views, offset, nbytes).copy_(tensor.reshape(-1).view(torch.uint8))
         refs.append(TensorRef(name, datatype_of(tensor), tuple(tensor.shape), offset, nbytes))
         offset += nbytes
     return tuple(refs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
 import socket
 import sys
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
-from mpsd.ipc.framing import ConnectionClosed, recv_blocking, send_blocking
+from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
 from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import RegionCache
@@ -64,12 +63,14 @@ def _fail_load(sock: socket.socket, reason: str) -> None:
         os._exit(p.EXIT_LOAD_FAILED)
 
 
-def _infer(sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Infer) -> p.InferDone:
+def _infer(
+    reader: FrameReader, sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Infer
+) -> p.InferDone:
     """Run one request from shared memory to shared memory."""
     from mpsd.worker.inference import write_outputs
 
     inputs = regions.get("input", msg.input_region)
-    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs)
+    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views("input"))
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)
     del outputs
@@ -77,57 +78,61 @@ def _infer(sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Inf
     out_ref = msg.output_region
     if needed > out_ref.size:
         send_blocking(sock, p.NeedOutput(msg.req_id, needed))
-        reply = recv_blocking(sock)
+        reply = reader.recv_wait()
         if not isinstance(reply, p.OutputRegion):
             raise MpsdError(f"protocol error: expected OutputRegion, got {type(reply).__name__}")
         out_ref = reply.region
-    refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors)
+    refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors, regions.views("output"))
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0)
 
 
 def _serve(
     sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0, after_request: bool = False
 ) -> None:
+    """Answer requests until the daemon says Shutdown or goes away.
+
+    Runs under inference mode, entered once here rather than per request. Between requests, and at least
+    every fifth of the snapshot interval while idle, memory counters are sent when they are due.
+    """
+    import torch
+
     from mpsd.worker.device import host_pinner, is_out_of_memory, memory_counters, release_cached_memory
 
     regions = RegionCache(host_pinner(runner.device))
+    reader = FrameReader(sock, snapshot_interval_s / 5)
     last_snapshot = 0.0
-    while True:
-        now = time.monotonic()
-        if now - last_snapshot >= snapshot_interval_s:
-            # Counters are read on this (the device) thread, between requests, never concurrently with one.
-            send_blocking(sock, p.MemorySnapshot(memory_counters(runner.device)))
-            last_snapshot = now
-        wait_s = max(0.05, snapshot_interval_s - (time.monotonic() - last_snapshot))
-        readable, _, _ = select.select([sock], [], [], wait_s)
-        if not readable:
-            continue
-        try:
-            msg = recv_blocking(sock)
-        except ConnectionClosed:
-            return
-        if isinstance(msg, p.Infer):
-            failure: p.InferFailed | None = None
-            oom = False
+    with torch.inference_mode():
+        while True:
+            if time.monotonic() - last_snapshot >= snapshot_interval_s:
+                # Counters are read on this (the device) thread, between requests, never during one.
+                send_blocking(sock, p.MemorySnapshot(memory_counters(runner.device)))
+                last_snapshot = time.monotonic()
             try:
-                send_blocking(sock, _infer(sock, runner, regions, msg))
-                if after_request:
-                    last_snapshot = 0.0
+                msg = reader.recv()
             except ConnectionClosed:
                 return
-            except MpsdError as exc:
-                failure = p.InferFailed(msg.req_id, exc.code.value, exc.message)
-            except Exception as exc:
-                oom = is_out_of_memory(exc)
-                code = ErrorCode.RESOURCE_EXHAUSTED if oom else ErrorCode.INTERNAL
-                failure = p.InferFailed(msg.req_id, code.value, f"{type(exc).__name__}: {exc}")
-            if failure is not None:
-                if oom:  # outside the except block, so the traceback no longer pins the request's tensors
-                    release_cached_memory(runner.device)
-                    last_snapshot = 0.0
-                send_blocking(sock, failure)
-        elif isinstance(msg, p.Shutdown):
-            return
+            if isinstance(msg, p.Infer):
+                failure: p.InferFailed | None = None
+                oom = False
+                try:
+                    send_blocking(sock, _infer(reader, sock, runner, regions, msg))
+                    if after_request:
+                        last_snapshot = 0.0
+                except ConnectionClosed:
+                    return
+                except MpsdError as exc:
+                    failure = p.InferFailed(msg.req_id, exc.code.value, exc.message)
+                except Exception as exc:
+                    oom = is_out_of_memory(exc)
+                    code = ErrorCode.RESOURCE_EXHAUSTED if oom else ErrorCode.INTERNAL
+                    failure = p.InferFailed(msg.req_id, code.value, f"{type(exc).__name__}: {exc}")
+                if failure is not None:
+                    if oom:  # outside the except block, so the traceback no longer pins the request's tensors
+                        release_cached_memory(runner.device)
+                        last_snapshot = 0.0
+                    send_blocking(sock, failure)
+            elif isinstance(msg, p.Shutdown):
+                return
 
 
 SMALL_MACHINE_CPUS = 4

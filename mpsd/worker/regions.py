@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from mpsd.ipc.protocol import RegionRef
 from mpsd.ipc.shm import Region
@@ -15,11 +16,14 @@ class RegionCache:
     """Keeps the current input and output mappings; old ones are unmapped once no tensor borrows them.
 
     `pin`, when given, page-locks each mapping for the device (fast, asynchronous host-device copies)
-    and is undone before the mapping goes away.
+    and is undone before the mapping goes away. `views(role)` is where the caller keeps objects built on the
+    current mapping of a role (tensor views, reused from request to request); they are dropped when the
+    role's region is replaced, before unmapping is tried.
     """
 
     def __init__(self, pin: Pin | None = None) -> None:
         self._current: dict[str, Region] = {}
+        self._views: dict[str, dict[object, Any]] = {}
         self._retired: list[Region] = []
         self._pin = pin
         self._unpin: dict[int, Callable[[], None]] = {}
@@ -29,6 +33,7 @@ class RegionCache:
         if region is not None and region.name == ref.name:
             return region
         if region is not None:
+            self._views.pop(role, None)
             self._retired.append(region)
         region = Region.attach(ref.name, ref.size)
         if self._pin is not None:
@@ -38,6 +43,9 @@ class RegionCache:
         self._current[role] = region
         self._retired = [r for r in self._retired if not self._close(r)]
         return region
+
+    def views(self, role: str) -> dict[object, Any]:
+        return self._views.setdefault(role, {})
 
     def _close(self, region: Region) -> bool:
         undo = self._unpin.pop(id(region), None)

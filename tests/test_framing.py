@@ -1,0 +1,106 @@
+"""The worker channel's framing: the worker's blocking reader and the daemon's protocol must give back
+exactly the messages sent, whatever the chunking, sizes and timing of the bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpsd.ipc import protocol as p
+from mpsd.ipc.framing import ConnectionClosed, FrameProtocol, FrameReader, encode, send_blocking
+
+MESSAGES = st.lists(
+    st.one_of(
+        st.builds(p.NeedOutput, st.integers(0, 2**63 - 1), st.integers(0, 2**40)),
+        st.builds(p.InferFailed, st.integers(0, 1000), st.sampled_from(["INTERNAL"]), st.text(max_size=300)),
+        # larger than either end's 64 KiB buffer
+        st.builds(p.LoadFailed, st.text(min_size=0, max_size=5).map(lambda s: s + "x" * 70_000)),
+        st.just(p.Heartbeat()),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(messages=MESSAGES, cuts=st.lists(st.integers(1, 5000), min_size=1, max_size=40))
+def test_the_daemon_protocol_reassembles_messages_from_any_chunking(
+    messages: list[object], cuts: list[int]
+) -> None:
+    got: list[object] = []
+    closed: list[Exception | None] = []
+    proto = FrameProtocol(got.append, closed.append)
+    data = b"".join(encode(m) for m in messages)
+    pos, i = 0, 0
+    while pos < len(data):
+        buf = proto.get_buffer(-1)
+        n = min(cuts[i % len(cuts)], len(buf), len(data) - pos)
+        assert n > 0, "the protocol always offers room"
+        buf[:n] = data[pos : pos + n]
+        proto.buffer_updated(n)
+        pos += n
+        i += 1
+    assert got == messages
+    assert not closed
+
+
+def test_the_worker_reader_gets_every_message_with_one_read_for_many() -> None:
+    ours, theirs = socket.socketpair()
+    try:
+        reader = FrameReader(ours, 0.2)
+        big = p.LoadFailed("y" * 200_000)
+        batch = [p.NeedOutput(i, i * 10) for i in range(50)] + [big, p.Heartbeat()]
+
+        def writer() -> None:  # the large message arrives in pieces, with pauses longer than the timeout
+            theirs.sendall(b"".join(encode(m) for m in batch[:50]))
+            data = encode(big)
+            for k in range(0, len(data), 30_000):
+                theirs.sendall(data[k : k + 30_000])
+                time.sleep(0.05 if k < 90_000 else 0.3)
+            send_blocking(theirs, batch[-1])
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        got = [reader.recv_wait() for _ in batch]
+        thread.join()
+        assert got == batch
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_the_worker_reader_times_out_and_notices_a_closed_peer() -> None:
+    ours, theirs = socket.socketpair()
+    reader = FrameReader(ours, 0.1)
+    t0 = time.monotonic()
+    assert reader.recv() is None, "nothing sent: the timeout passes"
+    assert 0.05 <= time.monotonic() - t0 < 5
+    theirs.sendall(encode(p.Shutdown())[:3])  # a partial header, then the peer goes
+    theirs.close()
+    with pytest.raises(ConnectionClosed):
+        reader.recv_wait()
+    ours.close()
+
+
+def test_the_daemon_protocol_on_a_real_socket() -> None:
+    async def main() -> list[object]:
+        ours, theirs = socket.socketpair()
+        got: list[object] = []
+        done = asyncio.get_running_loop().create_future()
+        transport, _ = await asyncio.get_running_loop().create_unix_connection(
+            lambda: FrameProtocol(got.append, lambda exc: done.set_result(exc)), sock=ours
+        )
+        batch = [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Heartbeat()]
+        await asyncio.to_thread(theirs.sendall, b"".join(encode(m) for m in batch))
+        theirs.close()
+        assert await asyncio.wait_for(done, 10) is None
+        transport.close()
+        return got
+
+    assert asyncio.run(main()) == [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Heartbeat()]
