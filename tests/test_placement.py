@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -266,6 +267,21 @@ def test_bad_fallback_value_is_a_config_error() -> None:
         plan_instances(config(parameters={"mps_fallback": "sometimes"}), platform="darwin")
 
 
+@pytest.mark.parametrize("key", ["intra_op_thread_count", "INTRA_OP_THREAD_COUNT"])
+def test_thread_count_parameter_sets_openmp_threads_over_the_daemons(key: str) -> None:
+    cfg = config({"kind": "KIND_CPU"}, parameters={key: " 3 "})
+    (plan,) = plan_instances(cfg, platform="linux")
+    env = worker_environment(plan, cfg, {**BASE, "OMP_NUM_THREADS": "16"}, platform="linux")
+    assert env == {**BASE, "OMP_NUM_THREADS": "3"}
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", ""])
+def test_bad_thread_count_is_a_config_error(value: str) -> None:
+    expected = rf"parameters\.intra_op_thread_count: expected a positive whole number, got '{value}'"
+    with pytest.raises(ConfigError, match=expected):
+        plan_instances(config(parameters={"intra_op_thread_count": value}), platform="linux")
+
+
 def test_macos_cpu_instance_environment_is_unchanged() -> None:
     cfg = config({"kind": "KIND_CPU"})
     (plan,) = plan_instances(cfg, platform="darwin")
@@ -302,3 +318,27 @@ def test_macos_without_fraction_leaves_watermarks_alone() -> None:
 def test_platform_defaults_to_this_one() -> None:
     (plan,) = plan_instances(config())
     assert plan.platform == sys.platform
+
+
+def test_a_real_worker_runs_with_the_models_thread_count(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """End to end: the parameter reaches torch in the worker process (the model reports its thread count)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tests import models
+
+    repo = tmp_path / "repo"
+    for name, threads in (("one", "1"), ("two", "2")):
+        models.python_model(
+            repo,
+            name,
+            "return {'y': torch.full_like(inputs['x'], float(torch.get_num_threads()))}",
+            instance_group=[{"kind": "KIND_CPU", "count": 1}],
+            parameters={"intra_op_thread_count": threads},
+        )
+    daemon = start_daemon(repo)
+    daemon.wait_ready()
+    for name, threads in (("one", 1.0), ("two", 2.0)):
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.zeros(2, np.float32))
+        assert daemon.client.infer(name, [inp]).as_numpy("y").tolist() == [threads, threads]

@@ -20,6 +20,9 @@ from mpsd.errors import ConfigError
 BudgetPolicy = Literal["refuse", "warn"]
 
 MPS_FALLBACK_PARAMETER = "mps_fallback"
+# The model's CPU thread count; Triton's PyTorch backend spells it INTRA_OP_THREAD_COUNT.
+THREADS_PARAMETERS = ("intra_op_thread_count", "INTRA_OP_THREAD_COUNT")
+ENV_OMP_THREADS = "OMP_NUM_THREADS"
 ENV_CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
 ENV_MPS_FALLBACK = "PYTORCH_ENABLE_MPS_FALLBACK"
 ENV_MPS_HIGH = "PYTORCH_MPS_HIGH_WATERMARK_RATIO"
@@ -99,6 +102,19 @@ def mps_fallback(config: ModelConfig) -> bool:
     raise _problem(config, f"parameters.{MPS_FALLBACK_PARAMETER}", f'expected "true" or "false", got {raw!r}')
 
 
+def intra_op_threads(config: ModelConfig) -> int | None:
+    """The model's `intra_op_thread_count` parameter: how many threads torch runs each operator on."""
+    for key in THREADS_PARAMETERS:
+        raw = config.parameters.get(key)
+        if raw is None:
+            continue
+        value = raw.strip()
+        if not (value.isascii() and value.isdigit()) or int(value) < 1:
+            raise _problem(config, f"parameters.{key}", f"expected a positive whole number, got {raw!r}")
+        return int(value)
+    return None
+
+
 def _check_fraction(config: ModelConfig, group: int, placement: InstancePlacement) -> None:
     """Refuse a fraction that the device's `set_per_process_memory_fraction` would refuse; name the range."""
     fraction = placement.memory_fraction
@@ -138,6 +154,7 @@ def plan_instances(config: ModelConfig, platform: str = sys.platform) -> list[In
     KIND_MPS on Linux is not refused here: the worker's probe fails the load with the reason.
     """
     mps_fallback(config)
+    intra_op_threads(config)
     plans: list[InstancePlacement] = []
     for g, group in enumerate(config.instance_group):
         kind = group.kind
@@ -243,6 +260,8 @@ def worker_environment(
 ) -> dict[str, str]:
     """A copy of `base` with what PyTorch must read before it starts in this worker; nothing else changes.
 
+    - `intra_op_thread_count` (or Triton's `INTRA_OP_THREAD_COUNT`) in the model's parameters:
+      `OMP_NUM_THREADS`, torch's CPU thread count (it wins over the daemon's own environment);
     - pinned GPU: `CUDA_VISIBLE_DEVICES` names that one GPU (the worker then uses cuda:0);
     - on macOS, for a kind that may resolve to MPS: `PYTORCH_ENABLE_MPS_FALLBACK` is "1" or "0" from the
       model's `mps_fallback` parameter (read at `import torch`), and with a fraction f the watermarks are
@@ -251,6 +270,9 @@ def worker_environment(
       LOW is left as it is.
     """
     env = dict(base)
+    threads = intra_op_threads(config)
+    if threads is not None:  # read by OpenMP as torch starts: the thread team has this size from the start
+        env[ENV_OMP_THREADS] = str(threads)
     if placement.gpu is not None:
         env[ENV_CUDA_VISIBLE] = _visible_gpu(placement.group, placement.gpu, base)
     may_use_mps = placement.gpu is None and placement.kind in ("KIND_AUTO", "KIND_GPU", "KIND_MPS")
