@@ -82,7 +82,7 @@ def _infer(
         if not isinstance(reply, p.OutputRegion):
             raise MpsdError(f"protocol error: expected OutputRegion, got {type(reply).__name__}")
         out_ref = reply.region
-    refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors, regions.views("output"))
+    refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors)
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0)
 
 
