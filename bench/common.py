@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,19 @@ def machine_info() -> dict[str, Any]:
 def process_tree(pid: int) -> list[psutil.Process]:
     parent = psutil.Process(pid)
     return [parent, *parent.children(recursive=True)]
+
+
+def pin_threads(pids: Iterable[int], cpus: Collection[int]) -> None:
+    """Confine every thread of these processes to `cpus` (Linux). Threads started later inherit the mask of
+    the thread that starts them, so a process pinned once stays pinned."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), set(cpus))
 
 
 def is_front(p: psutil.Process) -> bool:

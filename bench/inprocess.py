@@ -158,6 +158,7 @@ class Helper:
         )
         child.close()
         self._conn = Connection(parent.detach())
+        self.pid = self._proc.pid
 
     def call(self, method: str, **kwargs: Any) -> Any:
         self._conn.send((method, kwargs))
@@ -179,11 +180,16 @@ class InProcess:
     """Helpers: torch as configured by the environment and, with `openmp_variants`, torch with mpsd workers'
     OpenMP settings (irrelevant where the model runs on a GPU)."""
 
-    def __init__(self, openmp_variants: bool = True) -> None:
-        self.helpers = [Helper("default", os.environ)]
-        worker_env = worker_openmp_env(os.environ)
-        if openmp_variants and worker_env != dict(os.environ):
+    def __init__(self, openmp_variants: bool = True, env: Mapping[str, str] | None = None) -> None:
+        base = dict(os.environ if env is None else env)
+        self.helpers = [Helper("default", base)]
+        worker_env = worker_openmp_env(base)
+        if openmp_variants and worker_env != base:
             self.helpers.append(Helper("worker-openmp", worker_env))
+
+    @property
+    def pids(self) -> list[int]:
+        return [h.pid for h in self.helpers]
 
     def latency(self, path: str, shape: list[int], duration_s: float) -> list[int]:
         """Single-call latencies with torch as configured by the environment (a reference only)."""

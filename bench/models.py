@@ -53,17 +53,26 @@ def write_model(repo: Path, name: str, module: nn.Module, config: dict[str, Any]
     return model_dir
 
 
-def identity_config(dims: list[int]) -> dict[str, Any]:
-    return {
+IDENTITY_MAX_BATCH = 16
+
+
+def identity_config(dims: list[int], batching: bool = False) -> dict[str, Any]:
+    """With `batching`, the first of `dims` is the batch dimension (up to IDENTITY_MAX_BATCH rows) and
+    dynamic batching runs with no queue delay: a request that finds the worker idle runs at once, and
+    requests that arrive while it is busy run together next."""
+    config: dict[str, Any] = {
         "backend": "torchscript",
-        "max_batch_size": 0,
-        "input": [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": dims}],
-        "output": [{"name": "OUTPUT", "data_type": "TYPE_FP32", "dims": dims}],
+        "max_batch_size": IDENTITY_MAX_BATCH if batching else 0,
+        "input": [{"name": "INPUT", "data_type": "TYPE_FP32", "dims": dims[1:] if batching else dims}],
+        "output": [{"name": "OUTPUT", "data_type": "TYPE_FP32", "dims": dims[1:] if batching else dims}],
         "instance_group": [{"kind": "KIND_CPU", "count": 1}],
     }
+    if batching:
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": 0}
+    return config
 
 
-def cnn_config(batching: bool, delay_us: int) -> dict[str, Any]:
+def cnn_config(batching: bool, delay_us: int, threads: int | None = None) -> dict[str, Any]:
     config: dict[str, Any] = {
         "backend": "torchscript",
         "max_batch_size": CNN_MAX_BATCH,
@@ -76,17 +85,20 @@ def cnn_config(batching: bool, delay_us: int) -> dict[str, Any]:
             "max_queue_delay_microseconds": delay_us,
             "preferred_batch_size": [CNN_MAX_BATCH],
         }
+    if threads:
+        config["parameters"] = {"intra_op_thread_count": str(threads)}
     return config
 
 
-def build_overhead_repo(repo: Path, cnn_delay_us: int) -> None:
-    """Models of scenarios 1-4: two identities (16 floats, 600 KB) and the CNN with and without batching."""
-    write_model(repo, "identity_16", Identity(), identity_config([1, 16]))
+def build_overhead_repo(repo: Path, cnn_delay_us: int, cnn_threads: int | None = None) -> None:
+    """Models of scenarios 1-4: two identities (16 floats, 600 KB) and the CNN with and without batching
+    (on `cnn_threads` CPU threads when given)."""
+    write_model(repo, "identity_16", Identity(), identity_config([1, 16], batching=True))
     write_model(repo, "identity_600k", Identity(), identity_config([1, 3, 224, 224]))
     torch.manual_seed(0)
     cnn = SmallCNN()
-    write_model(repo, "cnn_batched", cnn, cnn_config(True, cnn_delay_us))
-    write_model(repo, "cnn_unbatched", cnn, cnn_config(False, 0))
+    write_model(repo, "cnn_batched", cnn, cnn_config(True, cnn_delay_us, cnn_threads))
+    write_model(repo, "cnn_unbatched", cnn, cnn_config(False, 0, cnn_threads))
 
 
 def build_startup_repo(repo: Path, models: int) -> None:

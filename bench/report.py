@@ -66,6 +66,13 @@ def mib(n: float) -> float:
     return n / 2**20
 
 
+def _cpu_list(cpus: list[int]) -> str:
+    """`0-7` for a contiguous range, else a comma-separated list."""
+    if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)) and len(cpus) > 1:
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(str(c) for c in cpus)
+
+
 def mean_batch(batches: dict[Any, dict[str, int]]) -> float:
     rows = sum(int(size) * s["count"] for size, s in batches.items())
     execs = sum(s["count"] for s in batches.values())
@@ -117,6 +124,12 @@ def summarize_throughput(s: dict[str, Any]) -> dict[str, Any]:
     out["ratio_throughput_mpsd_floor"] = med(
         [_ratio(r["mpsd"]["throughput_rps"], r["floor"]["throughput_rps"]) for r in rounds]
     )
+    if "batches" in rounds[0]["mpsd"]:  # results from before the batcher's sizes were recorded have none
+        merged: dict[str, dict[str, int]] = {}
+        for r in rounds:
+            for size, b in r["mpsd"]["batches"].items():
+                merged.setdefault(str(size), {"count": 0})["count"] += b["count"]
+        out["mpsd"]["mean_batch"] = mean_batch(merged)
     return out
 
 
@@ -344,12 +357,24 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", f"mpsd / floor throughput: x{s['ratio_throughput_mpsd_floor']:.2f}"]
         if "ratio_throughput_mpsd_floor_hop" in s:
             lines.append(f"mpsd / floor with a worker hop: x{s['ratio_throughput_mpsd_floor_hop']:.2f}")
+        if "mean_batch" in s["mpsd"]:
+            lines.append(
+                f"Requests per model execution in mpsd (dynamic batching, no queue delay): "
+                f"{s['mpsd']['mean_batch']:.1f} on average."
+            )
         lines.append("")
     if "4" in sc:
         s = sc["4"]["summary"]
+        lines += ["## Scenario 4: small CNN (3x64x64) on CPU, 32 clients", ""]
+        cpus = sc["4"].get("cpus")
+        if cpus and sc["4"].get("model_threads"):
+            lines += [
+                f"The model ran on CPUs {_cpu_list(cpus['model'])} with {sc['4']['model_threads']} "
+                "thread(s), in mpsd's worker and in the in-process reference alike; the daemon, its front "
+                f"processes and the load generator ran on CPUs {_cpu_list(cpus['server_and_clients'])}.",
+                "",
+            ]
         lines += [
-            "## Scenario 4: small CNN (3x64x64) on CPU, 32 clients",
-            "",
             "| | images/s | p50 ms | p99 ms | CPU us/request (server / workers / client) |",
             "|---|---|---|---|---|",
         ]

@@ -132,7 +132,10 @@ def scenario_throughput(ctx: Ctx, model: str, shape: list[int], concurrency: int
     for r in range(ctx.args.rounds):
         row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
         for who in rotate(["mpsd", "floor", "floor_hop"], r):
+            before = common.batch_stats(ctx.mpsd, model) if who == "mpsd" else {}
             row[who] = run_load(ctx, servers(ctx)[who], request, concurrency)
+            if who == "mpsd":
+                row[who]["batches"] = common.stats_delta(common.batch_stats(ctx.mpsd, model), before)
         rounds.append(row)
         print(f"  round {r + 1}: {report.throughput_line(row)}", flush=True)
     return {"model": model, "shape": shape, "concurrency": concurrency, "rounds": rounds}
@@ -146,6 +149,36 @@ def scenario_batching(ctx: Ctx) -> dict[str, Any]:
     procs = ctx.args.cnn_client_processes
     per_proc = 32 // procs
     path = str(ctx.work / "repo" / "cnn_batched" / "1" / "model.pt")
+    everything = sorted(os.sched_getaffinity(0))
+    model_cpus = everything[-ctx.args.model_cpus :] if ctx.args.model_cpus else everything
+    other_cpus = everything[: -ctx.args.model_cpus] if ctx.args.model_cpus else everything
+    if ctx.args.model_cpus:
+        # The model gets the same CPUs in mpsd's worker and in the in-process reference; the daemon, its
+        # fronts and the load generator run on the others.
+        server, workers = common.server_groups(ctx.mpsd.pid)
+        common.pin_threads([w.pid for w in workers] + ctx.inproc.pids, model_cpus)
+        common.pin_threads([p.pid for p in server] + ctx.pool.pids, other_cpus)
+    try:
+        rounds = batching_rounds(ctx, shape, procs, per_proc, path)
+    finally:
+        if ctx.args.model_cpus:
+            common.pin_threads(
+                [p.pid for p in common.process_tree(ctx.mpsd.pid)] + ctx.inproc.pids + ctx.pool.pids,
+                everything,
+            )
+    return {
+        "model": "cnn",
+        "image": list(CNN_IMAGE),
+        "clients": 32,
+        "cpus": {"model": model_cpus, "server_and_clients": other_cpus},
+        "model_threads": ctx.args.model_cpus or None,
+        "rounds": rounds,
+    }
+
+
+def batching_rounds(ctx: Ctx, shape: list[int], procs: int, per_proc: int, path: str) -> list[dict[str, Any]]:
+    from bench.models import CNN_IMAGE
+
     rounds = []
     for r in range(ctx.args.rounds):
         row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
@@ -168,7 +201,7 @@ def scenario_batching(ctx: Ctx) -> dict[str, Any]:
         }
         rounds.append(row)
         print(f"  round {r + 1}: {report.batching_line(row)}", flush=True)
-    return {"model": "cnn", "image": list(CNN_IMAGE), "clients": 32, "rounds": rounds}
+    return rounds
 
 
 def scenario_startup(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -281,10 +314,21 @@ def main() -> None:
     parser.add_argument(
         "--front-processes", help="mpsd's front_processes for scenarios 1-4 (default: the daemon's, auto)"
     )
+    parser.add_argument(
+        "--model-cpus",
+        type=int,
+        default=None,
+        help="scenario 4: CPUs (and threads) for the CNN, in mpsd's worker (intra_op_thread_count) and "
+        "in-process alike; the daemon and the clients get the others (default: half of them; 0: no pinning, "
+        "torch's defaults)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 short rounds: a smoke test, not figures")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead-cpu", help="results file stem")
     args = parser.parse_args()
+    if args.model_cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+        args.model_cpus = cpus // 2 if cpus >= 2 else 0
     if args.quick:
         args.rounds, args.duration, args.cnn_duration, args.startup_repeats = 2, 1.0, 1.5, 1
     only = set(args.only.split(","))
@@ -303,10 +347,12 @@ def main() -> None:
         if only & {"1", "2", "3", "4"}:
             from bench.models import build_overhead_repo
 
-            build_overhead_repo(work / "repo", args.cnn_delay_us)
+            build_overhead_repo(work / "repo", args.cnn_delay_us, args.model_cpus or None)
             pool = ClientPool(max(1, args.cnn_client_processes))
-            inproc = InProcess()
             mpsd_env = dict(item.split("=", 1) for item in args.mpsd_env)
+            # The CNN's threads: as many in mpsd's workers (its intra_op_thread_count) as in the reference.
+            inproc_env = {**os.environ, "OMP_NUM_THREADS": str(args.model_cpus)} if args.model_cpus else None
+            inproc = InProcess(env=inproc_env)
             mpsd = common.start_mpsd(work / "repo", work, env=mpsd_env, front_processes=args.front_processes)
             floor = common.start_floor(work)
             floor_hop = common.start_floor(work, worker_hop=True)
