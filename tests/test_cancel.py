@@ -110,9 +110,8 @@ def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDa
 def test_a_request_abandoned_while_it_runs_does_not_disturb_the_next(
     setup: tuple[RunningDaemon, Path, str],
 ) -> None:
-    """A request that finds its instance idle runs from the caller's own task; when the client gives up
-    during the run, the worker still finishes it, and the next request waits for that before it reuses the
-    shared memory, then gets its own answer (not the abandoned one's)."""
+    """When the client gives up while its request runs, the worker still finishes it; the next request waits
+    for that before it reuses the shared memory, then gets its own answer (not the abandoned one's)."""
     daemon, log, metrics = setup
     with pytest.raises(InferenceServerException) as info:
         daemon.client.infer("slow", x(5151), client_timeout=0.4)

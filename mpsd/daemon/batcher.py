@@ -50,8 +50,6 @@ class RequestQueue:
         self.timeout_s = (db.default_timeout_microseconds / 1e6) if db is not None else 0.0
         self._items: deque[Pending] = deque()
         self._arrived = asyncio.Event()
-        # A request that finds the queue empty and an instance idle may run at once, skipping the queue.
-        self.immediate = not self.batching or self.delay_s == 0
 
     def __len__(self) -> int:
         return len(self._items)

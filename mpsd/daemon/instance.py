@@ -46,34 +46,13 @@ class Instance:
         self.started_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._idle = asyncio.Event()  # set while no request of this instance is running
+        self._idle = asyncio.Event()
         self._idle.set()
-        self.busy = False
-        self._handing_over = False
         self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
-
-    def claim(self) -> WorkerProcess | None:
-        """Reserve the worker for one request the caller runs itself, if this instance is idle.
-
-        The shortcut for a request that finds the queue empty and an instance free: it skips the queue and
-        this instance's dispatcher. `release()` must follow.
-        """
-        worker = self.worker
-        if self.busy or self.state != "ready" or self._stopping or self._handing_over:
-            return None
-        if worker is None or worker.died.is_set():
-            return None
-        self.busy = True
-        self._idle.clear()
-        return worker
-
-    def release(self) -> None:
-        self.busy = False
-        self._idle.set()
 
     async def start(self) -> None:
         """First start: a load failure is the model's load failure (raised, not retried)."""
@@ -109,7 +88,6 @@ class Instance:
                     if replacement is not None:
                         await self._hand_over(dispatch, done_with)
                         self.worker = replacement
-                        self._handing_over = False
                         retiring = asyncio.create_task(worker.stop(self.settings.stop_timeout_s))
                         self._retiring.add(retiring)  # a strong reference until it is done
                         retiring.add_done_callback(self._retiring.discard)
@@ -173,8 +151,7 @@ class Instance:
     async def _hand_over(self, dispatch: asyncio.Task[None], done_with: asyncio.Event) -> None:
         """Let the old worker finish the batch it is running, then stop feeding it."""
         done_with.set()
-        self._handing_over = True  # no request claims the old worker any more
-        while not self._idle.is_set():
+        if not self._idle.is_set():
             await self._idle.wait()
         dispatch.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -183,17 +160,10 @@ class Instance:
     async def _dispatch(self, worker: WorkerProcess, done_with: asyncio.Event) -> None:
         queue = self.version.queue
         while not self._stopping and not done_with.is_set():
-            if self.busy:  # running a request that skipped the queue (`claim`)
-                await self._idle.wait()
-                continue
             batch = await queue.next_batch()
-            if self.busy:  # claimed while this waited for work: someone else takes the batch
-                queue.requeue(batch)
-                continue
             if worker.died.is_set() or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
-            self.busy = True
             self._idle.clear()
             try:
                 await self.version.execute(batch, worker)
@@ -202,7 +172,7 @@ class Instance:
             except Exception:  # the request's own error; the worker keeps serving
                 continue
             finally:
-                self.release()
+                self._idle.set()
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Stop taking requests; with a grace period, let the request in progress finish first."""

@@ -92,19 +92,14 @@ class ModelVersion:
             raise Unavailable(f"model '{self.name}' version {self.version} is not ready{self._why()}")
         start = time.perf_counter_ns()
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        item = Pending(request, future, start, deadline)
-        direct = self._free_instance()
-        if direct is None:
-            try:
-                self.queue.put(item)
-            except MpsdError as exc:
-                self.stats.record_failure(0, exc.code.value)
-                raise
+        try:
+            self.queue.put(Pending(request, future, start, deadline))
+        except MpsdError as exc:
+            self.stats.record_failure(0, exc.code.value)
+            raise
         self.inflight += 1
         self._idle.clear()
         try:
-            if direct is not None:
-                await self._run_direct(item, *direct)
             result = await future
         except MpsdError as exc:
             self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
@@ -115,28 +110,6 @@ class ModelVersion:
                 self._idle.set()
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
-
-    def _free_instance(self) -> tuple[Instance, WorkerProcess] | None:
-        """An idle instance, reserved, when a request may skip the queue: nothing is waiting and the
-        batcher would not hold the request back for company (no batching, or no queue delay)."""
-        if len(self.queue) or not self.queue.immediate:
-            return None
-        for instance in self.instances:
-            worker = instance.claim()
-            if worker is not None:
-                return instance, worker
-        return None
-
-    async def _run_direct(self, item: Pending, instance: Instance, worker: WorkerProcess) -> None:
-        """Run one request on a claimed instance from the caller's own task: no queue and no dispatcher
-        in between, which saves two hand-overs between tasks per request."""
-        try:
-            await self.execute([item], worker)
-        except Exception:  # `execute` settled the future with the error, and logged it
-            pass
-        finally:
-            # Cancelled callers leave the worker running: the instance stays busy until it answers.
-            worker.when_free(instance.release)
 
     def _why(self) -> str:
         if self.state is not VersionState.READY:

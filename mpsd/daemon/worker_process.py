@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -302,14 +302,6 @@ class WorkerProcess:
 
     def _release_regions(self) -> None:
         self.arena.release()
-
-    def when_free(self, callback: Callable[[], None]) -> None:
-        """Call back once no request runs on the worker: now, or when the one in flight is answered (or the
-        worker dies), for a request whose caller went away during the run."""
-        if self._pending is None:
-            callback()
-        else:
-            self._pending.add_done_callback(lambda _: callback())
 
     async def infer_batch(
         self, requests: Sequence[InferRequest], timings: Timings
