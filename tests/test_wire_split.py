@@ -1,4 +1,5 @@
-"""Cutting raw_input_contents out of a ModelInferRequest's wire bytes (the front-process fast path).
+"""Cutting raw_input_contents out of a ModelInferRequest's wire bytes, and joining raw_output_contents onto a
+ModelInferResponse's.
 
 Messages are built with tritonclient's own generated classes, so the wire form is the client's; the
 property: the rest of the message parses to the original without its raw contents, and the views are
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from mpsd.daemon.wire_split import split_raw_contents
+from mpsd.daemon.wire_split import join_raw_output_contents, split_raw_contents
 
 names = st.text(min_size=0, max_size=12)
 tensors = st.builds(
@@ -75,3 +76,33 @@ def test_truncated_messages_are_not_split() -> None:
     data = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"x" * 100]).SerializeToString()
     for cut in (1, 5, 50):
         assert split_raw_contents(data[:-cut]) is None
+
+
+Output = pb.ModelInferResponse.InferOutputTensor
+outputs = st.builds(
+    lambda name, dtype, shape: Output(name=name, datatype=dtype, shape=shape),
+    names,
+    st.sampled_from(["FP32", "INT64", "BF16"]),
+    st.lists(st.integers(min_value=0, max_value=2**40), max_size=4),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    names,
+    st.lists(outputs, max_size=4),
+    # sizes around the varint boundaries (127/128, 16383/16384) and large entries
+    st.lists(st.one_of(st.binary(max_size=300), st.integers(120, 20_000).map(bytes)), max_size=4),
+    st.booleans(),
+)
+def test_a_joined_response_parses_as_the_message_with_its_raw_contents(
+    model: str, outs: list[Output], contents: list[bytes], views: bool
+) -> None:
+    header = pb.ModelInferResponse(model_name=model, model_version="3", id="r", outputs=outs)
+    header.parameters["p"].int64_param = 7
+    entries = [memoryview(c) for c in contents] if views else contents
+    joined = join_raw_output_contents(header.SerializeToString(), entries)
+    expected = pb.ModelInferResponse()
+    expected.CopyFrom(header)
+    expected.raw_output_contents.extend(contents)
+    assert pb.ModelInferResponse.FromString(joined) == expected

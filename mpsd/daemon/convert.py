@@ -22,16 +22,20 @@ _KIND = {
 }
 
 
-def infer_response(result: InferResult, request_id: str, in_shm: Collection[str] = ()) -> Any:
-    """Outputs written to shared memory (`in_shm`) keep their place with empty raw contents, as Triton's do,
-    so clients find every other output at its index."""
+def infer_response_parts(
+    result: InferResult, request_id: str, in_shm: Collection[str] = ()
+) -> tuple[Any, list[bytes]]:
+    """The response without its raw_output_contents, and those entries: one per output, in order.
+
+    Outputs written to shared memory (`in_shm`) keep their place with empty raw contents, as Triton's do,
+    so clients find every other output at its index.
+    """
     response = pb.ModelInferResponse(
         model_name=result.model, model_version=str(result.version), id=request_id
     )
     for out in result.outputs:
         response.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
-        response.raw_output_contents.append(b"" if out.name in in_shm else out.data)
-    return response
+    return response, [b"" if out.name in in_shm else out.data for out in result.outputs]
 
 
 def model_config_proto(name: str, config: ModelConfig) -> Any:

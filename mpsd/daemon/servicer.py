@@ -22,7 +22,7 @@ from .client_shm import ClientShmRegistry
 from .registry import Registry
 from .status import grpc_status
 from .validate import check_name, parse_infer_request
-from .wire_split import split_raw_contents
+from .wire_split import join_raw_output_contents, split_raw_contents
 from .worker_process import LoadError
 
 log = structlog.get_logger("mpsd.daemon.grpc")
@@ -118,19 +118,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- inference -----------------------------------------------------------------------------------
 
-    async def _infer(
+    async def _infer_parts(
         self,
         request: Any,
         deadline: float | None = None,
         raw_contents: Sequence[bytes | memoryview] | None = None,
-    ) -> Any:
+    ) -> tuple[Any, list[bytes]]:
+        """The response without its raw_output_contents, and those entries (see `convert`)."""
         check_name("model", request.model_name)
         mv = self.registry.route(request.model_name, request.model_version)
         with self.client_shm.lease() as shm:  # regions the request names stay mapped until it is answered
             parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
             result = await mv.infer(parsed, deadline)
             shm.write_outputs(result.outputs)
-            return convert.infer_response(result, request.id, in_shm=shm.outputs.keys())
+            return convert.infer_response_parts(result, request.id, in_shm=shm.outputs.keys())
+
+    async def _infer(self, request: Any) -> Any:
+        response, raw = await self._infer_parts(request)
+        response.raw_output_contents.extend(raw)
+        return response
 
     async def infer_serialized(self, data: bytes | bytearray, deadline: float | None) -> bytes:
         """ModelInfer for a front process: request bytes in, response bytes out, MpsdError on failure."""
@@ -140,8 +146,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:
             raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
-        response: bytes = (await self._infer(request, deadline, raw or None)).SerializeToString()
-        return response
+        response, contents = await self._infer_parts(request, deadline, raw or None)
+        return join_raw_output_contents(response.SerializeToString(), contents)
 
     @rpc
     async def ModelInfer(self, request: bytes, context: Any) -> bytes:

@@ -1,15 +1,21 @@
-"""Take a ModelInferRequest's tensor bytes out of its wire form without copying them.
+"""Tensor bytes in and out of the ModelInfer messages' wire form, without protobuf copying them.
 
 protobuf copies every `raw_input_contents` entry into a new `bytes` when it parses, and again when it is
-read. For requests that reach the daemon as bytes (from a front process) the entries are instead cut out
-of the received buffer as memoryviews, and only the rest of the message, a few hundred bytes of names and
-shapes, is parsed: the tensor bytes are then copied once, into the worker's shared memory.
+read. The entries are instead cut out of the received buffer as memoryviews, and only the rest of the
+message, a few hundred bytes of names and shapes, is parsed: the tensor bytes are then copied once, into
+the worker's shared memory. On the way back, protobuf would copy each output into the message and again
+when serializing it; the response is instead serialized without its `raw_output_contents`, and the entries
+are appended to those bytes in one join.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
+RAW_OUTPUT_CONTENTS = 6  # field number of ModelInferResponse.raw_output_contents
 _LENGTH_DELIMITED = 2
+_OUTPUT_TAG = bytes([RAW_OUTPUT_CONTENTS << 3 | _LENGTH_DELIMITED])
 
 
 def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
@@ -64,3 +70,22 @@ def split_raw_contents(data: bytes | bytearray) -> tuple[bytes | bytearray, list
         return data, raw
     rest.append(view[start:size])
     return b"".join(rest), raw
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def join_raw_output_contents(header: bytes, contents: Sequence[bytes | memoryview]) -> bytes:
+    """A serialized ModelInferResponse: `header` (the message without raw_output_contents, serialized)
+    followed by one raw_output_contents entry per item, in order. Fields may come in any order on the wire,
+    so this parses exactly like the message with the entries set, and copies each entry once."""
+    parts: list[bytes | memoryview] = [header]
+    for data in contents:
+        parts += (_OUTPUT_TAG, _varint_bytes(len(data)), data)
+    return b"".join(parts)
