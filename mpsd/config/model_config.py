@@ -6,6 +6,7 @@ incident waiting to happen.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -246,7 +247,16 @@ class ModelConfig(_Strict):
         return PLATFORMS[self.backend]
 
     def input_by_name(self) -> dict[str, TensorConfig]:
-        return {t.name: t for t in self.input}
+        """Read-only by convention: built once per (frozen) config, as every request looks inputs up."""
+        return self._inputs_by_name
 
     def output_by_name(self) -> dict[str, TensorConfig]:
+        return self._outputs_by_name
+
+    @functools.cached_property
+    def _inputs_by_name(self) -> dict[str, TensorConfig]:
+        return {t.name: t for t in self.input}
+
+    @functools.cached_property
+    def _outputs_by_name(self) -> dict[str, TensorConfig]:
         return {t.name: t for t in self.output}

@@ -86,6 +86,8 @@ def check_request_fields(request: Any) -> None:
     """The request-level fields: id and parameters (names and tensors are checked with the model)."""
     if len(request.id) > MAX_ID:
         raise InvalidArgument(f"request id is {len(request.id)} characters long; the limit is {MAX_ID}")
+    if not request.parameters:
+        return
     _check_parameters("request", request.parameters, REQUEST_PARAMS)
     for key, value in request.parameters.items():
         kind = value.WhichOneof("parameter_choice")
@@ -97,7 +99,11 @@ def check_request_fields(request: Any) -> None:
             raise InvalidArgument(f"request parameter '{key}' must not be negative")
 
 
-def _typed_used(contents: Any) -> list[str]:
+def _typed_used(tensor: Any) -> list[str]:
+    """The typed `contents` fields an input tensor fills."""
+    if not tensor.HasField("contents"):
+        return []
+    contents = tensor.contents
     return [f for f in _ALL_TYPED if len(getattr(contents, f))]
 
 
@@ -130,9 +136,10 @@ def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int
             raise InvalidArgument(f"input '{name}': batch size 0 is not allowed")
 
 
-def _typed_bytes(name: str, datatype: str, contents: Any, count: int) -> bytes:
+def _typed_bytes(name: str, datatype: str, tensor: Any, count: int) -> bytes:
     """Convert typed `contents` to raw bytes, checking the field and the element count."""
-    used = _typed_used(contents)
+    used = _typed_used(tensor)
+    contents = tensor.contents
     typed = TYPED_FIELDS.get(datatype)
     if typed is None:
         raise InvalidArgument(f"input '{name}': {datatype} data must be sent in raw_input_contents")
@@ -173,7 +180,7 @@ def parse_infer_request(
     configured = config.input_by_name()
     max_batch = config.max_batch_size
     raw = list(request.raw_input_contents if raw_contents is None else raw_contents)
-    in_request = sum(not set(t.parameters) & _SHM_PARAMS for t in request.inputs)  # raw entries are theirs
+    in_request = sum(not (t.parameters and set(t.parameters) & _SHM_PARAMS) for t in request.inputs)
     if raw and len(raw) != in_request:
         where = " not in shared memory" if in_request < len(request.inputs) else ""
         raise InvalidArgument(
@@ -193,8 +200,10 @@ def parse_infer_request(
             raise InvalidArgument(
                 f"unknown input '{name}' for model '{model}' (expected: {', '.join(configured)})"
             )
-        _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
-        ref = shm_ref(f"input '{name}'", tensor.parameters)
+        ref = None
+        if tensor.parameters:
+            _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
+            ref = shm_ref(f"input '{name}'", tensor.parameters)
         if ref is not None and shm is None:
             raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
         if tensor.datatype in UNSUPPORTED:
@@ -215,11 +224,11 @@ def parse_infer_request(
         nbytes = count * ITEMSIZE[cfg.wire_datatype]
         data: bytes | memoryview
         if ref is not None and shm is not None:
-            if _typed_used(tensor.contents):
+            if _typed_used(tensor):
                 raise InvalidArgument(f"input '{name}': data is given both in shared memory and in contents")
             data = shm.input(f"input '{name}'", ref, nbytes)
         elif raw:
-            if _typed_used(tensor.contents):
+            if _typed_used(tensor):
                 raise InvalidArgument(
                     f"input '{name}': data is given both in raw_input_contents and in contents; send one"
                 )
@@ -231,7 +240,7 @@ def parse_infer_request(
                     f"for shape {_fmt(shape)} of {cfg.wire_datatype}"
                 )
         else:
-            data = _typed_bytes(name, cfg.wire_datatype, tensor.contents, count)
+            data = _typed_bytes(name, cfg.wire_datatype, tensor, count)
         seen[name] = InputTensor(name, cfg.wire_datatype, tuple(shape), data)
     missing = [n for n, c in configured.items() if n not in seen and not c.optional]
     if missing:
@@ -260,13 +269,18 @@ def _requested_outputs(request: Any, config: ModelConfig, shm: ShmLease | None) 
             )
         if out.name in names:
             raise InvalidArgument(f"output '{out.name}' is requested twice")
-        _check_parameters(f"output '{out.name}'", out.parameters, OUTPUT_PARAMS)
-        ref = shm_ref(f"output '{out.name}'", out.parameters)
-        if ref is not None:
-            if shm is None:
-                raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported here")
-            shm.bind_output(out.name, ref)
-        if out.parameters.get("classification") and out.parameters["classification"].int64_param > 0:
-            raise Unimplemented(f"output '{out.name}': classification outputs are not supported")
+        if out.parameters:
+            _check_output_parameters(out, shm)
         names.append(out.name)
     return tuple(names) if names else tuple(known)
+
+
+def _check_output_parameters(out: Any, shm: ShmLease | None) -> None:
+    _check_parameters(f"output '{out.name}'", out.parameters, OUTPUT_PARAMS)
+    ref = shm_ref(f"output '{out.name}'", out.parameters)
+    if ref is not None:
+        if shm is None:
+            raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported here")
+        shm.bind_output(out.name, ref)
+    if out.parameters.get("classification") and out.parameters["classification"].int64_param > 0:
+        raise Unimplemented(f"output '{out.name}': classification outputs are not supported")
