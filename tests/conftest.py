@@ -117,9 +117,11 @@ class RunningDaemon:
     def worker_pids(self) -> list[int]:
         import psutil
 
+        from mpsd.daemon.fronts import is_front_command
+
         def is_front(child: psutil.Process) -> bool:
             try:
-                return "mpsd.daemon.front" in child.cmdline()
+                return is_front_command(child.cmdline())
             except psutil.Error:
                 return False
 

@@ -33,6 +33,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from mpsd.daemon.fronts import is_front_command
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, serving, shm_segments, wait_for
 
@@ -48,7 +49,7 @@ def front_pids(daemon: RunningDaemon) -> list[int]:
         children = psutil.Process(daemon.pid).children()
     except psutil.NoSuchProcess:
         return []
-    return [p.pid for p in children if "mpsd.daemon.front" in " ".join(p.cmdline())]
+    return [p.pid for p in children if is_front_command(p.cmdline())]
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,13 @@ from .listen import Address, parse_address
 from .status import grpc_status
 
 log = structlog.get_logger("mpsd.daemon.fronts")
+FRONT_MODULE = "mpsd.daemon.front"  # what a front process runs: `python -m FRONT_MODULE`
+
+
+def is_front_command(argv: Sequence[str]) -> bool:
+    """Whether a process's command line is a front process's (tools tell fronts from model workers)."""
+    return FRONT_MODULE in argv
+
 
 InferBytes = Callable[[bytes | bytearray, float | None], Awaitable[bytes]]
 
@@ -257,7 +264,7 @@ class FrontPool:
                 process = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
-                    "mpsd.daemon.front",
+                    FRONT_MODULE,
                     "--fd",
                     str(child.fileno()),
                     pass_fds=(child.fileno(),),
