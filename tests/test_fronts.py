@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from mpsd.daemon.fronts import is_front_command
+from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, serving, shm_segments, wait_for
 
@@ -307,6 +308,9 @@ def test_settings_the_address_cannot_serve_are_configuration_errors(tmp_path: Pa
     assert done.returncode == 1 and "in use" in done.stderr, done.stderr
 
 
+CATEGORIES = ["inference", "health", "logs-statistics"]
+
+
 def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
     from tests.test_security import bearer, make_pki
 
@@ -320,7 +324,7 @@ def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
         tmp_path / "mpsd.yaml",
         front_processes=2,
         tls={"cert_file": str(pki.server_cert), "key_file": str(pki.server_key)},
-        auth={"tokens": [{"token_file": str(tmp_path / "token"), "categories": ["inference", "health"]}]},
+        auth={"tokens": [{"token_file": str(tmp_path / "token"), "categories": CATEGORIES}]},
     )
     daemon = RunningDaemon(repo, tmp_path / "daemon.log", config=config)
     client = grpcclient.InferenceServerClient(daemon.address, ssl=True, root_certificates=str(pki.ca))
@@ -336,6 +340,17 @@ def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
         assert code == "StatusCode.UNAUTHENTICATED"
         code, message = status_of(lambda: client.get_model_repository_index(headers=bearer("s3cret-token")))
         assert code == "StatusCode.PERMISSION_DENIED" and "model-repository" in message
+        # The fronts' refusals are the daemon's log events too: in the stream `mpsd logs` reads.
+        with grpc.secure_channel(
+            daemon.address, grpc.ssl_channel_credentials(pki.ca.read_bytes())
+        ) as channel:
+            stream = admin_pb2_grpc.MpsdAdminStub(channel).StreamLogs(
+                admin_pb2.StreamLogsRequest(replay=2000), metadata=bearer("s3cret-token").items(), timeout=30
+            )
+            refused = [e for e in stream if e.message == "call refused"]
+        assert len(refused) == 3, refused
+        assert {e.fields["front"] for e in refused} <= {"0", "1"}
+        assert any("RepositoryIndex" in e.fields["method"] for e in refused)
         result = client.infer("add_sub", add_sub_inputs(a, a), headers=bearer("s3cret-token"))
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
         plain = grpcclient.InferenceServerClient(daemon.address)

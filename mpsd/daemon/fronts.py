@@ -235,6 +235,7 @@ class FrontPool:
         self._served_before: dict[int, int] = {}  # by fronts that have since been replaced
         self._stopping = False
         self._supervisors: list[asyncio.Task[None]] = []
+        self._relays: set[asyncio.Task[None]] = set()
 
     def served(self) -> dict[int, int]:
         """ModelInfer calls each front slot has handed to the core, over restarts."""
@@ -269,10 +270,15 @@ class FrontPool:
                     str(child.fileno()),
                     pass_fds=(child.fileno(),),
                     stdin=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
                     env=worker_base_env(),
                 )
             finally:
                 child.close()
+            assert process.stderr is not None
+            relay = asyncio.create_task(relay_front_log(process.stderr, index, process.pid))
+            self._relays.add(relay)  # a strong reference until the front's stderr closes
+            relay.add_done_callback(self._relays.discard)
             transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
             assert isinstance(transport, asyncio.Transport)
             link.attach(transport)
@@ -344,6 +350,34 @@ class FrontPool:
         for front in self.fronts.values():
             if front.link.transport is not None:
                 front.link.transport.close()
+        if self._relays:  # the fronts' last words (their stderr closes as they exit)
+            await asyncio.wait(set(self._relays), timeout=5.0)
+
+
+async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) -> None:
+    """A front's log events become the daemon's own: rendered in the daemon's format, at its (runtime)
+    level, and in the event stream that `mpsd logs` reads. The front writes them as JSON lines; any other
+    line on its stderr (a traceback from a crash) is relayed as text."""
+    while line := await stream.readline():
+        text = line.decode(errors="replace").rstrip()
+        if not text:
+            continue
+        try:
+            fields = json.loads(text)
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict) or not isinstance(fields.get("event"), str):
+            log.warning(text, source="front.stderr", front=index, pid=pid, event_kind="stderr")
+            continue
+        message = fields.pop("event")
+        level = str(fields.pop("level", "info"))
+        fields.pop("timestamp", None)
+        fields.setdefault("front", index)
+        emit = getattr(log, level if level in FRONT_LOG_LEVELS else "info")
+        emit(message, **{**fields, "source": "front", "pid": pid})
+
+
+FRONT_LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
 
 
 async def _end(process: asyncio.subprocess.Process, timeout_s: float) -> None:

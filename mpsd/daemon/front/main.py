@@ -206,7 +206,8 @@ async def serve(sock: socket.socket) -> int:
         return 1  # the daemon went away before it said what to serve
     settings = link.settings.result()
     config = DaemonConfig.model_validate(settings["config"])
-    configure(config.log_level, config.log_format)
+    # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
+    configure(config.log_level, "json")
     structlog.contextvars.bind_contextvars(front=settings["index"])
     address = parse_address(config.grpc_address)
     limit = config.max_message_bytes
