@@ -163,3 +163,22 @@ def test_batches_go_to_free_instances(setup: tuple[RunningDaemon, Path]) -> None
         assert error is None, error
         pids.update(int(p) for p in result.as_numpy("pid").reshape(-1))  # type: ignore[union-attr]
     assert len(pids) == 2, pids
+
+
+def queue_ns(daemon: RunningDaemon, model: str) -> int:
+    stats = daemon.client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return int(stats["inference_stats"]["queue"].get("ns", 0))
+
+
+def test_a_single_instance_takes_the_next_batch_while_it_runs_one(setup: tuple[RunningDaemon, Path]) -> None:
+    """With one instance the next batch is handed to the worker at once and waits there, in its own
+    regions, instead of in the queue: the second of two slow requests of different shapes (so two
+    executions) spends almost none of the first one's 0.5 s in the queue."""
+    daemon, _ = setup
+    before = queue_ns(daemon, "bounded")
+    slow = [np.full((1, 2), 1000.0, np.float32), np.full((1, 3), 1001.0, np.float32)]
+    results = fire(daemon, "bounded", slow)
+    assert [e for _, e in results] == [None, None]
+    waited_s = (queue_ns(daemon, "bounded") - before) / 1e9
+    assert waited_s < 0.25, f"{waited_s:.3f} s in the queue: the second batch waited for the first"
+    assert [r.as_numpy("y").tolist() for r, _ in results] == [[[2000.0, 2000.0]], [[2002.0] * 3]]

@@ -1,5 +1,5 @@
 """Supervision of one model instance: keep one worker alive, restart it with capped exponential back-off,
-and feed it requests from the version's queue one at a time."""
+and feed it batches from the version's queue."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from .worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
+from mpsd.ipc.protocol import SLOTS
+
+from .worker_process import LoadError, WorkerLaunch, WorkerProcess
 
 if TYPE_CHECKING:
+    from .batcher import Pending
     from .model_version import ModelVersion
 
 log = structlog.get_logger("mpsd.daemon.supervisor")
@@ -46,8 +49,9 @@ class Instance:
         self.started_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._idle = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no execution of this instance runs
         self._idle.set()
+        self._running: set[asyncio.Task[None]] = set()
         self._retiring: set[asyncio.Task[None]] = set()
 
     @property
@@ -157,22 +161,35 @@ class Instance:
         with contextlib.suppress(asyncio.CancelledError):
             await dispatch
 
+    def _depth(self) -> int:
+        """Executions this instance keeps in flight. With one instance the next batch waits in the worker
+        while the current one runs, so the worker never idles between them; with several, each takes one
+        at a time, so a batch always goes to an idle instance while there is one."""
+        return SLOTS if len(self.version.instances) == 1 else 1
+
     async def _dispatch(self, worker: WorkerProcess, done_with: asyncio.Event) -> None:
         queue = self.version.queue
         while not self._stopping and not done_with.is_set():
+            if len(self._running) >= self._depth():
+                await asyncio.wait(set(self._running), return_when=asyncio.FIRST_COMPLETED)
+                continue
             batch = await queue.next_batch()
             if worker.died.is_set() or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
             self._idle.clear()
-            try:
-                await self.version.execute(batch, worker)
-            except WorkerDied:
-                return
-            except Exception:  # the request's own error; the worker keeps serving
-                continue
-            finally:
-                self._idle.set()
+            task = asyncio.create_task(self._execute(batch, worker))
+            self._running.add(task)  # a strong reference while it runs
+            task.add_done_callback(self._finished)
+
+    async def _execute(self, batch: list[Pending], worker: WorkerProcess) -> None:
+        with contextlib.suppress(Exception):  # `execute` settled every request; a death wakes `_supervise`
+            await self.version.execute(batch, worker)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        if not self._running:
+            self._idle.set()
 
     async def stop(self, grace_s: float = 0.0) -> None:
         """Stop taking requests; with a grace period, let the request in progress finish first."""

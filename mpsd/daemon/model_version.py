@@ -130,10 +130,15 @@ class ModelVersion:
             self.stats.queue.add(item.timings.queue_ns)
         timings = Timings()
         try:
-            outputs = await worker.infer_batch([item.request for item in batch], timings)
+            deadlines = [item.deadline for item in batch]
+            latest = None if None in deadlines else max(d for d in deadlines if d is not None)
+            outputs = await worker.infer_batch(
+                [item.request for item in batch], timings, [item.future for item in batch], latest
+            )
         except MpsdError as exc:
             fail_all(batch, exc)
-            if not isinstance(exc, WorkerDied):  # a death is logged once, as "worker died"
+            skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited
+            if not isinstance(exc, WorkerDied) and not skipped:  # a death is logged once, as "worker died"
                 oom = exc.code is ErrorCode.RESOURCE_EXHAUSTED
                 log.warning(
                     "out of memory" if oom else "request failed",

@@ -1,6 +1,7 @@
 """The daemon's handle on one worker process: spawn, IPC, shared memory, death detection.
 
-One request at a time per worker; the caller (the instance's dispatcher) guarantees that.
+At most `SLOTS` executions at a time per worker, each with its own input and output regions: the next
+batch can wait in the worker's socket while the current one runs.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -38,6 +40,14 @@ class LoadError(Exception):
 
 class WorkerDied(Unavailable):
     """The worker process ended while a request was in flight."""
+
+
+class _Abandoned(Exception):
+    """The caller stopped waiting (cancelled) while the worker still runs its execution."""
+
+    def __init__(self, pending: asyncio.Future[object], cause: BaseException) -> None:
+        self.pending = pending
+        self.cause = cause
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -70,6 +80,37 @@ class WorkerLaunch:
         return f"{self.model.name}/{self.model.version}#{self.instance}"
 
 
+def _watch(
+    control: memoryview,
+    waiting: Sequence[asyncio.Future[Any]],
+    deadline: float | None,
+    loop: asyncio.AbstractEventLoop,
+) -> Callable[[], None]:
+    """Mark the execution abandoned in its control block (byte 0) once every future in `waiting` is done or
+    the deadline passes; returns what stops watching. The worker skips an abandoned execution it has not
+    started, so a request cancelled or expired while the previous batch runs does not run after all."""
+
+    def mark(why: int) -> None:
+        if control[0] == 0:
+            control[0] = why
+
+    def check(_: object = None) -> None:
+        if waiting and all(f.done() for f in waiting):
+            mark(p.ABANDONED_CANCELLED)
+
+    for future in waiting:
+        future.add_done_callback(check)
+    timer = loop.call_at(deadline, mark, p.ABANDONED_EXPIRED) if deadline is not None else None
+
+    def unwatch() -> None:
+        for future in waiting:
+            future.remove_done_callback(check)
+        if timer is not None:
+            timer.cancel()
+
+    return unwatch
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -95,9 +136,13 @@ class WorkerProcess:
         self._transport: asyncio.Transport | None = None
         self._load_reply: asyncio.Future[object] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._pending: asyncio.Future[object] | None = None
         self._req_ids = itertools.count(1)
-        self.arena = Arena()
+        # Up to p.SLOTS executions in flight, each with its own regions: the next batch waits in the
+        # worker's socket while the current one runs.
+        self.arenas = tuple(Arena() for _ in range(p.SLOTS))
+        self._free_slots = list(range(p.SLOTS))[::-1]
+        self._slot_freed = asyncio.Event()
+        self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
         self._stopping = False
 
     @property
@@ -205,15 +250,17 @@ class WorkerProcess:
                 self._load_reply.set_result(msg)
             self._load_reply = None
         elif isinstance(msg, p.NeedOutput):
-            self._grow_output(msg.nbytes)
+            entry = self._inflight.get(msg.req_id)
+            if entry is not None:
+                self._grow_output(entry[1], msg.nbytes)
         elif isinstance(msg, p.MemorySnapshot):
             self.memory = msg.memory
             self._check_ceilings(msg.memory)
             log.debug("worker memory", worker=self.launch.label, pid=self.pid, **msg.memory)
-        elif self._pending is not None:
-            pending, self._pending = self._pending, None
-            if not pending.done():
-                pending.set_result(msg)
+        elif isinstance(msg, (p.InferDone, p.InferFailed)):
+            entry = self._inflight.pop(msg.req_id, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_result(msg)
 
     def _on_closed(self, exc: Exception | None) -> None:
         if self._load_reply is not None and not self._load_reply.done():
@@ -223,15 +270,17 @@ class WorkerProcess:
     async def _after_close(self) -> None:
         """The channel is gone: wait for the process, fail the request in flight, report the death."""
         await self._wait_exit(None)
-        pending, self._pending = self._pending, None
-        if pending is not None and not pending.done():
-            why = f" ({self.kill_reason})" if self.kill_reason else ""
-            pending.set_exception(
-                WorkerDied(
-                    f"model '{self.launch.model.name}' version {self.launch.model.version}: worker pid "
-                    f"{self.pid} {self.exit_description}{why} while running the request"
+        inflight = list(self._inflight.values())
+        self._inflight.clear()
+        why = f" ({self.kill_reason})" if self.kill_reason else ""
+        for pending, _ in inflight:
+            if not pending.done():
+                pending.set_exception(
+                    WorkerDied(
+                        f"model '{self.launch.model.name}' version {self.launch.model.version}: worker "
+                        f"pid {self.pid} {self.exit_description}{why} while running the request"
+                    )
                 )
-            )
         if not self._stopping and self.ready is not None:
             log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
         self._release_regions()
@@ -295,25 +344,60 @@ class WorkerProcess:
         except TimeoutError:
             await self.kill()
 
-    def _grow_output(self, nbytes: int) -> None:
-        region = self.arena.grow_output(nbytes)
+    def _grow_output(self, slot: int, nbytes: int) -> None:
+        region = self.arenas[slot].grow_output(nbytes)
         assert self._transport is not None
         self._transport.write(encode(p.OutputRegion(region)))
 
     def _release_regions(self) -> None:
-        self.arena.release()
+        for arena in self.arenas:
+            arena.release()
+
+    async def _take_slot(self) -> int:
+        while not self._free_slots:
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+        return self._free_slots.pop()
+
+    def _give_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+        self._slot_freed.set()
 
     async def infer_batch(
-        self, requests: Sequence[InferRequest], timings: Timings
+        self,
+        requests: Sequence[InferRequest],
+        timings: Timings,
+        waiting: Sequence[asyncio.Future[Any]] = (),
+        deadline: float | None = None,
     ) -> list[tuple[OutputTensor, ...]]:
         """Run requests as one execution: their inputs are concatenated along the batch dimension straight
-        into shared memory, and each request gets its own rows of every output it asked for."""
+        into shared memory, and each request gets its own rows of every output it asked for.
+
+        Takes one of the worker's slots for the execution; with both in use it waits for one to free up.
+        Once every future in `waiting` is done (the callers went away) or `deadline` (time.monotonic(), the
+        latest of the requests') has passed, an execution the worker has not started yet is skipped.
+        """
+        slot = await self._take_slot()
+        kept = False  # the worker still uses the slot after this call ends: it is freed when it answers
+        try:
+            return await self._run_in_slot(slot, requests, timings, waiting, deadline)
+        except _Abandoned as abandoned:
+            kept = True
+            abandoned.pending.add_done_callback(lambda _: self._give_slot(slot))
+            raise abandoned.cause from None
+        finally:
+            if not kept:
+                self._give_slot(slot)
+
+    async def _run_in_slot(
+        self,
+        slot: int,
+        requests: Sequence[InferRequest],
+        timings: Timings,
+        waiting: Sequence[asyncio.Future[Any]],
+        deadline: float | None,
+    ) -> list[tuple[OutputTensor, ...]]:
         model = self.launch.model
-        while self._pending is not None:
-            # The caller of the previous request went away (cancelled) while the worker still runs it:
-            # its shared memory is in use until the worker answers.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._pending)
         if self.died.is_set() or self._transport is None:
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         loop = asyncio.get_running_loop()
@@ -321,40 +405,45 @@ class WorkerProcess:
         total_rows = sum(r.batch_size for r in requests)
         first = requests[0].inputs
         refs = []
-        offset = 0
+        offset = p.CONTROL_BYTES
         for i, t in enumerate(first):
             n = sum(len(r.inputs[i].data) for r in requests)
             shape = (total_rows, *t.shape[1:]) if len(requests) > 1 else t.shape
             refs.append(p.TensorRef(t.name, t.datatype, shape, offset, n))
             offset = _align(offset + n)
-        in_region = self.arena.input_for(offset)
+        arena = self.arenas[slot]
+        in_region = arena.input_for(offset)
         buf = in_region.buf
+        buf[0] = 0  # wanted (see `_watch`)
         for i, ref in enumerate(refs):
             pos = ref.offset
             for r in requests:  # the batch is assembled in place: one copy per request's bytes
                 data = r.inputs[i].data
                 buf[pos : pos + len(data)] = data
                 pos += len(data)
-        out = self.arena.output_region()
+        out = arena.output_region()
         wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
-        msg = p.Infer(
-            req_id,
-            tuple(refs),
-            tuple(wanted),
-            arena_ref(in_region),
-            arena_ref(out),
-        )
-        pending = self._pending = loop.create_future()  # settled by the reply or by the worker's death
+        msg = p.Infer(req_id, tuple(refs), tuple(wanted), arena_ref(in_region), arena_ref(out), slot)
+        pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
+        self._inflight[req_id] = (pending, slot)
         self._transport.write(encode(msg))
-        reply = await self._wait_reply(pending)
+        unwatch = _watch(buf, waiting, deadline, loop)
+        try:
+            reply = await self._wait_reply(pending)
+        except BaseException as exc:
+            if not pending.done():
+                raise _Abandoned(pending, exc) from None
+            raise
+        finally:
+            unwatch()
         if isinstance(reply, p.InferFailed):
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
             raise Internal(f"protocol error: unexpected reply {type(reply).__name__} from worker")
-        self.arena.mapped_by_worker()
-        out = self.arena.output_region()  # the worker may have asked for a larger one meanwhile
+        arena.mapped_by_worker()
+        out = arena.output_region()  # the worker may have asked for a larger one meanwhile
         r0 = loop.time()
         results = self._split(requests, reply.outputs, out, total_rows)
         read_ns = int((loop.time() - r0) * 1e9)

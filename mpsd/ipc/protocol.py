@@ -94,11 +94,24 @@ class Init:
 
 @dataclass(frozen=True)
 class Infer:
+    """One execution. The daemon may send the next before this one is answered (at most `SLOTS` in flight):
+    each uses the regions of its own slot, and the worker runs them in order."""
+
     req_id: int
     inputs: tuple[TensorRef, ...]
     outputs: tuple[str, ...]
     input_region: RegionRef
     output_region: RegionRef
+    slot: int = 0
+
+
+SLOTS = 2
+# The first CONTROL_BYTES of every input region are its slot's control block. Byte 0 is 0 when the daemon
+# sends the execution and is set once nobody waits for it any more; the worker reads it just before running
+# the execution and answers InferFailed instead of running it.
+CONTROL_BYTES = 64
+ABANDONED_CANCELLED = 1  # every request of the batch was cancelled
+ABANDONED_EXPIRED = 2  # every request of the batch is past its deadline
 
 
 @dataclass(frozen=True)

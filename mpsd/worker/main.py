@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 import traceback
+from collections import deque
 from typing import TYPE_CHECKING
 
 from mpsd.errors import ErrorCode, MpsdError
@@ -64,13 +65,29 @@ def _fail_load(sock: socket.socket, reason: str) -> None:
 
 
 def _infer(
-    reader: FrameReader, sock: socket.socket, runner: Runner, regions: RegionCache, msg: p.Infer
+    reader: FrameReader,
+    sock: socket.socket,
+    runner: Runner,
+    regions: RegionCache,
+    msg: p.Infer,
+    early: deque[object],
 ) -> p.InferDone:
-    """Run one request from shared memory to shared memory."""
+    """Run one request from shared memory to shared memory (the regions of its slot).
+
+    Messages that arrive while it waits for a larger output region (the daemon's next request) go to
+    `early`, to be handled after it.
+    """
     from mpsd.worker.inference import write_outputs
 
-    inputs = regions.get("input", msg.input_region)
-    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views("input"))
+    inputs = regions.get(f"input{msg.slot}", msg.input_region)
+    abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
+    if abandoned == p.ABANDONED_EXPIRED:
+        raise MpsdError(
+            "every request of the batch was past its deadline before it ran", ErrorCode.DEADLINE_EXCEEDED
+        )
+    if abandoned:
+        raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
+    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views(f"input{msg.slot}"))
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)
     del outputs
@@ -78,11 +95,10 @@ def _infer(
     out_ref = msg.output_region
     if needed > out_ref.size:
         send_blocking(sock, p.NeedOutput(msg.req_id, needed))
-        reply = reader.recv_wait()
-        if not isinstance(reply, p.OutputRegion):
-            raise MpsdError(f"protocol error: expected OutputRegion, got {type(reply).__name__}")
+        while not isinstance(reply := reader.recv_wait(), p.OutputRegion):
+            early.append(reply)
         out_ref = reply.region
-    refs = write_outputs(regions.get("output", out_ref), msg.outputs, tensors)
+    refs = write_outputs(regions.get(f"output{msg.slot}", out_ref), msg.outputs, tensors)
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0)
 
 
@@ -100,6 +116,7 @@ def _serve(
 
     regions = RegionCache(host_pinner(runner.device))
     reader = FrameReader(sock, snapshot_interval_s / 5)
+    early: deque[object] = deque()
     last_snapshot = 0.0
     with torch.inference_mode():
         while True:
@@ -108,14 +125,14 @@ def _serve(
                 send_blocking(sock, p.MemorySnapshot(memory_counters(runner.device)))
                 last_snapshot = time.monotonic()
             try:
-                msg = reader.recv()
+                msg = early.popleft() if early else reader.recv()
             except ConnectionClosed:
                 return
             if isinstance(msg, p.Infer):
                 failure: p.InferFailed | None = None
                 oom = False
                 try:
-                    send_blocking(sock, _infer(reader, sock, runner, regions, msg))
+                    send_blocking(sock, _infer(reader, sock, runner, regions, msg, early))
                     if after_request:
                         last_snapshot = 0.0
                 except ConnectionClosed:
