@@ -1,4 +1,5 @@
-"""The shared memory of one worker: an input region and an output region, owned by the daemon.
+"""The shared memory of one execution slot of a worker: an input region and an output region, owned by the
+daemon (a worker has `SLOTS` of them).
 
 Regions are reused from request to request and only replaced (by one twice as large) when a request does
 not fit, so no request allocates shared memory. Names are unlinked once the worker has mapped them.
