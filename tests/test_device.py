@@ -353,3 +353,28 @@ def test_cuda_pins_shared_memory_and_copies_from_it() -> None:
     finally:
         region.unlink()
         region.close()
+
+
+def test_tensor_views_on_a_region_are_reused_and_their_number_is_bounded() -> None:
+    """Views over shared memory are built once per place; shapes that vary without end do not grow the
+    cache past its limit (it starts again), and every view still reads the region's current bytes."""
+    import numpy as np
+
+    from mpsd.ipc.shm import Region
+    from mpsd.worker.inference import VIEWS_LIMIT, region_view
+
+    region = Region.create(1 << 16)
+    try:
+        views: dict[object, object] = {}
+        first = region_view(region, views, 0, 8)  # type: ignore[arg-type]
+        assert region_view(region, views, 0, 8) is first  # type: ignore[arg-type]
+        for n in range(1, 3 * VIEWS_LIMIT):
+            view = region_view(region, views, 0, n)  # type: ignore[arg-type]
+            assert len(views) <= VIEWS_LIMIT
+        region.buf[:4] = bytes([1, 2, 3, 4])
+        assert np.asarray(view[:4]).tolist() == [1, 2, 3, 4]
+        del first, view
+        views.clear()
+    finally:
+        region.unlink()
+        region.close()

@@ -82,6 +82,8 @@ def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
 # The set of output (name, dtype, shape) already checked against the config is bounded: a model whose
 # output shapes vary without end is checked every time past this many.
 CHECKED_LIMIT = 1024
+# Views kept per region: past this many (shapes that vary without end) the cache starts again.
+VIEWS_LIMIT = 256
 Views = dict[object, torch.Tensor]
 
 
@@ -91,6 +93,8 @@ def region_view(region: Region, views: Views, offset: int, nbytes: int) -> torch
     key = (offset, nbytes)
     view = views.get(key)
     if view is None:
+        if len(views) >= VIEWS_LIMIT:
+            views.clear()
         # Through numpy, whose array holds a buffer export for as long as the view lives: the region then
         # cannot be unmapped under it (torch.frombuffer keeps no export, so nothing would stop that).
         view = torch.from_numpy(np.frombuffer(region.buf, dtype=np.uint8, count=nbytes, offset=offset))
@@ -121,7 +125,7 @@ class Runner:
         key = (ref.offset, ref.nbytes, ref.datatype, ref.shape)
         typed = views.get(key)
         if typed is None:
-            flat = region_view(region, views, ref.offset, ref.nbytes)
+            flat = region_view(region, views, ref.offset, ref.nbytes)  # may start the cache again
             typed = views[key] = flat.view(TO_TORCH[ref.datatype]).reshape(ref.shape)
         if self._on_cpu:
             return typed.detach()  # the model gets its own tensor object: in-place shape changes stay its own
