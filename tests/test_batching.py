@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,20 +166,25 @@ def test_batches_go_to_free_instances(setup: tuple[RunningDaemon, Path]) -> None
     assert len(pids) == 2, pids
 
 
-def queue_ns(daemon: RunningDaemon, model: str) -> int:
-    stats = daemon.client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    return int(stats["inference_stats"]["queue"].get("ns", 0))
-
-
 def test_a_single_instance_takes_the_next_batch_while_it_runs_one(setup: tuple[RunningDaemon, Path]) -> None:
     """With one instance the next batch is handed to the worker at once and waits there, in its own
-    regions, instead of in the queue: the second of two slow requests of different shapes (so two
-    executions) spends almost none of the first one's 0.5 s in the queue."""
+    regions, instead of in the queue: while a slow batch runs, one more request (of another shape, so its
+    own batch) is accepted beyond `max_queue_size` (2)."""
     daemon, _ = setup
-    before = queue_ns(daemon, "bounded")
-    slow = [np.full((1, 2), 1000.0, np.float32), np.full((1, 3), 1001.0, np.float32)]
-    results = fire(daemon, "bounded", slow)
-    assert [e for _, e in results] == [None, None]
-    waited_s = (queue_ns(daemon, "bounded") - before) / 1e9
-    assert waited_s < 0.25, f"{waited_s:.3f} s in the queue: the second batch waited for the first"
-    assert [r.as_numpy("y").tolist() for r, _ in results] == [[[2000.0, 2000.0]], [[2002.0] * 3]]
+    done: queue.Queue[tuple[int, object, object]] = queue.Queue()
+    shapes = [(1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]  # incompatible: one batch each
+    for i, shape in enumerate(shapes):
+        daemon.client.async_infer(
+            "bounded",
+            x(np.full(shape, 1000.0 + i, np.float32)),
+            callback=lambda result, error, i=i: done.put((i, result, error)),
+        )
+        time.sleep(0.05)  # in this order; the first runs for 0.5 s
+    got = sorted((done.get(timeout=60) for _ in shapes), key=lambda t: t[0])
+    errors = [e for _, _, e in got]
+    # running, waiting in the worker, two in the queue, refused
+    assert [e is None for e in errors] == [True, True, True, True, False], errors
+    assert (
+        isinstance(errors[4], InferenceServerException)
+        and errors[4].status() == "StatusCode.RESOURCE_EXHAUSTED"
+    )

@@ -271,6 +271,7 @@ class FrontPool:
                     pass_fds=(child.fileno(),),
                     stdin=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
+                    limit=LOG_LINE_LIMIT,
                     env=worker_base_env(),
                 )
             finally:
@@ -355,10 +356,18 @@ class FrontPool:
 
 
 async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) -> None:
-    """A front's log events become the daemon's own: rendered in the daemon's format, at its (runtime)
-    level, and in the event stream that `mpsd logs` reads. The front writes them as JSON lines; any other
-    line on its stderr (a traceback from a crash) is relayed as text."""
-    while line := await stream.readline():
+    """A front's log events become the daemon's own: rendered in the daemon's format, filtered at its level
+    (the front writes what its configured level lets through), and in the event stream `mpsd logs` reads.
+    The front writes them as JSON lines; any other line on its stderr (a traceback from a crash) is
+    relayed as text."""
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:  # a line over the stream's limit: dropped, the relay goes on
+            log.warning("front log line too long; dropped", front=index, pid=pid, limit=LOG_LINE_LIMIT)
+            continue
+        if not line:
+            return
         text = line.decode(errors="replace").rstrip()
         if not text:
             continue
@@ -377,6 +386,7 @@ async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) ->
         emit(message, **{**fields, "source": "front", "pid": pid})
 
 
+LOG_LINE_LIMIT = 1 << 20  # a front's log line (a JSON event, a traceback on one line) up to 1 MiB
 FRONT_LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
 
 

@@ -162,7 +162,11 @@ class ModelVersion:
         self.stats.record_execution(
             rows, timings.compute_input_ns, timings.compute_infer_ns, timings.compute_output_ns, len(batch)
         )
+        # Time spent in the worker's socket behind the execution before it is queueing too (Triton's
+        # queue time ends when the execution starts).
+        self.stats.queue.add(timings.worker_wait_ns * len(batch), count=0)
         for item, result in zip(batch, outputs, strict=True):
+            item.timings.queue_ns += timings.worker_wait_ns
             item.timings.compute_input_ns = timings.compute_input_ns
             item.timings.compute_infer_ns = timings.compute_infer_ns
             item.timings.compute_output_ns = timings.compute_output_ns

@@ -38,6 +38,7 @@ class Timings:
     """Nanoseconds spent in each phase of one request, as Triton's statistics split them."""
 
     queue_ns: int = 0
+    worker_wait_ns: int = 0  # of an execution: sent to its worker until the worker started it
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0

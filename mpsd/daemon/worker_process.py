@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,8 +92,9 @@ def _watch(
     started, so a request cancelled or expired while the previous batch runs does not run after all."""
 
     def mark(why: int) -> None:
-        if control[0] == 0:
-            control[0] = why
+        with contextlib.suppress(ValueError):  # the regions were released (the worker died)
+            if control[0] == 0:
+                control[0] = why
 
     def check(_: object = None) -> None:
         if waiting and all(f.done() for f in waiting):
@@ -228,7 +230,11 @@ class WorkerProcess:
         """Every line a worker prints becomes a log event tagged with its model and pid."""
         level = log.info if name == "stdout" else log.warning
         while True:
-            line = await stream.readline()
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line over the stream's limit: dropped, the pump goes on
+                log.warning("worker output line too long; dropped", worker=self.launch.label, pid=self.pid)
+                continue
             if not line:
                 return
             level(
@@ -398,7 +404,7 @@ class WorkerProcess:
         deadline: float | None,
     ) -> list[tuple[OutputTensor, ...]]:
         model = self.launch.model
-        if self.died.is_set() or self._transport is None:
+        if self.died.is_set() or self._stopping or self._transport is None:
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -425,15 +431,18 @@ class WorkerProcess:
         wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
-        msg = p.Infer(req_id, tuple(refs), tuple(wanted), arena_ref(in_region), arena_ref(out), slot)
+        in_ref, out_ref = arena_ref(in_region), arena_ref(out)
+        msg = p.Infer(req_id, tuple(refs), tuple(wanted), in_ref, out_ref, slot, time.monotonic_ns())
         pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
         self._inflight[req_id] = (pending, slot)
         self._transport.write(encode(msg))
         unwatch = _watch(buf, waiting, deadline, loop)
         try:
-            reply = await self._wait_reply(pending)
+            reply = await self._wait_reply(req_id, pending)
         except BaseException as exc:
             if not pending.done():
+                if buf[0] == 0:  # nobody will take the answer: the worker may skip it if not started
+                    buf[0] = p.ABANDONED_CANCELLED
                 raise _Abandoned(pending, exc) from None
             raise
         finally:
@@ -442,11 +451,14 @@ class WorkerProcess:
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
             raise Internal(f"protocol error: unexpected reply {type(reply).__name__} from worker")
+        if arena.output is None:  # released: the worker died right after answering
+            raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         arena.mapped_by_worker()
         out = arena.output_region()  # the worker may have asked for a larger one meanwhile
         r0 = loop.time()
         results = self._split(requests, reply.outputs, out, total_rows)
         read_ns = int((loop.time() - r0) * 1e9)
+        timings.worker_wait_ns = reply.waited_ns
         timings.compute_input_ns = write_ns + reply.compute_input_ns
         timings.compute_infer_ns = reply.compute_infer_ns
         timings.compute_output_ns = reply.compute_output_ns + read_ns
@@ -496,15 +508,21 @@ class WorkerProcess:
             row += r.batch_size
         return results
 
-    async def _wait_reply(self, pending: asyncio.Future[object]) -> object:
+    async def _wait_reply(self, req_id: int, pending: asyncio.Future[object]) -> object:
         """The worker's answer; past the request timeout the worker counts as hung and is killed.
 
-        Shielded: a caller that is cancelled leaves the request running, and the next request waits for
-        its answer before it reuses the shared memory.
+        The timeout counts from when the execution is the oldest in flight: one sent while another runs
+        waits for that first. Shielded: a caller that is cancelled leaves the execution running, and its
+        slot stays taken until the worker answers.
         """
         timeout = self.request_timeout_s
         if not timeout:
             return await asyncio.shield(pending)
+        for older_id in [i for i in self._inflight if i < req_id]:
+            entry = self._inflight.get(older_id)
+            if entry is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(entry[0])
         try:
             return await asyncio.wait_for(asyncio.shield(pending), timeout)
         except TimeoutError:

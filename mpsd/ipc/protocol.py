@@ -103,6 +103,7 @@ class Infer:
     input_region: RegionRef
     output_region: RegionRef
     slot: int = 0
+    sent_ns: int = 0  # time.monotonic_ns() when the daemon sent it (a clock both processes share)
 
 
 SLOTS = 2
@@ -157,6 +158,7 @@ class InferDone:
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
+    waited_ns: int = 0  # from `Infer.sent_ns` until the worker started it (behind the execution before it)
 
 
 @dataclass(frozen=True)

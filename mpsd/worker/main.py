@@ -79,6 +79,7 @@ def _infer(
     """
     from mpsd.worker.inference import write_outputs
 
+    waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
     inputs = regions.get(f"input{msg.slot}", msg.input_region)
     abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
     if abandoned == p.ABANDONED_EXPIRED:
@@ -99,7 +100,7 @@ def _infer(
             early.append(reply)
         out_ref = reply.region
     refs = write_outputs(regions.get(f"output{msg.slot}", out_ref), msg.outputs, tensors)
-    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0)
+    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0, waited_ns)
 
 
 def _serve(
