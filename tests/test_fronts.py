@@ -39,6 +39,7 @@ from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, serving, shm_segments, wait_for
 
 FRONTS = 2
+BIG_DIMS = 300_000  # 1.2 MB per tensor: requests and replies of 2.4 MB, larger than the link's socket buffer
 SLOW = """
 time.sleep(float(inputs['x'][0]))
 return {'y': inputs['x'] * 2}
@@ -96,6 +97,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     base = tmp_path_factory.mktemp("fronts")
     repo = base / "repo"
     models.add_sub(repo)
+    models.add_sub(repo, "add_sub_big", dims=BIG_DIMS, max_batch_size=0)
     models.python_model(repo, "slow", SLOW)
     metrics_port = free_port()
     args = ["--front-processes", str(FRONTS), "--metrics-address", f"127.0.0.1:{metrics_port}"]
@@ -157,6 +159,32 @@ def test_every_rpc_shape_through_a_front(setup: Setup) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_large_requests_and_replies_through_a_front(setup: Setup) -> None:
+    """A reply leaves the daemon as pieces (header, then each output behind its tag): they must arrive as
+    the one message they make up, for tensors larger than the link's socket buffer too."""
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        a = rng.standard_normal((BIG_DIMS,), dtype=np.float32)
+        b = rng.standard_normal((BIG_DIMS,), dtype=np.float32)
+        result = setup.daemon.client.infer("add_sub_big", add_sub_inputs(a, b))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+
+
+def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
+    from mpsd.daemon.front.wire import SOCKET_BUFFER, widen_buffers
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        before = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        widen_buffers(ours)
+        after = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    cap = Path("/proc/sys/net/core/wmem_max")
+    if cap.exists():  # Linux reports twice what it grants, up to twice the cap
+        assert after >= min(2 * SOCKET_BUFFER, 2 * int(cap.read_text()))
+    assert after > before
 
 
 def test_errors_keep_their_status_through_a_front(setup: Setup) -> None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from mpsd.daemon.wire_split import join_raw_output_contents, split_raw_contents
+from mpsd.daemon.wire_split import raw_output_parts, split_raw_contents
 
 names = st.text(min_size=0, max_size=12)
 tensors = st.builds(
@@ -101,7 +101,7 @@ def test_a_joined_response_parses_as_the_message_with_its_raw_contents(
     header = pb.ModelInferResponse(model_name=model, model_version="3", id="r", outputs=outs)
     header.parameters["p"].int64_param = 7
     entries = [memoryview(c) for c in contents] if views else contents
-    joined = join_raw_output_contents(header.SerializeToString(), entries)
+    joined = b"".join(raw_output_parts(header.SerializeToString(), entries))
     expected = pb.ModelInferResponse()
     expected.CopyFrom(header)
     expected.raw_output_contents.extend(contents)

@@ -35,7 +35,16 @@ from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError, MpsdError
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
-from .front.wire import MAX_IN_FLIGHT, FrameProtocol, FrameWriter, Kind, frame
+from .front.wire import (
+    MAX_IN_FLIGHT,
+    Buffer,
+    FrameProtocol,
+    FrameWriter,
+    Kind,
+    frame,
+    frame_of,
+    widen_buffers,
+)
 from .launch import worker_base_env
 from .listen import Address, parse_address
 from .status import grpc_status
@@ -49,7 +58,8 @@ def is_front_command(argv: Sequence[str]) -> bool:
     return FRONT_MODULE in argv
 
 
-InferBytes = Callable[[bytes | bytearray, float | None], Awaitable[bytes]]
+# ModelInfer on request bytes; the response comes back as pieces to be sent back to back.
+InferBytes = Callable[[bytes | bytearray, float | None], Awaitable[Sequence[Buffer]]]
 
 START_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
@@ -165,8 +175,8 @@ class FrontLink:
     def attach(self, transport: asyncio.Transport) -> None:
         self.transport = self.writer.transport = transport
 
-    def send(self, data: bytes) -> None:
-        self.writer.send(data)
+    def send(self, parts: tuple[Buffer, ...]) -> None:
+        self.writer.send(parts)
 
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
         if kind == Kind.INFER:
@@ -190,7 +200,7 @@ class FrontLink:
 
     async def _serve(self, call_id: int, payload: bytes | bytearray, deadline: float | None) -> None:
         try:
-            reply = frame(Kind.REPLY, call_id, 0, await self.infer(payload, deadline))
+            reply = frame_of(Kind.REPLY, call_id, 0, await self.infer(payload, deadline))
         except asyncio.CancelledError:
             return
         except MpsdError as exc:
@@ -258,6 +268,8 @@ class FrontPool:
         stopping meanwhile), the process is ended and the socket closed: nothing half-started stays."""
         loop = asyncio.get_running_loop()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (parent, child):
+            widen_buffers(end)
         process: asyncio.subprocess.Process | None = None
         link = FrontLink(index, self._infer, self._on_link_lost)
         try:

@@ -117,7 +117,8 @@ class Daemon:
             self._core_dir = make_core_dir()
             core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
             bind(server, core, None)
-            self.fronts = FrontPool(fronts, self.config, core.grpc_target, self.servicer.infer_serialized)
+            infer = self.servicer.infer_serialized_parts
+            self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer)
             self.metrics.add_fronts(self.fronts)
         else:
             bind(server, address, tls)

@@ -22,7 +22,7 @@ from .client_shm import ClientShmRegistry
 from .registry import Registry
 from .status import grpc_status
 from .validate import check_name, parse_infer_request
-from .wire_split import join_raw_output_contents, split_raw_contents
+from .wire_split import raw_output_parts, split_raw_contents
 from .worker_process import LoadError
 
 log = structlog.get_logger("mpsd.daemon.grpc")
@@ -139,7 +139,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return response
 
     async def infer_serialized(self, data: bytes | bytearray, deadline: float | None) -> bytes:
-        """ModelInfer for a front process: request bytes in, response bytes out, MpsdError on failure."""
+        """ModelInfer on serialized bytes: request bytes in, response bytes out, MpsdError on failure."""
+        return b"".join(await self.infer_serialized_parts(data, deadline))
+
+    async def infer_serialized_parts(
+        self, data: bytes | bytearray, deadline: float | None
+    ) -> list[bytes | memoryview]:
+        """ModelInfer for a front process: the response as consecutive pieces (`raw_output_parts`), which
+        its link writes with one scatter-gather send, copying no tensor bytes."""
         split = split_raw_contents(data)
         header, raw = split if split is not None else (data, None)
         try:
@@ -147,7 +154,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         except DecodeError as exc:
             raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
         response, contents = await self._infer_parts(request, deadline, raw or None)
-        return join_raw_output_contents(response.SerializeToString(), contents)
+        return raw_output_parts(response.SerializeToString(), contents)
 
     @rpc
     async def ModelInfer(self, request: bytes, context: Any) -> bytes:

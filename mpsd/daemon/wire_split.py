@@ -81,11 +81,12 @@ def _varint_bytes(n: int) -> bytes:
     return bytes(out)
 
 
-def join_raw_output_contents(header: bytes, contents: Sequence[bytes | memoryview]) -> bytes:
-    """A serialized ModelInferResponse: `header` (the message without raw_output_contents, serialized)
-    followed by one raw_output_contents entry per item, in order. Fields may come in any order on the wire,
-    so this parses exactly like the message with the entries set, and copies each entry once."""
+def raw_output_parts(header: bytes, contents: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A serialized ModelInferResponse as consecutive pieces: `header` (the message without
+    raw_output_contents, serialized) followed by one raw_output_contents entry per item, in order. Fields may
+    come in any order on the wire, so the pieces parse exactly like the message with the entries set. The
+    entries are not copied: a scatter-gather send can write them as they are."""
     parts: list[bytes | memoryview] = [header]
     for data in contents:
         parts += (_OUTPUT_TAG, _varint_bytes(len(data)), data)
-    return b"".join(parts)
+    return parts

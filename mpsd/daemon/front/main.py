@@ -25,7 +25,7 @@ from mpsd.logs import configure
 
 from ..auth import AccessPolicy, build_policy, refusal
 from ..listen import bind, parse_address
-from .wire import MAX_IN_FLIGHT, FrameProtocol, FrameWriter, Kind, frame
+from .wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 
 log = structlog.get_logger("mpsd.daemon.front")
 
@@ -56,8 +56,8 @@ class CoreLink:
     def protocol(self) -> FrameProtocol:
         return FrameProtocol(self._on_frame, self._on_lost)
 
-    def send(self, data: bytes) -> None:
-        self.writer.send(data)
+    def send(self, parts: tuple[Buffer, ...]) -> None:
+        self.writer.send(parts)
 
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
         if kind == Kind.REPLY:
