@@ -104,12 +104,16 @@ def start_mpsd(
     name: str = "mpsd",
     env: dict[str, str] | None = None,
     front_processes: str | None = None,
+    event_loop: str | None = None,
 ) -> Server:
     """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run) and,
-    when given, the number of front processes."""
+    when given, the number of front processes and the event loop."""
     address = f"127.0.0.1:{free_port()}"
     config = workdir / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({"model_repository": str(repo), "metrics_address": ""}))
+    settings: dict[str, str] = {"model_repository": str(repo), "metrics_address": ""}
+    if event_loop is not None:
+        settings["event_loop"] = event_loop
+    config.write_text(yaml.safe_dump(settings))
     args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
     if front_processes is not None:
         args += ["--front-processes", front_processes]

@@ -315,6 +315,11 @@ def main() -> None:
         "--front-processes", help="mpsd's front_processes for scenarios 1-4 (default: the daemon's, auto)"
     )
     parser.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        help="mpsd's event_loop for scenarios 1-4 (default: the daemon's, auto)",
+    )
+    parser.add_argument(
         "--model-cpus",
         type=int,
         default=None,
@@ -353,7 +358,13 @@ def main() -> None:
             # The CNN's threads: as many in mpsd's workers (its intra_op_thread_count) as in the reference.
             inproc_env = {**os.environ, "OMP_NUM_THREADS": str(args.model_cpus)} if args.model_cpus else None
             inproc = InProcess(env=inproc_env)
-            mpsd = common.start_mpsd(work / "repo", work, env=mpsd_env, front_processes=args.front_processes)
+            mpsd = common.start_mpsd(
+                work / "repo",
+                work,
+                env=mpsd_env,
+                front_processes=args.front_processes,
+                event_loop=args.event_loop,
+            )
             floor = common.start_floor(work)
             floor_hop = common.start_floor(work, worker_hop=True)
             try:

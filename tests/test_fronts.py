@@ -12,6 +12,7 @@ Checked against real daemons with two fronts, real workers and the stock tritonc
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -185,6 +186,26 @@ def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
     if cap.exists():  # Linux reports twice what it grants, up to twice the cap
         assert after >= min(2 * SOCKET_BUFFER, 2 * int(cap.read_text()))
     assert after > before
+
+
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, event_loop: str) -> None:
+    """The suite runs on the default (uvloop where installed); this runs a daemon and a front on each."""
+    if event_loop == "uvloop":
+        pytest.importorskip("uvloop")
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(yaml.safe_dump({"event_loop": event_loop, "metrics_address": ""}))
+    args = ["--front-processes", "1"]
+    with serving(repo, tmp_path / "daemon.log", config=config, extra_args=args) as daemon:
+        a = np.arange(16, dtype=np.float32).reshape(1, 16)
+        result = daemon.client.infer("add_sub", add_sub_inputs(a, a))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+        events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+    starts = ("listening", "front listening")
+    loops = {e["event"]: e.get("event_loop") for e in events if e["event"] in starts}
+    assert loops == {"listening": event_loop, "front listening": event_loop}
 
 
 def test_errors_keep_their_status_through_a_front(setup: Setup) -> None:

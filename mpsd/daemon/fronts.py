@@ -280,6 +280,8 @@ class FrontPool:
                     FRONT_MODULE,
                     "--fd",
                     str(child.fileno()),
+                    "--event-loop",
+                    self._config.event_loop,
                     pass_fds=(child.fileno(),),
                     stdin=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
@@ -293,7 +295,6 @@ class FrontPool:
             self._relays.add(relay)  # a strong reference until the front's stderr closes
             relay.add_done_callback(self._relays.discard)
             transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
-            assert isinstance(transport, asyncio.Transport)
             link.attach(transport)
             settings = {
                 "index": index,
@@ -315,7 +316,13 @@ class FrontPool:
             raise
         front = Front(index, process, link)
         self.fronts[index] = front
-        log.info("front listening", front=index, pid=process.pid, address=self._config.grpc_address)
+        log.info(
+            "front listening",
+            front=index,
+            pid=process.pid,
+            address=self._config.grpc_address,
+            event_loop=link.ready.result().get("event_loop"),
+        )
         return front
 
     def _on_link_lost(self, link: FrontLink) -> None:

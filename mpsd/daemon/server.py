@@ -22,6 +22,7 @@ from mpsd.logs import set_level
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 
+from . import eventloop
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .admin import AdminServicer
 from .auth import AuthInterceptor, build_policy
@@ -164,7 +165,12 @@ class Daemon:
                 await self._server.stop(0)
                 raise
         await self.metrics.start()
-        log.info("listening", address=self.config.grpc_address, repository=str(self.config.model_repository))
+        log.info(
+            "listening",
+            address=self.config.grpc_address,
+            repository=str(self.config.model_repository),
+            event_loop=eventloop.loop_name(),
+        )
         await self._update_health()
         background = [asyncio.create_task(self._watchdog())]
         await self.reconciler.run_once(settle=False)
@@ -275,4 +281,4 @@ class Daemon:
 
 
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
-    return asyncio.run(Daemon(config, config_path).run())
+    return eventloop.run(Daemon(config, config_path).run(), config.event_loop)

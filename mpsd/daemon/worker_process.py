@@ -177,7 +177,6 @@ class WorkerProcess:
         transport, _ = await loop.create_unix_connection(
             lambda: FrameProtocol(self._on_message, self._on_closed), sock=parent_sock
         )
-        assert isinstance(transport, asyncio.Transport)
         self._transport = transport
         log.info("worker started", worker=self.launch.label, pid=self.pid, kind=self.launch.kind)
         assert self._proc.stdout is not None and self._proc.stderr is not None

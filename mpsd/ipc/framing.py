@@ -12,6 +12,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from typing import cast
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
@@ -149,8 +150,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._big_have = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._big is not None:

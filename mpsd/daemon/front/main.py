@@ -23,6 +23,7 @@ import structlog
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.logs import configure
 
+from .. import eventloop
 from ..auth import AccessPolicy, build_policy, refusal
 from ..listen import bind, parse_address
 from .wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
@@ -198,7 +199,6 @@ async def serve(sock: socket.socket) -> int:
     loop = asyncio.get_running_loop()
     link = CoreLink()
     transport, _ = await loop.create_unix_connection(link.protocol, sock=sock)
-    assert isinstance(transport, asyncio.Transport)
     link.writer.transport = transport
     first: list[asyncio.Future[Any]] = [link.settings, link.lost]
     await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
@@ -228,7 +228,8 @@ async def serve(sock: socket.socket) -> int:
         link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))
         await asyncio.sleep(0.1)  # let the frame leave before the process ends
         return 1
-    link.send(frame(Kind.READY, payload=json.dumps({"pid": os.getpid()}).encode()))
+    ready = {"pid": os.getpid(), "event_loop": eventloop.loop_name()}
+    link.send(frame(Kind.READY, payload=json.dumps(ready).encode()))
 
     stop = asyncio.Event()
     hurry = asyncio.Event()
@@ -256,6 +257,7 @@ async def serve(sock: socket.socket) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpsd.daemon.front")
     parser.add_argument("--fd", type=int, required=True, help="the socketpair end the daemon passed")
+    parser.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default="auto")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
-    return asyncio.run(serve(sock))
+    return eventloop.run(serve(sock), args.event_loop)

@@ -13,6 +13,7 @@ import enum
 import socket
 import struct
 from collections.abc import Callable, Sequence
+from typing import cast
 
 # kind, call id, a number (request: seconds left before the client's deadline, < 0 for none;
 # response: gRPC status code), payload length.
@@ -105,8 +106,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._on_lost(exc)
