@@ -132,6 +132,9 @@ def main() -> None:
     )
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--front-processes", help="mpsd's front_processes (default: the daemon's, auto)")
+    parser.add_argument(
+        "--event-loop", choices=["asyncio", "uvloop"], help="mpsd's event_loop (default: asyncio)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--name", default="resnet50-gpu")
     args = parser.parse_args()
@@ -153,7 +156,9 @@ def main() -> None:
         print(f"model written ({time.time() - started:.0f} s)", flush=True)
         pool = ClientPool(args.client_processes)
         inproc = InProcess(openmp_variants=args.device == "cpu")
-        server = common.start_mpsd(work / "repo", work, front_processes=args.front_processes)
+        server = common.start_mpsd(
+            work / "repo", work, front_processes=args.front_processes, event_loop=args.event_loop
+        )
         floor = common.start_floor(work, [1, 1000])
         per_proc = args.clients // args.client_processes
         shared: common.SharedInput | None = None
@@ -295,6 +300,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"- {st['clients']} clients, one image per request; max_batch_size {st['max_batch']}, "
         f"max_queue_delay_microseconds {st['delay_us']}, preferred_batch_size [{st['max_batch']}], "
         f"{st['instances']} instance(s); front_processes {st.get('front_processes') or 'auto'}; "
+        f"event_loop {st.get('event_loop') or 'asyncio'}; "
         f"{st['rounds']} rounds of {st['duration']} s"
         + ("; inputs through system shared memory." if st.get("shm_inputs") else "."),
         f"- Load generator: {results['load_generator']}.",

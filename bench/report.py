@@ -289,7 +289,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"- mpsd's front_processes: {st.get('front_processes') or 'the default (auto: 0 up to 4 CPUs, else '}"
         + ("" if st.get("front_processes") else "one per 4 CPUs, at most 4)")
         + ".",
-        f"- mpsd's event_loop: {st.get('event_loop') or 'the default (auto: uvloop where installed)'}.",
+        f"- mpsd's event_loop: {st.get('event_loop') or 'the default (asyncio)'}.",
         f"- Run took {results.get('wall_s', 0):.0f} s.",
     ]
     if st.get("mpsd_env"):

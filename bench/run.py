@@ -316,8 +316,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--event-loop",
-        choices=["auto", "uvloop", "asyncio"],
-        help="mpsd's event_loop for scenarios 1-4 (default: the daemon's, auto)",
+        choices=["asyncio", "uvloop"],
+        help="mpsd's event_loop for scenarios 1-4 (default: the daemon's, asyncio)",
     )
     parser.add_argument(
         "--model-cpus",

@@ -35,6 +35,9 @@ def _serve(args: argparse.Namespace) -> int:
         from mpsd.daemon.fronts import front_count
 
         front_count(config)  # a setting the address cannot serve is a configuration error
+        from mpsd.daemon import eventloop
+
+        eventloop.check(config.event_loop)
         if not config.model_repository.is_dir():
             raise ConfigError(f"model repository {config.model_repository} is not a directory")
     except ConfigError as exc:

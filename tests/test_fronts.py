@@ -190,7 +190,7 @@ def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
 def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, event_loop: str) -> None:
-    """The suite runs on the default (uvloop where installed); this runs a daemon and a front on each."""
+    """The suite runs on the default (asyncio's loop); this runs a daemon and a front on each."""
     if event_loop == "uvloop":
         pytest.importorskip("uvloop")
     repo = tmp_path / "repo"
@@ -206,6 +206,16 @@ def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, ev
     starts = ("listening", "front listening")
     loops = {e["event"]: e.get("event_loop") for e in events if e["event"] in starts}
     assert loops == {"listening": event_loop, "front listening": event_loop}
+
+
+def test_uvloop_where_it_is_not_installed_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpsd.daemon import eventloop
+    from mpsd.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` now fails as if it were not installed
+    eventloop.check("asyncio")
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        eventloop.check("uvloop")
 
 
 def test_errors_keep_their_status_through_a_front(setup: Setup) -> None:

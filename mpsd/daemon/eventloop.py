@@ -1,8 +1,8 @@
-"""The event loop under the daemon and its front processes: uvloop where it is installed, else asyncio's.
+"""The event loop under the daemon and its front processes: asyncio's own, or uvloop on request.
 
-Every request passes through several callbacks, futures and socket transports of the loop; uvloop (libuv)
-runs the same asyncio code with cheaper ones. Nothing in mpsd depends on which loop runs it, so
-`event_loop: asyncio` is always a safe fallback.
+Nothing in mpsd depends on which loop runs it. uvloop (libuv) runs the same asyncio code with cheaper
+callbacks, futures and transports, which helps small requests; with large requests through front processes
+it measured slower (docs/performance.md), so it is a setting, not the default.
 """
 
 from __future__ import annotations
@@ -13,26 +13,21 @@ from typing import Any, Literal, TypeVar
 
 from mpsd.errors import ConfigError
 
-Choice = Literal["auto", "uvloop", "asyncio"]
+Choice = Literal["asyncio", "uvloop"]
 T = TypeVar("T")
 
 
-def uses_uvloop(choice: Choice) -> bool:
-    """Whether `choice` means uvloop here. Asking for uvloop where it is not installed is a configuration
-    error; `auto` quietly takes asyncio's loop instead."""
-    if choice == "asyncio":
-        return False
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError("event_loop: uvloop is not installed (pip install uvloop)") from None
-        return False
-    return True
+def check(choice: Choice) -> None:
+    """Asking for uvloop where it is not installed is a configuration error, found before anything starts."""
+    if choice == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            raise ConfigError("event_loop: uvloop is not installed (pip install 'mpsd[uvloop]')") from None
 
 
 def run(main: Coroutine[Any, Any, T], choice: Choice) -> T:
-    if uses_uvloop(choice):
+    if choice == "uvloop":
         import uvloop
 
         return uvloop.run(main)

@@ -257,7 +257,7 @@ async def serve(sock: socket.socket) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpsd.daemon.front")
     parser.add_argument("--fd", type=int, required=True, help="the socketpair end the daemon passed")
-    parser.add_argument("--event-loop", choices=["auto", "uvloop", "asyncio"], default="auto")
+    parser.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     return eventloop.run(serve(sock), args.event_loop)
