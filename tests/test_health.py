@@ -185,3 +185,22 @@ def test_sigterm_turns_watches_not_serving_and_ends_them(start_daemon, tmp_path:
         for statuses in (server, model):  # then the daemon ends the stream cleanly (status OK)
             assert list(statuses) == []
     assert d.proc.wait(60) == 0
+
+
+def test_the_server_is_not_ready_before_the_repository_was_read(tmp_path: Path) -> None:
+    """gRPC (and the front processes) listen before the first scan: an empty registry then means "not read
+    yet", and ServerReady must not say ready with no model known (a client would get NOT_FOUND)."""
+    import asyncio
+
+    from mpsd.daemon.instance import SupervisorSettings
+    from mpsd.daemon.registry import Registry
+
+    async def check() -> None:
+        registry = Registry(tmp_path, SupervisorSettings(), drain_timeout_s=1.0)
+        assert not registry.server_ready()
+        await registry.reconcile(only=["absent"], settle=False)  # a partial load is not a scan
+        assert not registry.server_ready()
+        await registry.reconcile(settle=False)
+        assert registry.server_ready()  # read, and empty: nothing to wait for
+
+    asyncio.run(check())

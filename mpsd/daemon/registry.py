@@ -118,6 +118,9 @@ class Registry:
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.entries: dict[str, ModelEntry] = {}
+        # Until the first full scan, `entries` is empty because nothing was read yet, not because the
+        # repository is empty: the server is not ready then (front processes and gRPC listen earlier).
+        self.scanned = False
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task[None]] = set()
 
@@ -148,8 +151,8 @@ class Registry:
             return False
 
     def server_ready(self) -> bool:
-        """Every model the repository holds is ready (Triton's strict readiness)."""
-        return all(e.state is ModelState.READY for e in self.entries.values())
+        """The repository has been read and every model it holds is ready (Triton's strict readiness)."""
+        return self.scanned and all(e.state is ModelState.READY for e in self.entries.values())
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -182,6 +185,8 @@ class Registry:
             self.entries.setdefault(name, ModelEntry(name, loading=True))
             jobs.append(self._apply_into(source, report))
         await asyncio.gather(*jobs)
+        if only is None:
+            self.scanned = True
         if report.changed or report.failed or report.unloaded:
             log.info(
                 "reconciled repository",
