@@ -174,6 +174,20 @@ def test_large_requests_and_replies_through_a_front(setup: Setup) -> None:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
 
 
+def test_a_frame_is_its_pieces_behind_a_header_that_counts_their_bytes() -> None:
+    """No empty piece (asyncio's scatter-gather writelines would poll the socket forever with one left at
+    the end), and the length is in bytes even for views of wider items."""
+    from mpsd.daemon.front.wire import HEADER, Kind, frame, frame_of
+
+    wide = memoryview(np.arange(5, dtype=np.float32).tobytes()).cast("f")  # len() is 5, 20 bytes
+    parts = frame_of(Kind.REPLY, 7, 0.0, [b"", b"ab", wide, memoryview(b""), bytearray(b"c")])
+    assert all(memoryview(p).nbytes for p in parts)
+    kind, call_id, _, length = HEADER.unpack(parts[0])
+    assert (kind, call_id, length) == (Kind.REPLY, 7, 23)
+    assert b"".join(parts[1:]) == b"ab" + wide.tobytes() + b"c"
+    assert len(frame(Kind.CANCEL, 3)) == 1  # a header alone
+
+
 def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
     from mpsd.daemon.front.wire import SOCKET_BUFFER, widen_buffers
 

@@ -281,4 +281,5 @@ class Daemon:
 
 
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
+    eventloop.check(config.event_loop)  # before anything starts; `mpsd serve` checks it with the config
     return eventloop.run(Daemon(config, config_path).run(), config.event_loop)

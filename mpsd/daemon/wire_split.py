@@ -88,5 +88,6 @@ def raw_output_parts(header: bytes, contents: Sequence[bytes | memoryview]) -> l
     entries are not copied: a scatter-gather send can write them as they are."""
     parts: list[bytes | memoryview] = [header]
     for data in contents:
-        parts += (_OUTPUT_TAG, _varint_bytes(len(data)), data)
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        parts += (_OUTPUT_TAG, _varint_bytes(size), data) if size else (_OUTPUT_TAG, _varint_bytes(0))
     return parts

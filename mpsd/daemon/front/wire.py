@@ -44,16 +44,23 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 Buffer = bytes | bytearray | memoryview
 
 
+def nbytes(piece: Buffer) -> int:
+    """Bytes, not items: `len` of a memoryview counts elements of its format."""
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
 def frame(kind: Kind, call_id: int = 0, number: float = 0.0, payload: Buffer = b"") -> tuple[Buffer, ...]:
     """A frame as its parts: the payload is not copied behind the header; the writer hands both to one
     scatter-gather send."""
-    return frame_of(kind, call_id, number, (payload,) if len(payload) else ())
+    return frame_of(kind, call_id, number, (payload,))
 
 
 def frame_of(kind: Kind, call_id: int, number: float, pieces: Sequence[Buffer]) -> tuple[Buffer, ...]:
-    """A frame whose payload is `pieces` back to back."""
-    length = sum(len(p) for p in pieces)
-    return (HEADER.pack(kind, call_id, number, length), *pieces)
+    """A frame whose payload is `pieces` back to back. Empty pieces are left out: asyncio's scatter-gather
+    `writelines` (Python 3.12+) never drops an empty buffer at the end of its queue, and would then poll a
+    writable socket without end."""
+    kept = [p for p in pieces if nbytes(p)]
+    return (HEADER.pack(kind, call_id, number, sum(nbytes(p) for p in kept)), *kept)
 
 
 def widen_buffers(sock: socket.socket) -> None:
