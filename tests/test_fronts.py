@@ -194,8 +194,9 @@ def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
         before = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        widen_buffers(ours)
+        reported = widen_buffers(ours)
         after = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    assert reported == after  # what the daemon compares with what it asked for
     cap = Path("/proc/sys/net/core/wmem_max")
     if cap.exists():  # Linux reports twice what it grants, up to twice the cap
         assert after >= min(2 * SOCKET_BUFFER, 2 * int(cap.read_text()))

@@ -37,6 +37,7 @@ from mpsd.errors import ConfigError, MpsdError
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
 from .front.wire import (
     MAX_IN_FLIGHT,
+    SOCKET_BUFFER,
     Buffer,
     FrameProtocol,
     FrameWriter,
@@ -246,6 +247,7 @@ class FrontPool:
         self._stopping = False
         self._supervisors: list[asyncio.Task[None]] = []
         self._relays: set[asyncio.Task[None]] = set()
+        self._told_buffer_cap = False
 
     def served(self) -> dict[int, int]:
         """ModelInfer calls each front slot has handed to the core, over restarts."""
@@ -268,8 +270,15 @@ class FrontPool:
         stopping meanwhile), the process is ended and the socket closed: nothing half-started stays."""
         loop = asyncio.get_running_loop()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for end in (parent, child):
-            widen_buffers(end)
+        granted = min(widen_buffers(end) for end in (parent, child))
+        if granted < SOCKET_BUFFER and not self._told_buffer_cap:
+            self._told_buffer_cap = True  # once per daemon: every link gets the same cap
+            log.info(
+                "front link socket buffers capped by the kernel: large tensors take several sends",
+                asked=SOCKET_BUFFER,
+                granted=granted,
+                hint="raise net.core.wmem_max and net.core.rmem_max (Linux) to at least the size asked",
+            )
         process: asyncio.subprocess.Process | None = None
         link = FrontLink(index, self._infer, self._on_link_lost)
         try:

@@ -63,11 +63,13 @@ def frame_of(kind: Kind, call_id: int, number: float, pieces: Sequence[Buffer]) 
     return (HEADER.pack(kind, call_id, number, sum(nbytes(p) for p in kept)), *kept)
 
 
-def widen_buffers(sock: socket.socket) -> None:
-    """Ask for SOCKET_BUFFER each way; a smaller cap from the kernel is kept (frames still flow)."""
+def widen_buffers(sock: socket.socket) -> int:
+    """Ask for SOCKET_BUFFER each way; a smaller cap from the kernel is kept (frames still flow). Returns
+    the send buffer granted, as the kernel reports it (Linux reports twice what it uses for data)."""
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+    return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
 
 
 Handler = Callable[[int, int, float, bytes | bytearray], None]
