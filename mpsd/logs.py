@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -62,9 +62,25 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     )
 
 
+_level_listeners: list[Callable[[str], None]] = []
+
+
 def set_level(level: str) -> None:
-    """Change the level at runtime (LogSettings, SIGHUP)."""
+    """Change the level at runtime (LogSettings, SIGHUP), and tell whoever listens (front processes,
+    which filter their own events before the daemon sees them)."""
     _Output.level = LEVELS[level]
+    for listener in list(_level_listeners):
+        listener(level)
+
+
+def level_name() -> str:
+    return next(name for name, value in LEVELS.items() if value == _Output.level)
+
+
+def on_level_change(listener: Callable[[str], None]) -> Callable[[], None]:
+    """Call `listener(level)` after each `set_level`; returns what stops it."""
+    _level_listeners.append(listener)
+    return lambda: _level_listeners.remove(listener) if listener in _level_listeners else None
 
 
 # ---- Triton's LogSettings ------------------------------------------------------------------------

@@ -385,6 +385,49 @@ def test_settings_the_address_cannot_serve_are_configuration_errors(tmp_path: Pa
 CATEGORIES = ["inference", "health", "logs-statistics"]
 
 
+def test_fronts_follow_the_daemons_log_level(tmp_path: Path) -> None:
+    """A front filters its own events before the daemon sees them, so a level changed at runtime
+    (LogSettings here; SIGHUP takes the same path) must reach it, and a front started later too."""
+    from tests.test_security import bearer
+
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    (tmp_path / "token").write_text("s3cret-token\n")
+    (tmp_path / "token").chmod(0o600)
+    config = write_config(
+        tmp_path / "mpsd.yaml",
+        front_processes=1,
+        log_level="warning",
+        auth={"tokens": [{"token_file": str(tmp_path / "token"), "categories": CATEGORIES}]},
+    )
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log", config=config)
+    client = daemon.client
+    token = bearer("s3cret-token")
+
+    def refusals() -> int:
+        return sum('"call refused"' in line for line in daemon.log().splitlines())
+
+    try:
+        wait_for(lambda: client.is_server_ready(headers=token), 120, f"ready\n{daemon.log()}")
+        assert status_of(lambda: client.get_model_metadata("add_sub"))[0] == "StatusCode.UNAUTHENTICATED"
+        client.update_log_settings({"log_info": True}, headers=token)  # warning -> info
+        assert status_of(lambda: client.get_model_metadata("add_sub"))[0] == "StatusCode.UNAUTHENTICATED"
+        # One front relays its events in order: the first refusal would be logged before the second.
+        wait_for(lambda: refusals() >= 1, 30, f"refusal logged\n{daemon.log()}")
+        assert refusals() == 1, "the refusal at level warning was logged"
+
+        (old,) = front_pids(daemon)
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: len(front_pids(daemon)) == 1 and front_pids(daemon) != [old], 60, "front restarted")
+        wait_for(lambda: client.is_server_ready(headers=token), 60, f"ready again\n{daemon.log()}")
+        assert status_of(lambda: client.get_model_metadata("add_sub"))[0] == "StatusCode.UNAUTHENTICATED"
+        wait_for(lambda: refusals() == 2, 30, f"the restarted front logs at info\n{daemon.log()}")
+    finally:
+        client.close()
+        daemon.stop()
+        daemon.kill_group()
+
+
 def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
     from tests.test_security import bearer, make_pki
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError, MpsdError
 
@@ -247,6 +248,7 @@ class FrontPool:
         self._stopping = False
         self._supervisors: list[asyncio.Task[None]] = []
         self._relays: set[asyncio.Task[None]] = set()
+        self._stop_listening: Callable[[], None] = lambda: None
         self._told_buffer_cap = False
 
     def served(self) -> dict[int, int]:
@@ -258,6 +260,7 @@ class FrontPool:
 
     async def start(self) -> None:
         """Start every front and wait until all listen; FrontFailed (the others stopped) if one cannot."""
+        self._stop_listening = logs.on_level_change(self._send_level)
         started = await asyncio.gather(*(self._spawn(i) for i in range(self.count)), return_exceptions=True)
         errors = [r for r in started if isinstance(r, BaseException)]
         if errors:
@@ -307,6 +310,7 @@ class FrontPool:
             link.attach(transport)
             settings = {
                 "index": index,
+                "log_level": logs.level_name(),  # now: LogSettings or SIGHUP may have changed it
                 "core_target": self._core_target,
                 "config": self._config.model_dump(mode="json"),
             }
@@ -366,9 +370,15 @@ class FrontPool:
             with contextlib.suppress(ProcessLookupError):
                 front.process.send_signal(signal.SIGTERM)
 
+    def _send_level(self, level: str) -> None:
+        """A front filters its own events, so it must follow the daemon's level."""
+        for front in self.fronts.values():
+            front.link.send(frame(Kind.LOG_LEVEL, payload=level.encode()))
+
     async def stop(self, drain_timeout_s: float) -> None:
         """Stop accepting calls, let the fronts finish theirs (the core still answers them), then end."""
         self._stopping = True
+        self._stop_listening()
         for task in self._supervisors:
             task.cancel()
         await asyncio.gather(*self._supervisors, return_exceptions=True)  # a restart in progress ends
@@ -385,7 +395,8 @@ class FrontPool:
 
 async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) -> None:
     """A front's log events become the daemon's own: rendered in the daemon's format, filtered at its level
-    (the front writes what its configured level lets through), and in the event stream `mpsd logs` reads.
+    (the front writes what the daemon's level, which it follows, lets through), and in the event stream
+    `mpsd logs` reads.
     The front writes them as JSON lines; any other line on its stderr (a traceback from a crash) is
     relayed as text."""
     while True:

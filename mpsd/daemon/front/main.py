@@ -21,7 +21,7 @@ import grpc
 import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
-from mpsd.logs import configure
+from mpsd.logs import LEVELS, configure, set_level
 
 from .. import eventloop
 from ..auth import AccessPolicy, build_policy, refusal
@@ -67,6 +67,10 @@ class CoreLink:
                 waiter.set_result((int(number), payload))
         elif kind == Kind.CONFIG and not self.settings.done():
             self.settings.set_result(json.loads(payload))
+        elif kind == Kind.LOG_LEVEL:
+            level = bytes(payload).decode()
+            if level in LEVELS:
+                set_level(level)
 
     def _on_lost(self, exc: Exception | None) -> None:
         for waiter in self._pending.values():
@@ -207,7 +211,7 @@ async def serve(sock: socket.socket) -> int:
     settings = link.settings.result()
     config = DaemonConfig.model_validate(settings["config"])
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
-    configure(config.log_level, "json")
+    configure(settings.get("log_level", config.log_level), "json")
     structlog.contextvars.bind_contextvars(front=settings["index"])
     address = parse_address(config.grpc_address)
     limit = config.max_message_bytes

@@ -33,6 +33,7 @@ class Kind(enum.IntEnum):
     INFER = 4  # front -> core: a ModelInfer call (number: seconds left, payload: request bytes)
     CANCEL = 5  # front -> core: the client went away; drop the call
     REPLY = 6  # core -> front: number 0 and response bytes, or a status code and a message
+    LOG_LEVEL = 7  # core -> front: the daemon's log level changed (payload: its name)
 
 
 # Socket buffer of each end: a frame of a few MiB (a 600 KB image and its reply) goes in one system call
