@@ -153,6 +153,11 @@ def render_status(data: dict[str, Any]) -> str:
     if rows:
         headers = ["WORKER", "PID", "DEVICE", "FRACTION", "STATE", "RESTARTS", "UPTIME", "RSS", "DEVICE MEM"]
         parts += ["", table([*headers, "LAST EXIT"], rows)]
+    fronts = data.get("fronts") or []
+    if fronts:
+        keys = ["index", "pid", "state", "requests", "restarts"]
+        rows = [[str(f[k]) for k in keys] for f in fronts]
+        parts += ["", table(["FRONT", "PID", "STATE", "REQUESTS", "RESTARTS"], rows)]
     return "\n".join(parts)
 
 
@@ -172,6 +177,10 @@ def _status(args: argparse.Namespace) -> int:
             {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index.models
         ],
         "workers": [worker_dict(w) for w in workers.workers],
+        "fronts": [
+            {"index": f.index, "pid": f.pid, "state": f.state, "requests": f.requests, "restarts": f.restarts}
+            for f in workers.fronts
+        ],
     }
     print(json.dumps(data, indent=2) if args.json else render_status(data))
     return 0

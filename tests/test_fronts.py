@@ -119,6 +119,33 @@ def test_the_fronts_listen_and_the_daemon_does_not_hold_the_port_alone(setup: Se
     assert scrape(setup.metrics_port)["mpsd_front_processes"] == FRONTS
 
 
+def test_fronts_are_listed_with_the_workers_and_in_mpsd_status(setup: Setup) -> None:
+    with grpc.insecure_channel(setup.daemon.address) as channel:
+        admin = admin_pb2_grpc.MpsdAdminStub(channel)
+        listed = admin.ListWorkers(admin_pb2.ListWorkersRequest(), timeout=10)
+        filtered = admin.ListWorkers(admin_pb2.ListWorkersRequest(model="add_sub"), timeout=10)
+    assert sorted(f.index for f in listed.fronts) == list(range(FRONTS))
+    assert sorted(f.pid for f in listed.fronts) == sorted(front_pids(setup.daemon))
+    assert {f.state for f in listed.fronts} == {"listening"}
+    assert not filtered.fronts, "a model filter lists that model's workers only"
+    run = subprocess.run(
+        [sys.executable, "-m", "mpsd", "status", "--json", "--address", setup.daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    fronts = json.loads(run.stdout)["fronts"]
+    assert sorted(f["pid"] for f in fronts) == sorted(front_pids(setup.daemon))
+    text = subprocess.run(
+        [sys.executable, "-m", "mpsd", "status", "--address", setup.daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "FRONT" in text and all(str(pid) in text for pid in front_pids(setup.daemon))
+
+
 def test_every_rpc_shape_through_a_front(setup: Setup) -> None:
     client = setup.daemon.client
     assert client.is_server_live() and client.is_server_ready()

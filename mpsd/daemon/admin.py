@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -20,6 +20,9 @@ from .events import BUS, Event, EventBus, EventFilter
 from .instance import Instance
 from .registry import Registry
 from .servicer import rpc
+
+if TYPE_CHECKING:
+    from .fronts import FrontInfo
 
 log = structlog.get_logger("mpsd.daemon.admin")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MpsdAdmin"].full_name
@@ -82,6 +85,7 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
         self._reload = reload
         self._bus = bus
         self._closed = False
+        self.fronts: Callable[[], list[FrontInfo]] | None = None  # FrontPool.describe, with fronts
 
     def close(self) -> None:
         """Shutdown: end every log stream now (an open stream would hold the drain), refuse new ones."""
@@ -118,7 +122,13 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
             for mv in self.registry.versions(name)
             for instance in mv.instances
         ]
-        return pb.ListWorkersResponse(workers=workers)
+        fronts = []
+        if self.fronts is not None and not request.model:
+            fronts = [
+                pb.Front(index=f.index, pid=f.pid, state=f.state, requests=f.requests, restarts=f.restarts)
+                for f in self.fronts()
+            ]
+        return pb.ListWorkersResponse(workers=workers, fronts=fronts)
 
     @rpc
     async def Reload(self, request: Any, context: Any) -> Any:

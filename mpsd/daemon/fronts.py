@@ -227,6 +227,15 @@ class FrontLink:
         self.on_lost(self)
 
 
+@dataclass(frozen=True)
+class FrontInfo:
+    index: int
+    pid: int
+    state: str  # "listening", or "restarting" between a death and the new process listening
+    requests: int  # ModelInfer calls handed to the core, over restarts
+    restarts: int
+
+
 @dataclass
 class Front:
     index: int
@@ -257,6 +266,20 @@ class FrontPool:
 
     def running(self) -> int:
         return sum(f.process.returncode is None for f in self.fronts.values())
+
+    def describe(self) -> list[FrontInfo]:
+        """Each front slot, for ListWorkers."""
+        served = self.served()
+        return [
+            FrontInfo(
+                i,
+                f.process.pid,
+                "listening" if f.process.returncode is None else "restarting",
+                served.get(i, 0),
+                self.restarts.get(i, 0),
+            )
+            for i, f in sorted(self.fronts.items())
+        ]
 
     async def start(self) -> None:
         """Start every front and wait until all listen; FrontFailed (the others stopped) if one cannot."""

@@ -121,6 +121,7 @@ class Daemon:
             infer = self.servicer.infer_serialized_parts
             self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer)
             self.metrics.add_fronts(self.fronts)
+            self.admin.fronts = self.fronts.describe
         else:
             bind(server, address, tls)
         return server
