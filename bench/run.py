@@ -331,9 +331,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead-cpu", help="results file stem")
     args = parser.parse_args()
+    cpus = len(os.sched_getaffinity(0))
     if args.model_cpus is None:
-        cpus = len(os.sched_getaffinity(0))
         args.model_cpus = cpus // 2 if cpus >= 2 else 0
+    elif not 0 <= args.model_cpus < cpus:
+        parser.error(f"--model-cpus must leave CPUs for the servers and clients: 0 to {cpus - 1} here")
     if args.quick:
         args.rounds, args.duration, args.cnn_duration, args.startup_repeats = 2, 1.0, 1.5, 1
     only = set(args.only.split(","))
