@@ -25,6 +25,11 @@ def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None
     parser.add_argument(
         "--timeout", type=float, default=timeout, help=f"seconds to wait for the daemon (default {timeout:g})"
     )
+    add_credential_args(parser)
+
+
+def add_credential_args(parser: argparse.ArgumentParser) -> None:
+    """TLS and token options, for every tool that calls the daemon (the service installer's probe too)."""
     parser.add_argument("--tls-ca", type=Path, help="CA certificate to verify a TLS daemon with")
     parser.add_argument("--tls-cert", type=Path, help="client certificate, for a daemon that requires one")
     parser.add_argument("--tls-key", type=Path, help="the client certificate's key")

@@ -784,3 +784,42 @@ def test_command_line_tools_speak_mutual_tls_and_tokens(daemons: Daemons, tmp_pa
     )
     assert narrow.returncode != 0
     assert "PERMISSION_DENIED" in narrow.stderr and "'health'" in narrow.stderr
+
+
+def test_the_service_installers_health_probe_speaks_mutual_tls_and_tokens(
+    daemons: Daemons, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mpsd service install/start` wait for Health/Check; a daemon with mutual TLS and tokens answers it
+    only with a client certificate and a token, which the service commands take as the other tools do."""
+    import argparse
+
+    from mpsd.cli import build_parser
+    from mpsd.service.health import check_once
+
+    monkeypatch.delenv("MPSD_TOKEN", raising=False)
+    pki = daemons.pki
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN)
+    tls = {"tls_ca": pki.ca, "tls_cert": pki.client_cert, "tls_key": pki.client_key}
+    address = daemons.mtls.address
+    assert check_once(address, 10, argparse.Namespace(**tls, token_file=token)) == "SERVING"
+    assert check_once(address, 10, argparse.Namespace(**tls, token_file=None)) == "UNAUTHENTICATED"
+    assert check_once(address, 10) != "SERVING"  # plaintext to a TLS port
+
+    args = build_parser().parse_args(
+        [
+            "service",
+            "start",
+            "--tls-ca",
+            str(pki.ca),
+            "--tls-cert",
+            str(pki.client_cert),
+            "--tls-key",
+            str(pki.client_key),
+            "--token-file",
+            str(token),
+            "--address",
+            address,
+        ]
+    )
+    assert check_once(args.address, 10, args) == "SERVING"

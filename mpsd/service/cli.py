@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from mpsd.connect import add_credential_args
 from mpsd.service.errors import ServiceError
 from mpsd.service.health import HealthTimeout, wait_until_serving
 from mpsd.service.launchctl import LaunchdManager
@@ -97,7 +98,7 @@ def _wait_ready(manager: ServiceManager, args: argparse.Namespace, address: str 
         )
         return
     try:
-        wait_until_serving(address, args.wait_timeout, progress=sys.stderr)
+        wait_until_serving(address, args.wait_timeout, progress=sys.stderr, credentials=args)
     except HealthTimeout as exc:
         status = manager.status()
         raise ServiceError(
@@ -239,6 +240,7 @@ def _wait_options() -> argparse.ArgumentParser:
         help=f"how long to wait for SERVING (default: {DEFAULT_START_TIMEOUT_S})",
     )
     waiting.add_argument("--no-wait", action="store_true", help="do not wait for the health check")
+    add_credential_args(waiting)  # a daemon with TLS or tokens answers the health check only with them
     return waiting
 
 

@@ -6,11 +6,14 @@ loading), so `install`/`start` poll `grpc.health.v1.Health/Check` with service "
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mpsd.connect import open_channel
 
 
 class HealthTimeout(Exception):
@@ -21,9 +24,14 @@ class HealthTimeout(Exception):
         self.last = last
 
 
-def check_once(address: str, timeout_s: float) -> str:
-    """One Health/Check call; returns "SERVING", another status name, or the gRPC error code."""
-    channel = grpc.insecure_channel(address)
+def check_once(address: str, timeout_s: float, credentials: argparse.Namespace | None = None) -> str:
+    """One Health/Check call; returns "SERVING", another status name, or the gRPC error code.
+
+    `credentials` carries the tools' TLS and token options (`connect.add_credential_args`): a daemon with
+    TLS or tokens answers the probe only with them.
+    """
+    options = vars(credentials) if credentials is not None else {}
+    channel = open_channel(argparse.Namespace(**{**options, "address": address}))
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -43,6 +51,7 @@ def wait_until_serving(
     *,
     progress: TextIO,
     interval_s: float = 0.5,
+    credentials: argparse.Namespace | None = None,
 ) -> float:
     """Poll until SERVING; prints a dot per attempt on `progress`. Returns seconds waited."""
     start = time.monotonic()
@@ -55,7 +64,7 @@ def wait_until_serving(
         if remaining <= 0:
             print(" gave up", file=progress, flush=True)
             raise HealthTimeout(last)
-        last = check_once(address, min(1.0, remaining))
+        last = check_once(address, min(1.0, remaining), credentials)
         if last == "SERVING":
             elapsed = time.monotonic() - start
             print(f" ready after {elapsed:.1f} s", file=progress, flush=True)
