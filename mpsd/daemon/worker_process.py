@@ -208,8 +208,10 @@ class WorkerProcess:
             raise LoadError(f"protocol error: unexpected {type(reply).__name__} during load")
         self.ready = reply
         device = reply.device
+        skipped = device.get("skipped")
         log.info(
             "worker ready",
+            **({"skipped_devices": skipped} if skipped else {}),  # KIND_AUTO: what it passed over, and why
             worker=self.launch.label,
             pid=self.pid,
             kind=self.launch.kind,

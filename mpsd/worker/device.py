@@ -17,7 +17,7 @@ import platform
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import psutil
 import torch
@@ -55,6 +55,9 @@ class DeviceInfo:
     index: int | None
     name: str
     memory_fraction: float | None
+    # Devices KIND_AUTO passed over on its way here, with the probe's reason: why a model meant for the
+    # GPU runs on the CPU is then in the daemon's log, not only in a reader's guess.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -141,8 +144,9 @@ def probe(device_type: str) -> str | None:
     return None
 
 
-def _resolve(kind: str) -> str:
-    """The device type a kind resolves to here, or DeviceUnavailable with the probe's reason."""
+def _resolve(kind: str, skipped: dict[str, str] | None = None) -> str:
+    """The device type a kind resolves to here, or DeviceUnavailable with the probe's reason. KIND_AUTO
+    records the devices it passed over, and why, in `skipped`."""
     if kind == "KIND_CPU":
         reason = probe("cpu")
         if reason is not None:
@@ -172,6 +176,8 @@ def _resolve(kind: str) -> str:
             if reason is None:
                 return device_type
             reasons.append(f"{device_type}: {reason}")
+            if skipped is not None:
+                skipped[device_type] = reason
         raise DeviceUnavailable(f"KIND_AUTO found no usable device ({'; '.join(reasons)})")
     raise ValueError(f"unknown instance kind {kind!r}; expected KIND_AUTO, KIND_GPU, KIND_MPS or KIND_CPU")
 
@@ -206,7 +212,8 @@ def select_device(
     info says `memory_fraction=None`.
     """
     _device_thread.enter("select_device")
-    device_type = _resolve(kind)
+    skipped: dict[str, str] = {}
+    device_type = _resolve(kind, skipped)
     if device_type == "mps":
         fp64 = sorted({d for d in config_dtypes if d.removeprefix("TYPE_") == "FP64"})
         if fp64:
@@ -226,7 +233,7 @@ def select_device(
         applied = fraction
     index = None if device_type == "cpu" else 0
     return device, DeviceInfo(
-        kind=device_type, index=index, name=_device_name(device), memory_fraction=applied
+        kind=device_type, index=index, name=_device_name(device), memory_fraction=applied, skipped=skipped
     )
 
 
