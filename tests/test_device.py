@@ -68,7 +68,13 @@ def test_select_cpu() -> None:
     assert device == torch.device("cpu")
     assert (info.kind, info.index, info.memory_fraction) == ("cpu", None, None)
     assert info.name
-    assert info.as_dict() == {"kind": "cpu", "index": None, "name": info.name, "memory_fraction": None}
+    assert info.as_dict() == {
+        "kind": "cpu",
+        "index": None,
+        "name": info.name,
+        "memory_fraction": None,
+        "skipped": {},
+    }
 
 
 def test_cpu_does_not_apply_a_fraction() -> None:
