@@ -342,3 +342,13 @@ def test_a_real_worker_runs_with_the_models_thread_count(start_daemon, tmp_path:
         inp = grpcclient.InferInput("x", [2], "FP32")
         inp.set_data_from_numpy(np.zeros(2, np.float32))
         assert daemon.client.infer(name, [inp]).as_numpy("y").tolist() == [threads, threads]
+
+
+def test_a_config_copy_with_other_tensors_looks_them_up_by_their_own_names() -> None:
+    """The name maps are cached per config; a copy made with `update` must not keep the original's."""
+    original = config()
+    assert list(original.input_by_name()) == [t.name for t in original.input]  # cached now
+    renamed = [t.model_copy(update={"name": "renamed"}) for t in original.input[:1]]
+    copy = original.model_copy(update={"input": renamed})
+    assert list(copy.input_by_name()) == ["renamed"]
+    assert list(original.input_by_name()) != ["renamed"]

@@ -7,7 +7,8 @@ incident waiting to happen.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -252,6 +253,13 @@ class ModelConfig(_Strict):
 
     def output_by_name(self) -> dict[str, TensorConfig]:
         return self._outputs_by_name
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelConfig:
+        """A copy without the cached name maps, which `update` may have made wrong."""
+        copy = super().model_copy(update=update, deep=deep)
+        for cached in ("_inputs_by_name", "_outputs_by_name"):
+            copy.__dict__.pop(cached, None)
+        return copy
 
     @functools.cached_property
     def _inputs_by_name(self) -> dict[str, TensorConfig]:
