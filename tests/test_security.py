@@ -725,12 +725,10 @@ def test_auth_config_defaults_to_the_loopback_rule() -> None:
     assert AuthConfig().tokens == []
 
 
-def test_command_line_tools_speak_mutual_tls_and_tokens(daemons: Daemons, tmp_path: Path) -> None:
-    """`mpsd models` / `mpsd infer` with --tls-* and a token; refused without the token, one line."""
+def client_tls_args(daemons: Daemons) -> list[str]:
+    """The tools' options to reach the mutual-TLS daemon with the test client certificate."""
     pki = daemons.pki
-    token = tmp_path / "admin.token"
-    token.write_text(ADMIN_TOKEN)
-    tls = [
+    return [
         "--address",
         daemons.mtls.address,
         "--tls-ca",
@@ -740,6 +738,13 @@ def test_command_line_tools_speak_mutual_tls_and_tokens(daemons: Daemons, tmp_pa
         "--tls-key",
         str(pki.client_key),
     ]
+
+
+def test_command_line_tools_speak_mutual_tls_and_tokens(daemons: Daemons, tmp_path: Path) -> None:
+    """`mpsd models` / `mpsd infer` with --tls-* and a token; refused without the token, one line."""
+    token = tmp_path / "admin.token"
+    token.write_text(ADMIN_TOKEN)
+    tls = client_tls_args(daemons)
     cli = [sys.executable, "-m", "mpsd"]
     env = {k: v for k, v in os.environ.items() if k != "MPSD_TOKEN"}
     listed = subprocess.run(
@@ -806,20 +811,6 @@ def test_the_service_installers_health_probe_speaks_mutual_tls_and_tokens(
     assert check_once(address, 10, argparse.Namespace(**tls, token_file=None)) == "UNAUTHENTICATED"
     assert check_once(address, 10) != "SERVING"  # plaintext to a TLS port
 
-    args = build_parser().parse_args(
-        [
-            "service",
-            "start",
-            "--tls-ca",
-            str(pki.ca),
-            "--tls-cert",
-            str(pki.client_cert),
-            "--tls-key",
-            str(pki.client_key),
-            "--token-file",
-            str(token),
-            "--address",
-            address,
-        ]
-    )
+    argv = ["service", "start", *client_tls_args(daemons), "--token-file", str(token)]
+    args = build_parser().parse_args(argv)
     assert check_once(args.address, 10, args) == "SERVING"

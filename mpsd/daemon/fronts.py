@@ -418,10 +418,9 @@ class FrontPool:
 
 async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) -> None:
     """A front's log events become the daemon's own: rendered in the daemon's format, filtered at its level
-    (the front writes what the daemon's level, which it follows, lets through), and in the event stream
-    `mpsd logs` reads.
-    The front writes them as JSON lines; any other line on its stderr (a traceback from a crash) is
-    relayed as text."""
+    (which the front follows, so it writes only what passes), and in the event stream `mpsd logs` reads.
+    The front writes them as JSON lines; any other line on its stderr (a traceback from a crash) is relayed
+    as text."""
     while True:
         try:
             line = await stream.readline()

@@ -5,7 +5,7 @@ read. The entries are instead cut out of the received buffer as memoryviews, and
 message, a few hundred bytes of names and shapes, is parsed: the tensor bytes are then copied once, into
 the worker's shared memory. On the way back, protobuf would copy each output into the message and again
 when serializing it; the response is instead serialized without its `raw_output_contents`, and the entries
-are appended to those bytes in one join.
+follow those bytes as separate pieces (joined once, or sent as they are by a scatter-gather write).
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ def split_raw_contents(data: bytes | bytearray) -> tuple[bytes | bytearray, list
     return b"".join(rest), raw
 
 
+def nbytes(piece: bytes | bytearray | memoryview) -> int:
+    """Bytes, not items: `len` of a memoryview counts elements of its format."""
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
 def _varint_bytes(n: int) -> bytes:
     out = bytearray()
     while n >= 0x80:
@@ -88,6 +93,6 @@ def raw_output_parts(header: bytes, contents: Sequence[bytes | memoryview]) -> l
     entries are not copied: a scatter-gather send can write them as they are."""
     parts: list[bytes | memoryview] = [header]
     for data in contents:
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        size = nbytes(data)
         parts += (_OUTPUT_TAG, _varint_bytes(size), data) if size else (_OUTPUT_TAG, _varint_bytes(0))
     return parts

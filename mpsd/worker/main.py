@@ -64,6 +64,11 @@ def _fail_load(sock: socket.socket, reason: str) -> None:
         os._exit(p.EXIT_LOAD_FAILED)
 
 
+# Each slot's regions, by role name in the region cache.
+_INPUT_ROLES = tuple(f"input{slot}" for slot in range(p.SLOTS))
+_OUTPUT_ROLES = tuple(f"output{slot}" for slot in range(p.SLOTS))
+
+
 def _infer(
     reader: FrameReader,
     sock: socket.socket,
@@ -80,7 +85,7 @@ def _infer(
     from mpsd.worker.inference import write_outputs
 
     waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
-    inputs = regions.get(f"input{msg.slot}", msg.input_region)
+    inputs = regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
     abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
     if abandoned == p.ABANDONED_EXPIRED:
         raise MpsdError(
@@ -88,7 +93,7 @@ def _infer(
         )
     if abandoned:
         raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
-    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views(f"input{msg.slot}"))
+    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]))
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)
     del outputs
@@ -99,7 +104,7 @@ def _infer(
         while not isinstance(reply := reader.recv_wait(), p.OutputRegion):
             early.append(reply)
         out_ref = reply.region
-    refs = write_outputs(regions.get(f"output{msg.slot}", out_ref), msg.outputs, tensors)
+    refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0, waited_ns)
 
 
