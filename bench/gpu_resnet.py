@@ -81,6 +81,8 @@ def build_model(repo: Path, args: argparse.Namespace) -> Path:
             "preferred_batch_size": [args.max_batch],
         },
     }
+    if args.cuda_graphs:
+        config["optimization"] = {"cuda": {"graphs": True}}
     (repo / "resnet50" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
@@ -134,6 +136,11 @@ def main() -> None:
     parser.add_argument("--front-processes", help="mpsd's front_processes (default: the daemon's, auto)")
     parser.add_argument(
         "--event-loop", choices=["asyncio", "uvloop"], help="mpsd's event_loop (default: asyncio)"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="optimization.cuda.graphs on (recorded at the default sizes)",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--name", default="resnet50-gpu")

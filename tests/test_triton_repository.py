@@ -253,6 +253,35 @@ def test_yaml_to_pbtxt_and_back_is_the_same_config(tmp_path: Path) -> None:
     assert {k: back[k] for k in original} == original
 
 
+CUDA_GRAPHS = """
+optimization { cuda {
+  graphs: true
+  busy_wait_events: true
+  graph_spec [ { batch_size: 8 }, { batch_size: 2, input { key: "INPUT__0" value { dim: [ 4 ] } } } ]
+} }
+"""
+
+
+def test_cuda_graphs_map_both_ways_and_their_unused_fields_are_reported(tmp_path: Path) -> None:
+    batched = GPU_MODEL.replace(
+        'platform: "pytorch_libtorch"', 'platform: "pytorch_libtorch"\nmax_batch_size: 8'
+    )
+    source = tmp_path / "config.pbtxt"
+    source.write_text(batched + CUDA_GRAPHS)
+    done = convert(source, "--to", "yaml")
+    assert done.returncode == 0, done.stderr
+    assert yaml.safe_load(done.stdout)["optimization"] == {
+        "cuda": {"graphs": True, "graph_spec": [{"batch_size": 8}, {"batch_size": 2}]}
+    }
+    assert "optimization.cuda.busy_wait_events" in done.stderr
+    assert "optimization.cuda.graph_spec.1.input" in done.stderr
+    yaml_path = tmp_path / "config.yaml"
+    yaml_path.write_text(done.stdout)
+    back = convert(yaml_path)
+    assert back.returncode == 0, back.stderr
+    assert "graphs: true" in back.stdout and back.stdout.count("graph_spec {") == 2
+
+
 BASE = """
 backend: "pytorch"
 input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ]REST } ]

@@ -146,6 +146,23 @@ class DynamicBatching(_Strict):
     default_timeout_microseconds: Annotated[int, Field(ge=0)] = 0
 
 
+class GraphSpec(_Strict):
+    """One CUDA graph to record: the batch size it is recorded at (Triton's `graph_spec.batch_size`)."""
+
+    batch_size: Annotated[int, Field(ge=1)]
+
+
+class CudaOptimization(_Strict):
+    """Triton's `optimization.cuda`: record the model's kernels as CUDA graphs and replay them."""
+
+    graphs: bool = False
+    graph_spec: list[GraphSpec] = []
+
+
+class Optimization(_Strict):
+    cuda: CudaOptimization = CudaOptimization()
+
+
 class WarmupInput(_Strict):
     """One input of a warm-up sample: type, shape without the batch dimension, and what fills it."""
 
@@ -169,6 +186,31 @@ class ModelWarmup(_Strict):
     batch_size: Annotated[int, Field(ge=1)] = 1
     inputs: dict[str, WarmupInput]
     count: Annotated[int, Field(ge=1)] = 1
+
+
+def _check_graphs(config: ModelConfig) -> None:
+    """A CUDA graph is recorded at fixed shapes: every input's shape must be known but for the batch."""
+    cuda = config.optimization.cuda
+    if not cuda.graphs:
+        if cuda.graph_spec:
+            raise ValueError("optimization.cuda.graph_spec is set but optimization.cuda.graphs is false")
+        return
+    if config.max_batch_size == 0:
+        raise ValueError("optimization.cuda.graphs needs max_batch_size > 0 (graphs are kept per batch size)")
+    variable = [t.name for t in config.input if -1 in t.dims]
+    if variable:
+        raise ValueError(
+            "optimization.cuda.graphs needs fixed input dims; variable (-1) in: " + ", ".join(variable)
+        )
+    optional = [t.name for t in config.input if t.optional]
+    if optional:
+        raise ValueError("optimization.cuda.graphs cannot record optional inputs: " + ", ".join(optional))
+    too_large = sorted({g.batch_size for g in cuda.graph_spec if g.batch_size > config.max_batch_size})
+    if too_large:
+        raise ValueError(
+            f"optimization.cuda.graph_spec batch_size {too_large[0]} exceeds max_batch_size "
+            f"{config.max_batch_size}"
+        )
 
 
 def _check_warmup(config: ModelConfig) -> None:
@@ -215,6 +257,7 @@ class ModelConfig(_Strict):
     max_rss_bytes: Annotated[int, Field(gt=0)] | None = None
     allow_pickle: bool = False
     model_warmup: list[ModelWarmup] = []
+    optimization: Optimization = Optimization()
 
     @field_validator("parameters", mode="before")
     @classmethod
@@ -237,7 +280,23 @@ class ModelConfig(_Strict):
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise ValueError("dynamic_batching needs max_batch_size > 0")
         _check_warmup(self)
+        _check_graphs(self)
         return self
+
+    def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes to record CUDA graphs at, ascending; () when graphs are off.
+
+        Without a `graph_spec`: the preferred batch sizes, the powers of two below max_batch_size and
+        max_batch_size itself, so that a batch is padded to at most about twice its size.
+        """
+        cuda = self.optimization.cuda
+        if not cuda.graphs:
+            return ()
+        if cuda.graph_spec:
+            return tuple(sorted({g.batch_size for g in cuda.graph_spec}))
+        preferred = self.dynamic_batching.preferred_batch_size if self.dynamic_batching else []
+        powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
+        return tuple(sorted({*preferred, *powers, self.max_batch_size}))
 
     @property
     def model_filename(self) -> str:

@@ -10,6 +10,7 @@ process; it is imported only where a config.pbtxt is read or written (the daemon
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -87,7 +88,7 @@ class _Reader:
             elif field == "dynamic_batching":
                 out[field] = self.dynamic_batching(value)
             elif field == "optimization":
-                mps = self.optimization(value)
+                mps = self.optimization(value, out)
             elif field == "model_warmup":
                 out[field] = [_warmup(i, w) for i, w in enumerate(value)]
             elif field == "model_transaction_policy":
@@ -160,10 +161,13 @@ class _Reader:
                 self.ignore(f"dynamic_batching.{key}")
         return out
 
-    def optimization(self, opt: Any) -> bool:
-        """Whether MPS is requested; every other optimization setting is reported as ignored."""
+    def optimization(self, opt: Any, out: dict[str, Any]) -> bool:
+        """Whether MPS is requested; CUDA graphs go into `out`; every other setting is reported as ignored."""
         mps = False
         for key, value in _set_fields(opt):
+            if key == "cuda":
+                out["optimization"] = {"cuda": self.cuda(value)}
+                continue
             if key != "execution_accelerators":
                 self.ignore(f"optimization.{key}")
                 continue
@@ -177,6 +181,23 @@ class _Reader:
                     else:
                         self.ignore(path, f"accelerator '{acc.name}' is not supported by mpsd")
         return mps
+
+    def cuda(self, cuda: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in _set_fields(cuda):
+            if key == "graphs":
+                out["graphs"] = value
+            elif key == "graph_spec":
+                specs = []
+                for i, spec in enumerate(value):
+                    for skey, _ in _set_fields(spec):
+                        if skey != "batch_size":  # mpsd records at the configured input dims
+                            self.ignore(f"optimization.cuda.graph_spec.{i}.{skey}")
+                    specs.append({"batch_size": spec.batch_size})
+                out["graph_spec"] = specs
+            else:
+                self.ignore(f"optimization.cuda.{key}")
+        return out
 
     def parameters(self, params: Any, out: dict[str, Any]) -> None:
         plain: dict[str, str] = {}
@@ -335,6 +356,8 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             queue = msg.dynamic_batching.default_queue_policy
             queue.max_queue_size = db.max_queue_size
             queue.default_timeout_microseconds = db.default_timeout_microseconds
+    if config.optimization.cuda.graphs:
+        write_cuda_graphs(msg, [g.batch_size for g in config.optimization.cuda.graph_spec])
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():
@@ -346,6 +369,13 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             else:
                 entry.zero_data = True
     return str(text_format.MessageToString(msg))
+
+
+def write_cuda_graphs(msg: Any, batch_sizes: Sequence[int]) -> None:
+    """CUDA graphs on, at these batch sizes, in a ModelConfig message."""
+    msg.optimization.cuda.graphs = True
+    for size in batch_sizes:
+        msg.optimization.cuda.graph_spec.add(batch_size=size)
 
 
 def _write_version_policy(policy: VersionPolicy, msg: Any) -> None:

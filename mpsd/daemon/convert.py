@@ -6,6 +6,7 @@ from collections.abc import Collection
 from typing import Any
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.config.pbtxt import write_cuda_graphs
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import model_config_pb2 as mc
 
@@ -79,6 +80,8 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
             msg.dynamic_batching.default_queue_policy.default_timeout_microseconds = (
                 db.default_timeout_microseconds
             )
+    if config.optimization.cuda.graphs:  # the sizes in effect, defaults included
+        write_cuda_graphs(msg, config.cuda_graph_batch_sizes())
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():

@@ -48,6 +48,7 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         parameters=dict(config.parameters),
         allow_pickle=config.allow_pickle,
         warmup=_warmup_samples(config),
+        cuda_graph_batch_sizes=config.cuda_graph_batch_sizes(),
     )
 
 

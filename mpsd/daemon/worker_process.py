@@ -209,9 +209,14 @@ class WorkerProcess:
         self.ready = reply
         device = reply.device
         skipped = device.get("skipped")
+        extra: dict[str, object] = {"skipped_devices": skipped} if skipped else {}  # KIND_AUTO: why not a GPU
+        if self.launch.model.cuda_graph_batch_sizes:  # asked for: say what was recorded, or why none
+            off = f"off: not on a CUDA device ({device.get('kind')})"
+            extra["cuda_graphs"] = list(reply.cuda_graphs) or off
+            extra["cuda_graphs_ms"] = round(reply.cuda_graphs_ms, 1)
         log.info(
             "worker ready",
-            **({"skipped_devices": skipped} if skipped else {}),  # KIND_AUTO: what it passed over, and why
+            **extra,
             worker=self.launch.label,
             pid=self.pid,
             kind=self.launch.kind,

@@ -58,6 +58,7 @@ class ModelSpec:
     parameters: dict[str, str] = field(default_factory=dict)
     allow_pickle: bool = False
     warmup: tuple[WarmupSample, ...] = ()  # none configured: one request of zeros
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # record CUDA graphs at these sizes (on a CUDA device)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,8 @@ class Ready:
     device: dict[str, object]
     load_ms: float
     warmup_ms: float
+    cuda_graphs: tuple[int, ...] = ()  # the batch sizes CUDA graphs were recorded at
+    cuda_graphs_ms: float = 0.0
 
 
 @dataclass(frozen=True)

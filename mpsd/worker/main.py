@@ -46,11 +46,22 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
         t1 = time.perf_counter()
         run_warmup(spec, backend, device)
         t2 = time.perf_counter()
+        recorded: tuple[int, ...] = ()
+        if spec.cuda_graph_batch_sizes and device.type == "cuda":
+            from mpsd.worker.cuda_graphs import GraphedBackend
+
+            with torch.inference_mode():
+                graphed = GraphedBackend(backend, spec, device)
+            backend, recorded = graphed, graphed.sizes
+        t3 = time.perf_counter()
     except DeviceUnavailable as exc:
         _fail_load(sock, str(exc))
     except Exception as exc:
         _fail_load(sock, f"{type(exc).__name__}: {exc}")
-    send_blocking(sock, p.Ready(os.getpid(), info.as_dict(), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
+    send_blocking(
+        sock,
+        p.Ready(os.getpid(), info.as_dict(), (t1 - t0) * 1e3, (t2 - t1) * 1e3, recorded, (t3 - t2) * 1e3),
+    )
     from mpsd.worker.inference import Runner
 
     return Runner(spec, backend, device)
