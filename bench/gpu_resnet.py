@@ -197,9 +197,12 @@ def main() -> None:
                 )
                 row["mpsd"]["batches"] = common.stats_delta(common.batch_stats(server, "resnet50"), before)
                 executions = {size: s["count"] for size, s in row["mpsd"]["batches"].items()}
-                for label, h2h in (("inprocess_host_to_host", True), ("inprocess_on_device", False)):
+                variants = [("inprocess_host_to_host", True, False), ("inprocess_on_device", False, False)]
+                if args.cuda_graphs:  # the same technique in-process: mpsd's edge from it is only the graphs
+                    variants.append(("inprocess_graphs_host_to_host", True, True))
+                for label, h2h, graphs in variants:
                     secs = inproc.batch_seconds(
-                        str(model_path), IMAGE, executions, dtype_name, args.device, 0.1, h2h
+                        str(model_path), IMAGE, executions, dtype_name, args.device, 0.1, h2h, graphs
                     )
                     row[label] = {
                         "throughput_rps": throughput_at(executions, secs["best"]),
@@ -240,7 +243,13 @@ def round_line(row: dict[str, Any]) -> str:
         f"mpsd {m['throughput_rps']:.0f}/s (p50 {m['p50_ms']:.1f} ms, p99 {m['p99_ms']:.1f} ms, mean batch "
         f"{report.mean_batch(m['batches']):.1f}, GPU busy {_pct(m['gpu_busy_percent'])}); in-process "
         f"host-to-host {row['inprocess_host_to_host']['throughput_rps']:.0f}/s, on-device "
-        f"{row['inprocess_on_device']['throughput_rps']:.0f}/s; floor {row['floor']['throughput_rps']:.0f}/s"
+        f"{row['inprocess_on_device']['throughput_rps']:.0f}/s"
+        + (
+            f", host-to-host with CUDA graphs {row['inprocess_graphs_host_to_host']['throughput_rps']:.0f}/s"
+            if "inprocess_graphs_host_to_host" in row
+            else ""
+        )
+        + f"; floor {row['floor']['throughput_rps']:.0f}/s"
     )
 
 
@@ -260,7 +269,18 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     execs = sum(s["count"] for s in sizes.values()) or 1
     h2h = [r["inprocess_host_to_host"]["throughput_rps"] for r in rounds]
     dev = [r["inprocess_on_device"]["throughput_rps"] for r in rounds]
-    return {
+    graphed = [
+        r["inprocess_graphs_host_to_host"]["throughput_rps"]
+        for r in rounds
+        if "inprocess_graphs_host_to_host" in r
+    ]
+    extra: dict[str, Any] = {}
+    if graphed:
+        extra["inprocess_graphs_host_to_host_rps"] = med(graphed)
+        extra["ratio_throughput_mpsd_inprocess_graphs"] = med(
+            [m["throughput_rps"] / g for m, g in zip(mp, graphed, strict=True) if g]
+        )
+    return extra | {
         "mpsd": {
             "throughput_rps": med([m["throughput_rps"] for m in mp]),
             "p50_ms": med([m["p50_ms"] for m in mp]),
@@ -308,6 +328,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"max_queue_delay_microseconds {st['delay_us']}, preferred_batch_size [{st['max_batch']}], "
         f"{st['instances']} instance(s); front_processes {st.get('front_processes') or 'auto'}; "
         f"event_loop {st.get('event_loop') or 'asyncio'}; "
+        f"CUDA graphs {'on' if st.get('cuda_graphs') else 'off'}; "
         f"{st['rounds']} rounds of {st['duration']} s"
         + ("; inputs through system shared memory." if st.get("shm_inputs") else "."),
         f"- Load generator: {results['load_generator']}.",
@@ -330,6 +351,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"| mpsd | {m['throughput_rps']:.0f} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} |",
         f"| in-process, host to host, same batch sizes | {s['inprocess_host_to_host_rps']:.0f} | | |",
         f"| in-process, on device, same batch sizes | {s['inprocess_on_device_rps']:.0f} | | |",
+        *(
+            [f"| in-process, host to host, CUDA graphs, same batch sizes | {graphed:.0f} | | |"]
+            if (graphed := s.get("inprocess_graphs_host_to_host_rps")) is not None
+            else []
+        ),
         f"| floor: bare grpc.aio server, small reply, no model | {s['floor']['throughput_rps']:.0f} | "
         f"{s['floor']['p50_ms']:.1f} | {s['floor']['p99_ms']:.1f} |",
         "",
@@ -337,6 +363,14 @@ def markdown(results: dict[str, Any]) -> str:
         f"x{s['ratio_throughput_mpsd_on_device']:.2f}; mpsd / floor: x{s['ratio_throughput_mpsd_floor']:.2f} "
         f"(the floor spends {s['floor']['server_cpu_us_per_request']:.0f} us of CPU per request, "
         f"mpsd's daemon and front processes {m['cpu_us_per_request']['server']:.0f} us).",
+        *(
+            [
+                f"With CUDA graphs on: mpsd / in-process host to host with CUDA graphs: x{ratio:.2f} (the "
+                "target's verdict above is against plain in-process torch)."
+            ]
+            if (ratio := s.get("ratio_throughput_mpsd_inprocess_graphs")) is not None
+            else []
+        ),
         "",
         f"Batches formed (size: executions): {', '.join(f'{k}: {v}' for k, v in s['batch_sizes'].items())}; "
         f"mean batch {s['mean_batch']:.1f}.",

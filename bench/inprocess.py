@@ -67,6 +67,34 @@ def time_calls(
     return lat
 
 
+def _graphed_call(module: Any, host: Any, dev: Any, host_to_host: bool) -> Callable[[], object]:
+    """One call of `module` on `host`'s shape as a replayed CUDA graph, recorded the usual way (warm-up
+    calls on a side stream, then one recorded call on static tensors)."""
+    import torch
+
+    static = host.to(dev)
+    with torch.inference_mode():
+        side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                module(static)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = module(static)
+
+    def call() -> object:
+        if host_to_host:
+            static.copy_(host.to(dev, non_blocking=True))
+            graph.replay()
+            return result.to("cpu")
+        graph.replay()
+        return result
+
+    return call
+
+
 class _Runner:
     def __init__(self) -> None:
         import torch
@@ -101,9 +129,11 @@ class _Runner:
         device: str,
         duration_s: float,
         host_to_host: bool,
+        graphs: bool = False,
     ) -> dict[int, float]:
         """Median seconds of one call at each batch size. With `host_to_host`, the batch starts in host
-        memory and the output ends there; otherwise both stay on the device."""
+        memory and the output ends there; otherwise both stay on the device. With `graphs` (CUDA), the
+        model is recorded as a CUDA graph at each batch size and replayed."""
         import torch
 
         dev = torch.device(device)
@@ -113,11 +143,15 @@ class _Runner:
         for size in sorted(sizes):
             host = torch.randn((size, *image), generator=gen).to(getattr(torch, dtype))
             x = host if host_to_host else host.to(dev)
+            call: Callable[[], object]
+            if graphs:
+                call = _graphed_call(module, host, dev, host_to_host)
+            else:
 
-            def call(x: torch.Tensor = x) -> object:
-                if host_to_host:
-                    return module(x.to(dev)).to("cpu")
-                return module(x)
+                def call(x: torch.Tensor = x) -> object:
+                    if host_to_host:
+                        return module(x.to(dev)).to("cpu")
+                    return module(x)
 
             lat = sorted(time_calls(call, duration_s, dev))
             out[size] = lat[len(lat) // 2] / 1e9
@@ -205,6 +239,7 @@ class InProcess:
         device: str = "cpu",
         duration_s: float = 0.3,
         host_to_host: bool = False,
+        graphs: bool = False,
     ) -> dict[str, dict[int, float]]:
         """Median seconds per call at each batch size, for each helper and the best of them ('best')."""
         kwargs = {
@@ -215,6 +250,7 @@ class InProcess:
             "device": device,
             "duration_s": duration_s,
             "host_to_host": host_to_host,
+            "graphs": graphs,
         }
         out: dict[str, dict[int, float]] = {h.label: h.call("batch_seconds", **kwargs) for h in self.helpers}
         out["best"] = {size: min(out[h.label][size] for h in self.helpers) for size in batches}

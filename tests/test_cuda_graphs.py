@@ -154,12 +154,15 @@ def test_batches_replay_the_smallest_graph_and_match_the_model() -> None:
         for rows in (3, 1, 4, 2):  # each smaller than the last graph's batch: padding rows hold old data
             x = torch.randn(rows, 3, 8, 8, device="cuda")
             got = graphed([x])["y"].clone()
+            torch.testing.assert_close(got, module(x), rtol=1e-4, atol=1e-4)
+            got = graphed([x.cpu().pin_memory()])["y"].clone()  # from host memory, as the worker passes them
             assert got.shape == (rows, 10)
             torch.testing.assert_close(got, module(x), rtol=1e-4, atol=1e-4)
         assert model.calls == recorded, "a batch that fits a graph must not call the model"
         big = torch.randn(8, 3, 8, 8, device="cuda")
         torch.testing.assert_close(graphed([big])["y"], module(big), rtol=1e-4, atol=1e-4)
-        assert model.calls == recorded + 1, "a batch larger than every graph runs the model itself"
+        torch.testing.assert_close(graphed([big.cpu()])["y"], module(big), rtol=1e-4, atol=1e-4)
+        assert model.calls == recorded + 2, "a batch larger than every graph runs the model itself"
 
 
 @needs_cuda

@@ -41,10 +41,17 @@ class _Graph:
 
 class GraphedBackend:
     """A backend that replays a recorded graph for every batch that fits one, and calls the model directly
-    for the rest (batches larger than every recorded size, inputs of other shapes)."""
+    for the rest (batches larger than every recorded size, inputs of other shapes).
+
+    Inputs may be in host memory: they are copied straight into the graph's inputs (from the page-locked
+    region, one transfer), not to a device tensor first and then again into the graph's.
+    """
+
+    accepts_host_inputs = True
 
     def __init__(self, backend: Backend, spec: ModelSpec, device: torch.device) -> None:
         self.backend = backend
+        self.device = device
         self.sizes = tuple(sorted(set(spec.cuda_graph_batch_sizes)))
         self._row_shapes = [tuple(t.dims) for t in spec.inputs]
         self._graphs: dict[int, _Graph] = {}
@@ -78,7 +85,7 @@ class GraphedBackend:
         size = graph_size(self.sizes, rows)
         shapes = zip(inputs, self._row_shapes, strict=True)
         if size is None or any(tuple(x.shape[1:]) != row for x, row in shapes):
-            return self.backend(inputs)
+            return self.backend([x.to(self.device, non_blocking=True) for x in inputs])
         recorded = self._graphs[size]
         for static, given in zip(recorded.inputs, inputs, strict=True):
             static[:rows].copy_(given, non_blocking=True)

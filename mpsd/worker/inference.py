@@ -115,6 +115,8 @@ class Runner:
         self.backend = backend
         self.device = device
         self._on_cpu = device.type == "cpu"
+        # A backend that takes host tensors moves them itself (CUDA graphs: straight into a graph's inputs).
+        self._keep_on_host = self._on_cpu or getattr(backend, "accepts_host_inputs", False)
         self._outputs = {o.name: o for o in spec.outputs}
         self._batched = spec.max_batch_size > 0
         self._checked: set[tuple[str, torch.dtype, tuple[int, ...]]] = set()
@@ -127,7 +129,7 @@ class Runner:
         if typed is None:
             flat = region_view(region, views, ref.offset, ref.nbytes)  # may start the cache again
             typed = views[key] = flat.view(TO_TORCH[ref.datatype]).reshape(ref.shape)
-        if self._on_cpu:
+        if self._keep_on_host:
             return typed.detach()  # the model gets its own tensor object: in-place shape changes stay its own
         return typed.to(self.device, non_blocking=True)
 
