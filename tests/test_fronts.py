@@ -333,6 +333,31 @@ def test_system_shared_memory_through_a_front(setup: Setup) -> None:
         inputs[1].set_shared_memory("fronts_in", a.nbytes, offset=a.nbytes)
         result = client.infer("add_sub", inputs)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+        # Outputs into shared memory: a reply whose last (or only) output has no bytes in the message. Every
+        # output there leaves the front nothing but the message's metadata to send on.
+        b = np.full((1, 16), 5.0, dtype=np.float32)
+        out_handle = shm.create_shared_memory_region("fronts_out", f"/fronts_out_{os.getpid()}", a.nbytes * 2)
+        try:
+            client.register_system_shared_memory("fronts_out", f"/fronts_out_{os.getpid()}", a.nbytes * 2)
+            for in_shm in ("OUTPUT1", "OUTPUT0"):
+                shm.set_shared_memory_region(out_handle, [np.zeros((2, 16), np.float32)])
+                out0 = grpcclient.InferRequestedOutput("OUTPUT0")
+                out1 = grpcclient.InferRequestedOutput("OUTPUT1")
+                out1.set_shared_memory("fronts_out", a.nbytes, offset=a.nbytes)
+                if in_shm == "OUTPUT0":
+                    out0.set_shared_memory("fronts_out", a.nbytes)
+                result = client.infer("add_sub", add_sub_inputs(b, a), outputs=[out0, out1])
+                got = shm.get_contents_as_numpy(out_handle, np.float32, [2, 16])
+                np.testing.assert_array_equal(got[1:], b - a)
+                if in_shm == "OUTPUT0":
+                    np.testing.assert_array_equal(got[:1], b + a)
+                    assert list(result.get_output("OUTPUT0").shape) == [1, 16]
+                    assert [len(r) for r in result.get_response().raw_output_contents] == [0, 0]
+                else:
+                    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), b + a)
+            client.unregister_system_shared_memory("fronts_out")
+        finally:
+            shm.destroy_shared_memory_region(out_handle)
         status = client.get_system_shared_memory_status()
         assert "fronts_in" in {r.name for r in status.regions.values()}
         client.unregister_system_shared_memory("fronts_in")
