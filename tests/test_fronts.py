@@ -100,6 +100,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     models.add_sub(repo)
     models.add_sub(repo, "add_sub_big", dims=BIG_DIMS, max_batch_size=0)
     models.python_model(repo, "slow", SLOW)
+    models.python_model(repo, "doubled", "return {'y': torch.cat([inputs['x'], inputs['x']])}")
     metrics_port = free_port()
     args = ["--front-processes", str(FRONTS), "--metrics-address", f"127.0.0.1:{metrics_port}"]
     with serving(repo, base / "daemon.log", extra_args=args) as daemon:
@@ -189,16 +190,41 @@ def test_every_rpc_shape_through_a_front(setup: Setup) -> None:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def arena_transfers(setup: Setup) -> tuple[float, float]:
+    """(requests, replies) that went through the fronts' arenas so far."""
+    values = scrape(setup.metrics_port)
+    total = {"request": 0.0, "reply": 0.0}
+    for key, value in values.items():
+        if key.startswith("mpsd_front_arena_transfers_total{"):
+            total["request" if 'direction="request"' in key else "reply"] += value
+    return total["request"], total["reply"]
+
+
 def test_large_requests_and_replies_through_a_front(setup: Setup) -> None:
-    """A reply leaves the daemon as pieces (header, then each output behind its tag): they must arrive as
-    the one message they make up, for tensors larger than the link's socket buffer too."""
+    """Large requests and replies go through the front's shared-memory arena, and arrive whole."""
     rng = np.random.default_rng(7)
+    requests, replies = arena_transfers(setup)
     for _ in range(3):
         a = rng.standard_normal((BIG_DIMS,), dtype=np.float32)
         b = rng.standard_normal((BIG_DIMS,), dtype=np.float32)
         result = setup.daemon.client.infer("add_sub_big", add_sub_inputs(a, b))
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    assert arena_transfers(setup) == (requests + 3, replies + 3)
+
+
+def test_a_reply_larger_than_its_request_comes_back_through_the_socket(setup: Setup) -> None:
+    """The reply does not fit the request's chunk: it leaves the daemon as pieces (header, then each
+    output behind its tag), which must arrive as the one message they make up, for tensors larger than the
+    link's socket buffer too."""
+    x = np.random.default_rng(8).standard_normal((BIG_DIMS,), dtype=np.float32)
+    requests, replies = arena_transfers(setup)
+    for _ in range(2):
+        inp = grpcclient.InferInput("x", [BIG_DIMS], "FP32")
+        inp.set_data_from_numpy(x)
+        result = setup.daemon.client.infer("doubled", [inp])
+        np.testing.assert_array_equal(result.as_numpy("y"), np.concatenate([x, x]))
+    assert arena_transfers(setup) == (requests + 2, replies)
 
 
 def test_a_frame_is_its_pieces_behind_a_header_that_counts_their_bytes() -> None:

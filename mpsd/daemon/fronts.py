@@ -5,7 +5,8 @@ machinery), so one front caps a daemon at a few thousand requests per second. Wi
 the daemon starts N front processes that share the TCP port through SO_REUSEPORT (the kernel spreads
 connections over them) and keeps the rest here: the registry, the batcher and the workers.
 
-A front hands ModelInfer calls to the core as serialized bytes over a socketpair (`front/wire.py`); the
+A front hands ModelInfer calls to the core as serialized bytes over a socketpair (`front/wire.py`), large
+ones through a shared-memory arena the core creates for it (`front/arena.py`); the
 core decodes, validates, batches and answers with serialized bytes, so gRPC runs in the fronts and
 mpsd's own work here. Every other RPC the front forwards unchanged to the core's gRPC server on a
 private Unix socket, so the core stays the one place that holds state.
@@ -34,6 +35,9 @@ import structlog
 from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError, MpsdError
+from mpsd.ipc.shm import Region
+
+from .front.arena import ARENA_BYTES, ARENA_MIN, INFER_REF, REPLY_REF
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
 from .front.wire import (
@@ -50,6 +54,7 @@ from .front.wire import (
 from .launch import worker_base_env
 from .listen import Address, parse_address
 from .status import grpc_status
+from .wire_split import nbytes
 
 log = structlog.get_logger("mpsd.daemon.fronts")
 FRONT_MODULE = "mpsd.daemon.front"  # what a front process runs: `python -m FRONT_MODULE`
@@ -61,11 +66,12 @@ def is_front_command(argv: Sequence[str]) -> bool:
 
 
 # ModelInfer on request bytes; the response comes back as pieces to be sent back to back.
-InferBytes = Callable[[bytes | bytearray, float | None], Awaitable[Sequence[Buffer]]]
+InferBytes = Callable[[bytes | bytearray | memoryview, float | None], Awaitable[Sequence[Buffer]]]
 
 START_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 
 
 def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: str = sys.platform) -> int:
@@ -156,6 +162,15 @@ class FrontFailed(Exception):
 
 
 @dataclass
+class FrontCounts:
+    """What one front slot has handed to the core, over its processes' restarts."""
+
+    served: int = 0  # ModelInfer calls answered
+    arena_requests: int = 0  # of which the request came through the arena
+    arena_replies: int = 0  # and the reply went back through it
+
+
+@dataclass
 class FrontLink:
     """The core's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
 
@@ -167,8 +182,10 @@ class FrontLink:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
-    served: int = 0
+    counts: FrontCounts = field(default_factory=FrontCounts)
     writer: FrameWriter = field(default_factory=FrameWriter)
+    arena: Region | None = None  # requests' views keep it mapped after the front is gone
+    in_arena: set[int] = field(default_factory=set)  # calls whose request is in the arena
     _paused: bool = False
 
     def protocol(self) -> FrameProtocol:
@@ -181,18 +198,31 @@ class FrontLink:
         self.writer.send(parts)
 
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
-        if kind == Kind.INFER:
+        if kind in (Kind.INFER, Kind.INFER_SHM):
             deadline = time.monotonic() + number if number >= 0 else None
+            chunk: tuple[int, int] | None = None
+            request: bytes | bytearray | memoryview = payload
+            if kind == Kind.INFER_SHM:
+                start, length, capacity = INFER_REF.unpack(payload)
+                if self.arena is None or length > capacity or start + capacity > self.arena.size:
+                    reason = f"arena reference out of bounds: {start}+{length} (chunk {capacity})"
+                    self.send(frame(Kind.REPLY, call_id, _INTERNAL, reason.encode()))
+                    return
+                chunk, request = (start, capacity), self.arena.buf[start : start + length]
+                self.in_arena.add(call_id)
             self.calls[call_id] = asyncio.get_running_loop().create_task(
-                self._serve(call_id, payload, deadline)
+                self._serve(call_id, request, deadline, chunk)
             )
             if len(self.calls) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
         elif kind == Kind.CANCEL:
-            task = self.calls.pop(call_id, None)
-            if task is not None:
-                task.cancel()
+            # A call whose request is in the arena runs to its end (or its deadline): once answered, its
+            # chunk is the front's to reuse, and a batch formed before the cancel may still read from it.
+            if call_id not in self.in_arena:
+                task = self.calls.pop(call_id, None)
+                if task is not None:
+                    task.cancel()
         elif kind == Kind.READY and not self.ready.done():
             self.ready.set_result(json.loads(payload))
         elif kind == Kind.FAILED and not self.ready.done():
@@ -200,11 +230,18 @@ class FrontLink:
         else:
             log.warning("unexpected frame from a front", front=self.index, kind=kind)
 
-    async def _serve(self, call_id: int, payload: bytes | bytearray, deadline: float | None) -> None:
+    async def _serve(
+        self,
+        call_id: int,
+        payload: bytes | bytearray | memoryview,
+        deadline: float | None,
+        chunk: tuple[int, int] | None,
+    ) -> None:
+        """Run one call and answer it, a cancelled one too (the front expects an answer to every call)."""
         try:
-            reply = frame_of(Kind.REPLY, call_id, 0, await self.infer(payload, deadline))
+            reply = self._reply(call_id, await self.infer(payload, deadline), chunk)
         except asyncio.CancelledError:
-            return
+            reply = frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled")
         except MpsdError as exc:
             reply = frame(Kind.REPLY, call_id, grpc_status(exc).value[0], exc.message.encode())
         except Exception as exc:
@@ -212,16 +249,34 @@ class FrontLink:
             reply = frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
         finally:
             self.calls.pop(call_id, None)
+            self.in_arena.discard(call_id)
             if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
                 self._paused = False
                 self.transport.resume_reading()
-        self.served += 1
+        self.counts.served += 1
+        self.counts.arena_requests += chunk is not None
         self.send(reply)
+
+    def _reply(
+        self, call_id: int, parts: Sequence[Buffer], chunk: tuple[int, int] | None
+    ) -> tuple[Buffer, ...]:
+        """A large response goes into the call's chunk when it fits, the rest in the frame."""
+        total = sum(nbytes(p) for p in parts)
+        if chunk is None or self.arena is None or total < ARENA_MIN or total > chunk[1]:
+            return frame_of(Kind.REPLY, call_id, 0, parts)
+        buf, pos = self.arena.buf, chunk[0]
+        for piece in parts:
+            view = memoryview(piece).cast("B")
+            buf[pos : pos + view.nbytes] = view
+            pos += view.nbytes
+        self.counts.arena_replies += 1
+        return frame(Kind.REPLY_SHM, call_id, 0, REPLY_REF.pack(total))
 
     def _lost(self, exc: Exception | None) -> None:
         for task in list(self.calls.values()):
             task.cancel()
         self.calls.clear()
+        self.arena = None  # unmapped once the last request's views of it are gone
         if not self.ready.done():  # (a cancelled wait counts as done)
             self.ready.set_exception(FrontFailed("it closed its connection before it was listening"))
         self.on_lost(self)
@@ -253,7 +308,7 @@ class FrontPool:
         self._infer = infer
         self.fronts: dict[int, Front] = {}
         self.restarts: dict[int, int] = {}
-        self._served_before: dict[int, int] = {}  # by fronts that have since been replaced
+        self.counts: dict[int, FrontCounts] = {}
         self._stopping = False
         self._supervisors: list[asyncio.Task[None]] = []
         self._relays: set[asyncio.Task[None]] = set()
@@ -262,7 +317,7 @@ class FrontPool:
 
     def served(self) -> dict[int, int]:
         """ModelInfer calls each front slot has handed to the core, over restarts."""
-        return {i: self._served_before.get(i, 0) + f.link.served for i, f in sorted(self.fronts.items())}
+        return {i: self.counts[i].served for i in sorted(self.fronts)}
 
     def running(self) -> int:
         return sum(f.process.returncode is None for f in self.fronts.values())
@@ -306,7 +361,9 @@ class FrontPool:
                 hint="raise net.core.wmem_max and net.core.rmem_max (Linux) to at least the size asked",
             )
         process: asyncio.subprocess.Process | None = None
-        link = FrontLink(index, self._infer, self._on_link_lost)
+        counts = self.counts.setdefault(index, FrontCounts())
+        link = FrontLink(index, self._infer, self._on_link_lost, counts=counts)
+        arena = link.arena = Region.create(ARENA_BYTES)
         try:
             try:
                 process = await asyncio.create_subprocess_exec(
@@ -336,10 +393,12 @@ class FrontPool:
                 "log_level": logs.level_name(),  # now: LogSettings or SIGHUP may have changed it
                 "core_target": self._core_target,
                 "config": self._config.model_dump(mode="json"),
+                "arena": {"name": arena.name, "size": arena.size},
             }
             link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
         except BaseException as exc:
+            arena.unlink()
             if link.transport is not None:
                 link.transport.close()
             else:
@@ -350,6 +409,7 @@ class FrontPool:
                 reason = str(exc) or f"it did not listen within {START_TIMEOUT_S:g} s"
                 raise FrontFailed(f"front process {index} could not start: {reason}") from None
             raise
+        arena.unlink()  # both ends have it mapped: the memory goes when both unmap it, however they end
         front = Front(index, process, link)
         self.fronts[index] = front
         log.info(
@@ -376,8 +436,6 @@ class FrontPool:
             log.error("front process exited; restarting it", front=index, pid=front.process.pid, code=code)
             if front.link.transport is not None:
                 front.link.transport.close()
-            self._served_before[index] = self._served_before.get(index, 0) + front.link.served
-            front.link.served = 0
             self.restarts[index] = self.restarts.get(index, 0) + 1
             while not self._stopping:
                 await asyncio.sleep(RESTART_DELAY_S)

@@ -163,12 +163,22 @@ class FrontCollector(Collector):
         restarts = CounterMetricFamily(
             "mpsd_front_restarts", "Times a front process died and was started again.", labels=["front"]
         )
-        for index, count in self.pool.served().items():
-            served.add_metric([str(index)], count)
+        arena = CounterMetricFamily(
+            "mpsd_front_arena_transfers",
+            "Large ModelInfer requests and replies that went between a front and the daemon through shared "
+            "memory instead of their socket.",
+            labels=["front", "direction"],
+        )
+        for index in sorted(self.pool.fronts):
+            counts = self.pool.counts[index]
+            served.add_metric([str(index)], counts.served)
             restarts.add_metric([str(index)], self.pool.restarts.get(index, 0))
+            arena.add_metric([str(index), "request"], counts.arena_requests)
+            arena.add_metric([str(index), "reply"], counts.arena_replies)
         yield running
         yield served
         yield restarts
+        yield arena
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -143,12 +143,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return b"".join(await self.infer_serialized_parts(data, deadline))
 
     async def infer_serialized_parts(
-        self, data: bytes | bytearray, deadline: float | None
+        self, data: bytes | bytearray | memoryview, deadline: float | None
     ) -> list[bytes | memoryview]:
         """ModelInfer for a front process: the response as consecutive pieces (`raw_output_parts`), which
-        its link writes with one scatter-gather send, copying no tensor bytes."""
+        its link writes with one scatter-gather send, copying no tensor bytes. `data` may be a view of the
+        front's arena: the tensor bytes are then read in place."""
         split = split_raw_contents(data)
         header, raw = split if split is not None else (data, None)
+        if isinstance(header, memoryview):  # no raw contents to cut out: parse a copy, as protobuf wants
+            header = bytes(header)
         try:
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:

@@ -18,7 +18,7 @@ _LENGTH_DELIMITED = 2
 _OUTPUT_TAG = bytes([RAW_OUTPUT_CONTENTS << 3 | _LENGTH_DELIMITED])
 
 
-def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
+def _varint(data: bytes | bytearray | memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         byte = data[pos]  # IndexError on a truncated message
@@ -31,7 +31,9 @@ def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def split_raw_contents(data: bytes | bytearray) -> tuple[bytes | bytearray, list[memoryview]] | None:
+def split_raw_contents(
+    data: bytes | bytearray | memoryview,
+) -> tuple[bytes | bytearray | memoryview, list[memoryview]] | None:
     """(the message without its raw_input_contents, views of those entries in order), or None when the
     bytes are not a well-formed message (the caller then lets protobuf report the error)."""
     view = memoryview(data)

@@ -21,17 +21,20 @@ import grpc
 import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
+from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
 
 from .. import eventloop
 from ..auth import AccessPolicy, build_policy, refusal
 from ..listen import bind, parse_address
+from .arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
 from .wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 
 log = structlog.get_logger("mpsd.daemon.front")
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 # Metadata gRPC itself sets on a call; everything else (authorization, application keys) is relayed.
 _OWN_METADATA = ("user-agent", "content-type", "te", "grpc-", ":")
 
@@ -41,7 +44,10 @@ def relayed_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[s
 
 
 class CoreLink:
-    """The front's end of the socketpair: sends ModelInfer calls and resolves them with the core's reply."""
+    """The front's end of the socketpair: sends ModelInfer calls and resolves them with the core's reply.
+
+    Large requests go through the arena the core created for this front (`arena.py`) while it has room.
+    """
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
@@ -53,6 +59,13 @@ class CoreLink:
         self._window = asyncio.Semaphore(MAX_IN_FLIGHT)
         self._pending: dict[int, asyncio.Future[tuple[int, bytes | bytearray]]] = {}
         self._ids = itertools.count(1)
+        self._arena: Region | None = None
+        self._allocator: Allocator | None = None
+        self._chunks: dict[int, int] = {}  # call id -> start of its chunk, until the core answers
+
+    def attach_arena(self, name: str, size: int) -> None:
+        self._arena = Region.attach(name, size)
+        self._allocator = Allocator(size)
 
     def protocol(self) -> FrameProtocol:
         return FrameProtocol(self._on_frame, self._on_lost)
@@ -61,7 +74,16 @@ class CoreLink:
         self.writer.send(parts)
 
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
-        if kind == Kind.REPLY:
+        if kind in (Kind.REPLY, Kind.REPLY_SHM):
+            start = self._chunks.pop(call_id, None)
+            if kind == Kind.REPLY_SHM:
+                if start is None or self._arena is None:  # cannot happen unless the two ends disagree
+                    number, payload = _INTERNAL, b"the daemon core answered into a chunk the call lacks"
+                else:
+                    (length,) = REPLY_REF.unpack(payload)
+                    payload = bytes(self._arena.buf[start : start + length])
+            if start is not None and self._allocator is not None:
+                self._allocator.free(start)
             waiter = self._pending.pop(call_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result((int(number), payload))
@@ -88,7 +110,7 @@ class CoreLink:
             waiter = asyncio.get_running_loop().create_future()
             self._pending[call_id] = waiter
             remaining = context.time_remaining()  # measured now: time spent waiting above counts
-            self.send(frame(Kind.INFER, call_id, -1.0 if remaining is None else remaining, request))
+            self.send(self._infer_frame(call_id, -1.0 if remaining is None else remaining, request))
             try:
                 code, payload = await waiter
             except asyncio.CancelledError:
@@ -98,6 +120,18 @@ class CoreLink:
         if code:
             await context.abort(_CODES.get(code, grpc.StatusCode.UNKNOWN), bytes(payload).decode())
         return payload if isinstance(payload, bytes) else bytes(payload)
+
+    def _infer_frame(self, call_id: int, remaining: float, request: bytes) -> tuple[Buffer, ...]:
+        """The request into the arena when it is large and there is room, else in the frame itself."""
+        size = len(request)
+        if size >= ARENA_MIN and self._allocator is not None and self._arena is not None:
+            capacity = chunk_size(size)
+            start = self._allocator.allocate(capacity)
+            if start is not None:
+                self._arena.buf[start : start + size] = request
+                self._chunks[call_id] = start
+                return frame(Kind.INFER_SHM, call_id, remaining, INFER_REF.pack(start, size, capacity))
+        return frame(Kind.INFER, call_id, remaining, request)
 
 
 def served_methods() -> dict[str, tuple[bool, bool]]:
@@ -210,6 +244,8 @@ async def serve(sock: socket.socket) -> int:
         return 1  # the daemon went away before it said what to serve
     settings = link.settings.result()
     config = DaemonConfig.model_validate(settings["config"])
+    if settings.get("arena"):
+        link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
     configure(settings.get("log_level", config.log_level), "json")
     structlog.contextvars.bind_contextvars(front=settings["index"])

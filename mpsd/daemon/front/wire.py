@@ -34,8 +34,11 @@ class Kind(enum.IntEnum):
     FAILED = 3  # front -> core: could not start (payload: the reason)
     INFER = 4  # front -> core: a ModelInfer call (number: seconds left, payload: request bytes)
     CANCEL = 5  # front -> core: the client went away; drop the call
-    REPLY = 6  # core -> front: number 0 and response bytes, or a status code and a message
+    REPLY = 6  # core -> front: number 0 and response bytes, or a status code and a message (every call
+    # gets one, a cancelled one too: only then may the front reuse the call's arena chunk)
     LOG_LEVEL = 7  # core -> front: the daemon's log level changed (payload: its name)
+    INFER_SHM = 8  # front -> core: a ModelInfer call whose request is in the arena (payload: arena.INFER_REF)
+    REPLY_SHM = 9  # core -> front: the response, at the start of the call's chunk (payload: arena.REPLY_REF)
 
 
 # Socket buffer of each end: a frame of a few MiB (a 600 KB image and its reply) goes in one system call
