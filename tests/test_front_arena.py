@@ -8,6 +8,7 @@ stand-in that records the frames written, so each rule can be checked frame by f
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +52,7 @@ def test_chunks_never_overlap_and_everything_freed_is_one_block_again(ops: list[
             if start is None:
                 assert all(free < n for _, free in alloc.free_blocks())
                 continue
-            assert 0 <= start and start + n <= size
+            assert start >= 0 and start + n <= size
             assert all(start + n <= s or s + m <= start for s, m in held.items())
             held[start] = n
         else:
@@ -61,7 +62,7 @@ def test_chunks_never_overlap_and_everything_freed_is_one_block_again(ops: list[
         assert alloc.in_use == sum(held.values())
         blocks = alloc.free_blocks()
         assert sum(m for _, m in blocks) == size - alloc.in_use
-        assert all(s1 + m1 < s2 for (s1, m1), (s2, _) in zip(blocks, blocks[1:], strict=False))  # merged
+        assert all(s1 + m1 < s2 for (s1, m1), (s2, _) in itertools.pairwise(blocks))  # merged
     for start in list(held):
         alloc.free(start)
     assert alloc.free_blocks() == [(0, size)]
