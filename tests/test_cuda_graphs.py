@@ -19,7 +19,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.ipc.protocol import ModelSpec, TensorSpec
 from mpsd.worker.cuda_graphs import GraphedBackend, graph_size
 from tests import models
-from tests.conftest import serving
+from tests.conftest import RunningDaemon, serving
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -43,6 +43,8 @@ def test_default_sizes_are_powers_of_two_the_preferred_sizes_and_the_maximum() -
     assert config(optimization=on).cuda_graph_batch_sizes() == (1, 2, 4, 8, 16, 32, 64)
     odd = config(optimization=on, max_batch_size=48, dynamic_batching={"preferred_batch_size": [24]})
     assert odd.cuda_graph_batch_sizes() == (1, 2, 4, 8, 16, 24, 32, 48)
+    beyond = config(optimization=on, max_batch_size=8, dynamic_batching={"preferred_batch_size": [100]})
+    assert beyond.cuda_graph_batch_sizes() == (1, 2, 4, 8)  # never above max_batch_size
 
 
 def test_graph_spec_names_the_sizes() -> None:
@@ -67,6 +69,7 @@ def test_graph_spec_names_the_sizes() -> None:
         ({"graph_spec": [{"batch_size": 128}]}, "graph_spec batch_size 128 exceeds max_batch_size 64"),
         ({"graph_spec": [{"batch_size": 0}]}, "greater than or equal to 1"),
         ({"graphs": False, "graph_spec": [{"batch_size": 4}]}, "graph_spec is set but"),
+        ({"backend": "python"}, "not python"),
     ],
 )
 def test_what_cannot_be_recorded_is_refused(extra: dict[str, Any], message: str) -> None:
@@ -166,13 +169,58 @@ def test_batches_replay_the_smallest_graph_and_match_the_model() -> None:
 
 
 @needs_cuda
-def test_a_model_that_cannot_be_recorded_fails_naming_the_batch_size() -> None:
-    def syncs(inputs: Any) -> dict[str, torch.Tensor]:
-        x = inputs[0]
-        return {"y": x.mean((2, 3)).repeat(1, 4)[:, :10] * float(x.sum().item() >= 0)}
+def test_a_model_whose_answers_come_from_more_than_its_gpu_work_is_refused() -> None:
+    """Python state feeds the answer: recorded once, a replay would repeat it; the check after recording
+    compares a replay with a direct call and refuses the graphs."""
+    calls = [0]
 
-    with torch.inference_mode(), pytest.raises(RuntimeError, match="at batch size 4 failed"):
-        GraphedBackend(syncs, cnn_spec((2, 4)), torch.device("cuda"))
+    def stateful(inputs: Any) -> dict[str, torch.Tensor]:
+        calls[0] += 1
+        return {"y": inputs[0].mean((2, 3)).repeat(1, 4)[:, :10] + float(calls[0])}
+
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="answers differently from the model"):
+        GraphedBackend(stateful, cnn_spec((2, 4)), torch.device("cuda"))
+
+    def on_host(inputs: Any) -> dict[str, torch.Tensor]:
+        return {"y": torch.zeros(inputs[0].shape[0], 10)}
+
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="output 'y' is on cpu"):
+        GraphedBackend(on_host, cnn_spec((2,)), torch.device("cuda"))
+
+
+class Syncs(nn.Module):
+    """Reads a value back to the host mid-call: that cannot be recorded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = float(x.sum().item() >= 0)
+        return x.mean((2, 3)).repeat(1, 4)[:, :10] * scale
+
+
+@needs_cuda
+def test_a_model_that_cannot_be_recorded_fails_to_load_naming_the_batch_size(tmp_path: Path) -> None:
+    """In the daemon's worker, not here: a failed recording leaves that process's CUDA state behind."""
+    repo = tmp_path / "repo"
+    models.save_torchscript(Syncs(), repo / "syncs" / "1" / "model.pt")
+    models.write_config(
+        repo / "syncs",
+        {
+            "backend": "torchscript",
+            "max_batch_size": 4,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 8, 8]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
+            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
+            "optimization": {"cuda": {"graphs": True, "graph_spec": [{"batch_size": 4}]}},
+        },
+    )
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log")
+    try:
+        daemon.wait_models_settled()
+        (entry,) = daemon.client.get_model_repository_index(as_json=True)["models"]
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+    assert entry["state"] == "UNAVAILABLE"
+    assert "recording a CUDA graph at batch size 4 failed" in entry["reason"], entry
 
 
 @needs_cuda

@@ -280,6 +280,17 @@ def test_cuda_graphs_map_both_ways_and_their_unused_fields_are_reported(tmp_path
     back = convert(yaml_path)
     assert back.returncode == 0, back.stderr
     assert "graphs: true" in back.stdout and back.stdout.count("graph_spec {") == 2
+    # What Triton accepts and mpsd has no use for is reported, not refused.
+    source.write_text(batched + "optimization { cuda { graph_spec [ { batch_size: 4 } ] } }")
+    off = convert(source, "--to", "yaml")
+    assert off.returncode == 0, off.stderr
+    assert "optimization.cuda.graph_spec (graphs is false)" in off.stderr
+    assert not yaml.safe_load(off.stdout).get("optimization", {}).get("cuda", {}).get("graphs")
+    unsized_spec = 'graph_spec [ { input { key: "INPUT__0" } } ]'
+    source.write_text(batched + f"optimization {{ cuda {{ graphs: true {unsized_spec} }} }}")
+    unsized = convert(source, "--to", "yaml")
+    assert unsized.returncode == 0, unsized.stderr
+    assert "optimization.cuda.graph_spec.0 (no batch_size)" in unsized.stderr
 
 
 BASE = """

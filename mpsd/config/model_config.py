@@ -197,6 +197,9 @@ def _check_graphs(config: ModelConfig) -> None:
         return
     if config.max_batch_size == 0:
         raise ValueError("optimization.cuda.graphs needs max_batch_size > 0 (graphs are kept per batch size)")
+    if config.backend == "python":
+        # Python code around the tensors would run once, when recorded, and never again.
+        raise ValueError("optimization.cuda.graphs is for torchscript and torch_export models, not python")
     variable = [t.name for t in config.input if -1 in t.dims]
     if variable:
         raise ValueError(
@@ -295,8 +298,9 @@ class ModelConfig(_Strict):
         if cuda.graph_spec:
             return tuple(sorted({g.batch_size for g in cuda.graph_spec}))
         preferred = self.dynamic_batching.preferred_batch_size if self.dynamic_batching else []
-        powers = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i < self.max_batch_size]
-        return tuple(sorted({*preferred, *powers, self.max_batch_size}))
+        powers = [1 << i for i in range(self.max_batch_size.bit_length())]
+        sizes = {*preferred, *powers, self.max_batch_size}
+        return tuple(sorted(s for s in sizes if s <= self.max_batch_size))
 
     @property
     def model_filename(self) -> str:

@@ -187,13 +187,18 @@ class _Reader:
         for key, value in _set_fields(cuda):
             if key == "graphs":
                 out["graphs"] = value
+            elif key == "graph_spec" and not cuda.graphs:
+                self.ignore("optimization.cuda.graph_spec", "graphs is false")
             elif key == "graph_spec":
                 specs = []
                 for i, spec in enumerate(value):
                     for skey, _ in _set_fields(spec):
                         if skey != "batch_size":  # mpsd records at the configured input dims
                             self.ignore(f"optimization.cuda.graph_spec.{i}.{skey}")
-                    specs.append({"batch_size": spec.batch_size})
+                    if spec.batch_size > 0:
+                        specs.append({"batch_size": spec.batch_size})
+                    else:
+                        self.ignore(f"optimization.cuda.graph_spec.{i}", "no batch_size")
                 out["graph_spec"] = specs
             else:
                 self.ignore(f"optimization.cuda.{key}")

@@ -58,6 +58,8 @@ class GraphedBackend:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse the memory it took
             self._graphs[size] = self._record(spec, device, size, pool)
+        for size in self.sizes:
+            self._check(size)
 
     def _record(self, spec: ModelSpec, device: torch.device, size: int, pool: Any) -> _Graph:
         inputs = [
@@ -78,7 +80,43 @@ class GraphedBackend:
                 f"recording a CUDA graph at batch size {size} failed ({type(exc).__name__}: {exc}); "
                 "turn optimization.cuda.graphs off for this model"
             ) from exc
+        for name, out in outputs.items():
+            if out.device != device:  # made on the host: a replay would hand back the recorded values
+                raise RuntimeError(
+                    f"output '{name}' is on {out.device}, not {device}: a CUDA graph records only the "
+                    "model's GPU work; turn optimization.cuda.graphs off for this model"
+                )
         return _Graph(graph, inputs, outputs)
+
+    def _check(self, size: int) -> None:
+        """Replay on fresh inputs and compare with calling the model: a graph records GPU kernels only, so
+        a model whose answers also come from Python state or host values would replay stale ones."""
+        recorded = self._graphs[size]
+        generator = torch.Generator(device=self.device).manual_seed(size)
+        for static in recorded.inputs:
+            if static.dtype.is_floating_point:
+                static.copy_(torch.randn(static.shape, generator=generator, device=self.device))
+            else:
+                high = 2 if static.dtype == torch.bool else 8
+                static.copy_(torch.randint(0, high, static.shape, generator=generator, device=self.device))
+        recorded.graph.replay()
+        replayed = {name: out.clone() for name, out in recorded.outputs.items()}
+        direct = self.backend(recorded.inputs)
+        for name, want in direct.items():
+            got = replayed.get(name)
+            loose = want.dtype in (torch.float16, torch.bfloat16)
+            if (
+                got is None
+                or got.shape != want.shape
+                or not torch.allclose(
+                    got, want, rtol=1e-2 if loose else 1e-3, atol=1e-2 if loose else 1e-3, equal_nan=True
+                )
+            ):
+                raise RuntimeError(
+                    f"the CUDA graph recorded at batch size {size} answers differently from the model for "
+                    f"output '{name}' (the model depends on more than its GPU work, such as Python state or "
+                    "host values); turn optimization.cuda.graphs off for this model"
+                )
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         rows = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
