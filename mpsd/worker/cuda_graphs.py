@@ -81,7 +81,7 @@ class GraphedBackend:
                 "turn optimization.cuda.graphs off for this model"
             ) from exc
         for name, out in outputs.items():
-            if out.device != device:  # made on the host: a replay would hand back the recorded values
+            if out.device.type != device.type:  # made on the host: a replay would hand back recorded values
                 raise RuntimeError(
                     f"output '{name}' is on {out.device}, not {device}: a CUDA graph records only the "
                     "model's GPU work; turn optimization.cuda.graphs off for this model"
@@ -92,13 +92,14 @@ class GraphedBackend:
         """Replay on fresh inputs and compare with calling the model: a graph records GPU kernels only, so
         a model whose answers also come from Python state or host values would replay stale ones."""
         recorded = self._graphs[size]
-        generator = torch.Generator(device=self.device).manual_seed(size)
+        generator = torch.Generator().manual_seed(size)  # a host one: the device's stay as they are
         for static in recorded.inputs:
             if static.dtype.is_floating_point:
-                static.copy_(torch.randn(static.shape, generator=generator, device=self.device))
+                values = torch.randn(static.shape, generator=generator)
             else:
                 high = 2 if static.dtype == torch.bool else 8
-                static.copy_(torch.randint(0, high, static.shape, generator=generator, device=self.device))
+                values = torch.randint(0, high, static.shape, generator=generator)
+            static.copy_(values.to(static.dtype))
         recorded.graph.replay()
         replayed = {name: out.clone() for name, out in recorded.outputs.items()}
         direct = self.backend(recorded.inputs)
