@@ -1,5 +1,6 @@
 """The shared-memory arena between a front and the daemon core: the allocator, which calls use it, and
-the core's rules for chunks (an answer to every call, bounds, cancelled calls run to their end).
+the rules that keep a chunk safe to reuse (an answer to every call, bounds, and a batch that reads nothing
+of a request whose caller is gone).
 
 The link tests run the real CoreLink and FrontLink on a real arena; only the socket under them is a
 stand-in that records the frames written, so each rule can be checked frame by frame.
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +23,9 @@ from mpsd.daemon.front.arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK
 from mpsd.daemon.front.main import CoreLink
 from mpsd.daemon.front.wire import HEADER, Kind
 from mpsd.daemon.fronts import FrontLink
+from mpsd.daemon.request import InferRequest, InputTensor
+from mpsd.daemon.worker_process import assemble
+from mpsd.ipc.protocol import TensorRef
 from mpsd.ipc.shm import Region
 
 
@@ -122,13 +127,18 @@ def test_the_front_puts_large_requests_in_the_arena_until_it_is_full() -> None:
             start, length, capacity = INFER_REF.unpack(wire.frames()[1][3])
             assert length == len(big) and capacity == chunk_size(len(big))
             assert bytes(region.buf[start : start + length]) == big
-            # The core's answer frees the chunk: a reply in the chunk is read from there.
+            # The core's answer frees the chunk, whatever it says: a reply in the chunk is read from there,
+            # and the answer to a call the client cancelled (its waiter gone) frees its chunk as well.
+            waiter = asyncio.get_running_loop().create_future()
+            link._pending[2] = waiter
             region.buf[start : start + 5] = b"reply"
             link._on_frame(Kind.REPLY_SHM, 2, 0, REPLY_REF.pack(5))
+            assert waiter.result() == (0, b"reply")
             link._on_frame(Kind.REPLY, 1, grpc.StatusCode.CANCELLED.value[0], b"cancelled")
-            link.send(link._infer_frame(5, -1.0, big))
+            for call_id in (5, 6):  # both chunks are free again
+                link.send(link._infer_frame(call_id, -1.0, big))
             await _settle()
-            assert wire.frames()[-1][:2] == (Kind.INFER_SHM, 5)
+            assert [f[:2] for f in wire.frames()[-2:]] == [(Kind.INFER_SHM, 5), (Kind.INFER_SHM, 6)]
         finally:
             region.unlink()
 
@@ -180,7 +190,7 @@ def test_the_core_reads_the_request_in_place_and_answers_into_its_chunk() -> Non
     asyncio.run(run())
 
 
-def test_a_cancelled_call_in_the_arena_runs_to_its_end_and_every_call_is_answered() -> None:
+def test_a_cancelled_call_is_answered_so_that_its_chunk_is_freed() -> None:
     async def run() -> None:
         region = Region.create(1 << 20)
         release = asyncio.Event()
@@ -195,21 +205,104 @@ def test_a_cancelled_call_in_the_arena_runs_to_its_end_and_every_call_is_answere
             link, wire = _core_link(infer, region)
             link._on_frame(Kind.INFER_SHM, 1, -1.0, INFER_REF.pack(0, 100, 4096))
             link._on_frame(Kind.INFER, 2, -1.0, b"x" * 50)
+            link._on_frame(Kind.INFER, 3, -1.0, b"y" * 50)
             await _settle()
             link._on_frame(Kind.CANCEL, 1, 0, b"")
             link._on_frame(Kind.CANCEL, 2, 0, b"")
             await _settle()
-            # The call in the socket frame is cancelled at once, and still answered.
-            assert [(f[0], f[1], int(f[2])) for f in wire.frames()] == [
-                (Kind.REPLY, 2, grpc.StatusCode.CANCELLED.value[0])
+            cancelled = grpc.StatusCode.CANCELLED.value[0]
+            assert sorted((f[0], f[1], int(f[2])) for f in wire.frames()) == [
+                (Kind.REPLY, 1, cancelled),
+                (Kind.REPLY, 2, cancelled),
             ]
             release.set()
             await _settle()
-            # The call in the arena ran: a batch formed before the cancel may read its chunk until then.
-            assert finished == [100]
-            assert wire.frames()[-1][:3] == (Kind.REPLY, 1, 0)
-            assert link.calls == {} and link.in_arena == set()
+            assert finished == [50]  # only call 3 ran
+            assert wire.frames()[-1][:3] == (Kind.REPLY, 3, 0)
+            assert link.calls == {}
         finally:
             region.unlink()
 
     asyncio.run(run())
+
+
+def test_a_batch_copies_nothing_from_a_request_whose_caller_is_gone() -> None:
+    """Its bytes may be in an arena chunk the front has reused since: its rows are left as they were."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        live, gone = loop.create_future(), loop.create_future()
+        gone.cancel()
+
+        def request(data: bytes | memoryview) -> InferRequest:
+            tensor = InputTensor("x", "UINT8", (len(data),), data)
+            return InferRequest("m", "1", "", (tensor,), ("y",), len(data))
+
+        requests = [request(bytes([1, 1])), request(memoryview(bytes([2, 2]))), request(bytes([3]))]
+        buf = memoryview(bytearray(8))
+        refs = [TensorRef("x", "UINT8", (5,), 1, 5)]
+        assemble(buf, refs, requests, [live, gone, live])
+        assert bytes(buf) == bytes([0, 1, 1, 0, 0, 3, 0, 0])
+        assemble(buf, refs, requests, [])  # nobody to ask: everything is copied
+        assert bytes(buf) == bytes([0, 1, 1, 2, 2, 3, 0, 0])
+
+    asyncio.run(run())
+
+
+def test_malformed_arena_frames_are_answered_with_errors_on_both_ends() -> None:
+    async def run() -> None:
+        region = Region.create(1 << 20)
+
+        async def infer(data: Any, deadline: float | None) -> list[bytes]:
+            raise AssertionError("a malformed reference must not reach the model")
+
+        try:
+            core, wire = _core_link(infer, region)
+            core._on_frame(Kind.INFER_SHM, 1, -1.0, b"short")
+            await _settle()
+            ((kind, call_id, number, message),) = wire.frames()
+            assert (kind, call_id, int(number)) == (Kind.REPLY, 1, grpc.StatusCode.INTERNAL.value[0])
+            assert b"out of bounds" in message
+
+            front = CoreLink()
+            front.attach_arena(region.name, region.size)
+            front.writer.transport = Recorder()  # type: ignore[assignment]
+            front.send(front._infer_frame(2, -1.0, bytes(ARENA_MIN)))
+            waiter = asyncio.get_running_loop().create_future()
+            front._pending[2] = waiter
+            front._on_frame(Kind.REPLY_SHM, 2, 0, REPLY_REF.pack(chunk_size(ARENA_MIN) + 1))  # past the chunk
+            code, text = waiter.result()
+            assert code == grpc.StatusCode.INTERNAL.value[0] and b"outside the call's chunk" in text
+            assert front._allocator is not None and front._allocator.in_use == 0  # freed all the same
+        finally:
+            region.unlink()
+
+    asyncio.run(run())
+
+
+def test_arenas_are_allocated_up_front_and_fronts_go_without_when_dev_shm_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from mpsd.config.daemon_config import DaemonConfig
+    from mpsd.daemon import fronts
+
+    region = Region.create(1 << 20, reserve=True)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            blocks = os.stat(f"/dev/shm{region.name}").st_blocks
+            assert blocks * 512 >= region.size  # the pages are taken, not promised
+    finally:
+        region.unlink()
+
+    def full(size: int, reserve: bool = False) -> Region:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fronts.Region, "create", full)
+    pool = fronts.FrontPool(1, DaemonConfig(), "unix:nowhere", lambda data, deadline: None)  # type: ignore[arg-type,return-value]
+    with structlog.testing.capture_logs() as logged:
+        assert pool._arena() is None
+        assert pool._arena() is None
+    warned = [e for e in logged if e["event"].startswith("no shared memory for the front arenas")]
+    assert len(warned) == 1 and warned[0]["reason"] == "No space left on device"

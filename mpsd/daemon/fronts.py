@@ -161,6 +161,14 @@ class FrontFailed(Exception):
     """A front process could not start (its reason, or how it exited)."""
 
 
+def _arena_ref(payload: bytes | bytearray) -> tuple[int, int, int]:
+    """(start, length, capacity) of an INFER_SHM frame; a malformed one reads as out of bounds."""
+    if len(payload) != INFER_REF.size:
+        return 0, 1, 0
+    start, length, capacity = INFER_REF.unpack(payload)
+    return int(start), int(length), int(capacity)
+
+
 @dataclass
 class FrontCounts:
     """What one front slot has handed to the core, over its processes' restarts."""
@@ -185,7 +193,6 @@ class FrontLink:
     counts: FrontCounts = field(default_factory=FrontCounts)
     writer: FrameWriter = field(default_factory=FrameWriter)
     arena: Region | None = None  # requests' views keep it mapped after the front is gone
-    in_arena: set[int] = field(default_factory=set)  # calls whose request is in the arena
     _paused: bool = False
 
     def protocol(self) -> FrameProtocol:
@@ -203,13 +210,12 @@ class FrontLink:
             chunk: tuple[int, int] | None = None
             request: bytes | bytearray | memoryview = payload
             if kind == Kind.INFER_SHM:
-                start, length, capacity = INFER_REF.unpack(payload)
+                start, length, capacity = _arena_ref(payload)
                 if self.arena is None or length > capacity or start + capacity > self.arena.size:
                     reason = f"arena reference out of bounds: {start}+{length} (chunk {capacity})"
                     self.send(frame(Kind.REPLY, call_id, _INTERNAL, reason.encode()))
                     return
                 chunk, request = (start, capacity), self.arena.buf[start : start + length]
-                self.in_arena.add(call_id)
             self.calls[call_id] = asyncio.get_running_loop().create_task(
                 self._serve(call_id, request, deadline, chunk)
             )
@@ -217,12 +223,11 @@ class FrontLink:
                 self._paused = True
                 self.transport.pause_reading()
         elif kind == Kind.CANCEL:
-            # A call whose request is in the arena runs to its end (or its deadline): once answered, its
-            # chunk is the front's to reuse, and a batch formed before the cancel may still read from it.
-            if call_id not in self.in_arena:
-                task = self.calls.pop(call_id, None)
-                if task is not None:
-                    task.cancel()
+            # Cancelling the task cancels the request's future at once: a batch formed before then copies
+            # nothing from it (`WorkerProcess._run_in_slot`), so the answer below may free its arena chunk.
+            task = self.calls.pop(call_id, None)
+            if task is not None:
+                task.cancel()
         elif kind == Kind.READY and not self.ready.done():
             self.ready.set_result(json.loads(payload))
         elif kind == Kind.FAILED and not self.ready.done():
@@ -238,10 +243,12 @@ class FrontLink:
         chunk: tuple[int, int] | None,
     ) -> None:
         """Run one call and answer it, a cancelled one too (the front expects an answer to every call)."""
+        cancelled = False
         try:
             reply = self._reply(call_id, await self.infer(payload, deadline), chunk)
         except asyncio.CancelledError:
             reply = frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled")
+            cancelled = True
         except MpsdError as exc:
             reply = frame(Kind.REPLY, call_id, grpc_status(exc).value[0], exc.message.encode())
         except Exception as exc:
@@ -249,20 +256,22 @@ class FrontLink:
             reply = frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
         finally:
             self.calls.pop(call_id, None)
-            self.in_arena.discard(call_id)
             if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
                 self._paused = False
                 self.transport.resume_reading()
-        self.counts.served += 1
-        self.counts.arena_requests += chunk is not None
+        if not cancelled:
+            self.counts.served += 1
+            self.counts.arena_requests += chunk is not None
         self.send(reply)
 
     def _reply(
         self, call_id: int, parts: Sequence[Buffer], chunk: tuple[int, int] | None
     ) -> tuple[Buffer, ...]:
         """A large response goes into the call's chunk when it fits, the rest in the frame."""
+        if chunk is None or self.arena is None:
+            return frame_of(Kind.REPLY, call_id, 0, parts)
         total = sum(nbytes(p) for p in parts)
-        if chunk is None or self.arena is None or total < ARENA_MIN or total > chunk[1]:
+        if total < ARENA_MIN or total > chunk[1]:
             return frame_of(Kind.REPLY, call_id, 0, parts)
         buf, pos = self.arena.buf, chunk[0]
         for piece in parts:
@@ -314,6 +323,7 @@ class FrontPool:
         self._relays: set[asyncio.Task[None]] = set()
         self._stop_listening: Callable[[], None] = lambda: None
         self._told_buffer_cap = False
+        self._told_no_arena = False
 
     def served(self) -> dict[int, int]:
         """ModelInfer calls each front slot has handed to the core, over restarts."""
@@ -363,7 +373,7 @@ class FrontPool:
         process: asyncio.subprocess.Process | None = None
         counts = self.counts.setdefault(index, FrontCounts())
         link = FrontLink(index, self._infer, self._on_link_lost, counts=counts)
-        arena = link.arena = Region.create(ARENA_BYTES)
+        arena = link.arena = self._arena()
         try:
             try:
                 process = await asyncio.create_subprocess_exec(
@@ -393,12 +403,13 @@ class FrontPool:
                 "log_level": logs.level_name(),  # now: LogSettings or SIGHUP may have changed it
                 "core_target": self._core_target,
                 "config": self._config.model_dump(mode="json"),
-                "arena": {"name": arena.name, "size": arena.size},
+                "arena": {"name": arena.name, "size": arena.size} if arena is not None else None,
             }
             link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
         except BaseException as exc:
-            arena.unlink()
+            if arena is not None:
+                arena.unlink()
             if link.transport is not None:
                 link.transport.close()
             else:
@@ -409,7 +420,8 @@ class FrontPool:
                 reason = str(exc) or f"it did not listen within {START_TIMEOUT_S:g} s"
                 raise FrontFailed(f"front process {index} could not start: {reason}") from None
             raise
-        arena.unlink()  # both ends have it mapped: the memory goes when both unmap it, however they end
+        if arena is not None:
+            arena.unlink()  # both ends have it mapped: the memory goes when both unmap it, however they end
         front = Front(index, process, link)
         self.fronts[index] = front
         log.info(
@@ -420,6 +432,21 @@ class FrontPool:
             event_loop=link.ready.result().get("event_loop"),
         )
         return front
+
+    def _arena(self) -> Region | None:
+        """A front's arena, or None (large calls then take the socket) where /dev/shm has no room."""
+        try:
+            return Region.create(ARENA_BYTES, reserve=True)
+        except OSError as exc:
+            if not self._told_no_arena:
+                self._told_no_arena = True
+                log.warning(
+                    "no shared memory for the front arenas: large calls go through the fronts' sockets",
+                    asked=ARENA_BYTES,
+                    reason=exc.strerror or str(exc),
+                    hint="give /dev/shm more room (containers: --shm-size)",
+                )
+            return None
 
     def _on_link_lost(self, link: FrontLink) -> None:
         ready = link.ready

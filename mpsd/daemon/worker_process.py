@@ -117,6 +117,27 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def assemble(
+    buf: memoryview,
+    refs: Sequence[p.TensorRef],
+    requests: Sequence[InferRequest],
+    waiting: Sequence[asyncio.Future[Any]],
+) -> None:
+    """Write the batch's inputs in place: each input's requests back to back from its ref's offset, one copy
+    per request's bytes.
+
+    A request whose caller is gone (cancelled after the batch was formed) keeps its rows but lends no bytes:
+    they may be in a front's arena chunk that is already in use for another call.
+    """
+    for i, ref in enumerate(refs):
+        pos = ref.offset
+        for k, r in enumerate(requests):
+            data = r.inputs[i].data
+            if not (waiting and waiting[k].done()):
+                buf[pos : pos + len(data)] = data
+            pos += len(data)
+
+
 class WorkerProcess:
     def __init__(
         self, launch: WorkerLaunch, request_timeout_s: float = 0.0, heartbeat_timeout_s: float = 10.0
@@ -427,12 +448,7 @@ class WorkerProcess:
         in_region = arena.input_for(offset)
         buf = in_region.buf
         buf[0] = 0  # wanted (see `_watch`)
-        for i, ref in enumerate(refs):
-            pos = ref.offset
-            for r in requests:  # the batch is assembled in place: one copy per request's bytes
-                data = r.inputs[i].data
-                buf[pos : pos + len(data)] = data
-                pos += len(data)
+        assemble(buf, refs, requests, waiting)
         out = arena.output_region()
         wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
         write_ns = int((loop.time() - t0) * 1e9)

@@ -34,7 +34,7 @@ def page_round(n: int) -> int:
 class Region:
     """A mapped shared-memory segment."""
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, reserve: bool = False) -> None:
         self.name = name
         self.size = size
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -42,6 +42,10 @@ class Region:
         try:
             if create:
                 os.ftruncate(fd, size)
+            if reserve and hasattr(os, "posix_fallocate"):
+                # Take the pages now: writing to a page the shared-memory filesystem has no room for is a
+                # SIGBUS, which no caller can catch; this fails with ENOSPC instead.
+                os.posix_fallocate(fd, 0, size)
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
             if create:
@@ -53,8 +57,10 @@ class Region:
         self._linked = create
 
     @classmethod
-    def create(cls, size: int) -> Region:
-        return cls(new_name(), page_round(size), create=True)
+    def create(cls, size: int, reserve: bool = False) -> Region:
+        """A new named region; `reserve` allocates all its memory now (Linux), failing with OSError when
+        the shared-memory filesystem (/dev/shm) has no room for it."""
+        return cls(new_name(), page_round(size), create=True, reserve=reserve)
 
     @classmethod
     def attach(cls, name: str, size: int) -> Region:

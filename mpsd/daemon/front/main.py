@@ -61,7 +61,7 @@ class CoreLink:
         self._ids = itertools.count(1)
         self._arena: Region | None = None
         self._allocator: Allocator | None = None
-        self._chunks: dict[int, int] = {}  # call id -> start of its chunk, until the core answers
+        self._chunks: dict[int, tuple[int, int]] = {}  # call id -> (start, size) of its chunk, until answered
 
     def attach_arena(self, name: str, size: int) -> None:
         self._arena = Region.attach(name, size)
@@ -75,15 +75,16 @@ class CoreLink:
 
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
         if kind in (Kind.REPLY, Kind.REPLY_SHM):
-            start = self._chunks.pop(call_id, None)
+            chunk = self._chunks.pop(call_id, None)
             if kind == Kind.REPLY_SHM:
-                if start is None or self._arena is None:  # cannot happen unless the two ends disagree
-                    number, payload = _INTERNAL, b"the daemon core answered into a chunk the call lacks"
+                length = REPLY_REF.unpack(payload)[0] if len(payload) == REPLY_REF.size else -1
+                if chunk is None or self._arena is None or not 0 <= length <= chunk[1]:
+                    # cannot happen unless the two ends disagree
+                    number, payload = _INTERNAL, b"the daemon core answered outside the call's chunk"
                 else:
-                    (length,) = REPLY_REF.unpack(payload)
-                    payload = bytes(self._arena.buf[start : start + length])
-            if start is not None and self._allocator is not None:
-                self._allocator.free(start)
+                    payload = bytes(self._arena.buf[chunk[0] : chunk[0] + length])
+            if chunk is not None and self._allocator is not None:
+                self._allocator.free(chunk[0])
             waiter = self._pending.pop(call_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result((int(number), payload))
@@ -129,7 +130,7 @@ class CoreLink:
             start = self._allocator.allocate(capacity)
             if start is not None:
                 self._arena.buf[start : start + size] = request
-                self._chunks[call_id] = start
+                self._chunks[call_id] = (start, capacity)
                 return frame(Kind.INFER_SHM, call_id, remaining, INFER_REF.pack(start, size, capacity))
         return frame(Kind.INFER, call_id, remaining, request)
 
@@ -244,8 +245,6 @@ async def serve(sock: socket.socket) -> int:
         return 1  # the daemon went away before it said what to serve
     settings = link.settings.result()
     config = DaemonConfig.model_validate(settings["config"])
-    if settings.get("arena"):
-        link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
     configure(settings.get("log_level", config.log_level), "json")
     structlog.contextvars.bind_contextvars(front=settings["index"])
@@ -254,6 +253,8 @@ async def serve(sock: socket.socket) -> int:
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     channel = grpc.aio.insecure_channel(settings["core_target"], options=sizes)
     try:
+        if settings.get("arena"):
+            link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
         policy = build_policy(
             config.auth,
             local_only=address.is_local,
