@@ -814,3 +814,58 @@ def test_the_service_installers_health_probe_speaks_mutual_tls_and_tokens(
     argv = ["service", "start", *client_tls_args(daemons), "--token-file", str(token)]
     args = build_parser().parse_args(argv)
     assert check_once(args.address, 10, args) == "SERVING"
+
+
+def _events(daemon: RunningDaemon, event: str) -> list[dict[str, Any]]:
+    import json
+
+    found = []
+    for line in daemon.log().splitlines():
+        if line.startswith("{") and f'"{event}"' in line:
+            found.append(json.loads(line))
+    return [e for e in found if e.get("event") == event]
+
+
+@pytest.mark.parametrize("fronts", [0, 1])
+def test_sighup_rereads_the_token_files_here_and_in_the_fronts(tmp_path: Path, fronts: int) -> None:
+    """A token rotated in its file takes effect at SIGHUP, without a restart; one that cannot be read then
+    leaves the previous token in force."""
+    import signal
+
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    token = tmp_path / "rotating.token"
+    token.write_text("first-token\n")
+    token.chmod(0o600)
+    config = write_daemon_config(
+        tmp_path / "mpsd.yaml",
+        front_processes=fronts,
+        auth={
+            "tokens": [{"token_file": "rotating.token", "categories": ["inference"]}],
+            "open_categories": ["health"],
+        },
+    )
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log", config=config)
+    try:
+        daemon.wait_ready()
+
+        def infer(secret: str) -> object:
+            return daemon.client.infer("add_sub", add_sub_inputs(), headers=bearer(secret))
+
+        infer("first-token")
+        token.write_text("second-token\n")
+        os.kill(daemon.pid, signal.SIGHUP)
+        wait_for(lambda: len(_events(daemon, "tokens reloaded")) == 1 + fronts, 30, "tokens reloaded")
+        code, _ = status_of(lambda: infer("first-token"))
+        assert code == str(grpc.StatusCode.UNAUTHENTICATED)
+        infer("second-token")
+
+        token.write_text("")  # unreadable as a token: the second one stays in force
+        os.kill(daemon.pid, signal.SIGHUP)
+        wait_for(lambda: _events(daemon, "config not reloaded"), 30, "config not reloaded")
+        assert "holds an empty token" in _events(daemon, "config not reloaded")[0]["reason"]
+        infer("second-token")
+        assert len(_events(daemon, "tokens reloaded")) == 1 + fronts
+    finally:
+        daemon.stop()
+        daemon.kill_group()

@@ -34,6 +34,7 @@ import structlog
 
 from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
+from mpsd.config.security import AuthConfig
 from mpsd.errors import ConfigError, MpsdError
 from mpsd.ipc.shm import Region
 
@@ -477,6 +478,13 @@ class FrontPool:
         for front in self.fronts.values():
             with contextlib.suppress(ProcessLookupError):
                 front.process.send_signal(signal.SIGTERM)
+
+    def update_auth(self, auth: AuthConfig) -> None:
+        """New tokens (SIGHUP): every front rebuilds its policy; a restarted one starts with them."""
+        self._config.auth = auth
+        payload = json.dumps(auth.model_dump(mode="json")).encode()
+        for front in self.fronts.values():
+            front.link.send(frame(Kind.AUTH, payload=payload))
 
     def _send_level(self, level: str) -> None:
         """A front filters its own events, so it must follow the daemon's level."""

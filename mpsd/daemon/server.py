@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
+from mpsd.config.security import AuthConfig
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
@@ -25,7 +26,7 @@ from mpsd.proto import grpc_service_pb2 as pb
 from . import eventloop
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .admin import AdminServicer
-from .auth import AuthInterceptor, build_policy
+from .auth import AccessPolicy, AuthInterceptor, build_policy
 from .decode_guard import DecodeGuard
 from .events import BUS
 from .fronts import FrontPool, check_port_free, front_count, make_core_dir, remove_stale_core_dirs
@@ -78,21 +79,28 @@ class Daemon:
         self._server: grpc.aio.Server | None = None
         self._hurry: asyncio.Future[None] | None = None
         self.fronts: FrontPool | None = None
+        self._auth: AuthInterceptor | None = None  # made with the gRPC server
         self._core_dir: Path | None = None
         self.servicer = InferenceServicer(self.registry, lambda: self.shutting_down, config.model_control)
+
+    def _policy(self, auth: AuthConfig) -> AccessPolicy:
+        """The access policy for `auth` on this daemon's address (reads the token files now)."""
+        address = parse_address(self.config.grpc_address)
+        tls = self.config.tls
+        return build_policy(
+            auth,
+            local_only=address.is_local,
+            mutual_tls=tls is not None and tls.client_ca_file is not None,
+            address=address.text,
+        )
 
     def _build_server(self) -> grpc.aio.Server:
         limit = self.config.max_message_bytes
         address = parse_address(self.config.grpc_address)
         tls = self.config.tls
-        policy = build_policy(
-            self.config.auth,
-            local_only=address.is_local,
-            mutual_tls=tls is not None and tls.client_ca_file is not None,
-            address=address.text,
-        )
+        self._auth = AuthInterceptor(self._policy(self.config.auth))
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(policy), DecodeGuard()],
+            interceptors=[self._auth, DecodeGuard()],
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
@@ -233,6 +241,22 @@ class Daemon:
         self.registry.drain_timeout_s = self.config.drain_timeout_s
         self.registry.budget_policy = self.config.memory_budget_policy
         self.registry.quiet_period_s = self.config.reload_quiet_period_s
+        self._reload_auth(fresh.auth)
+
+    def _reload_auth(self, auth: AuthConfig) -> None:
+        """Tokens as the config and their files say now: a rotated token file takes effect at SIGHUP, here
+        and in every front. A token that cannot be read keeps the previous tokens in force."""
+        try:
+            policy = self._policy(auth)
+        except ConfigError as exc:
+            log.error("tokens not reloaded; the previous ones stay in force", reason=exc.message)
+            return
+        self.config.auth = auth
+        if self._auth is not None:
+            self._auth.policy = policy
+        if self.fronts is not None:
+            self.fronts.update_auth(auth)
+        log.info("tokens reloaded", tokens=len(auth.tokens))
 
     async def reload(self) -> str:
         """`mpsd reload` and the admin Reload RPC: the same reconcile as SIGHUP, awaited."""

@@ -14,13 +14,15 @@ import json
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
 import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
+from mpsd.config.security import AuthConfig
+from mpsd.errors import ConfigError
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
 
@@ -61,6 +63,7 @@ class CoreLink:
         self._ids = itertools.count(1)
         self._arena: Region | None = None
         self._allocator: Allocator | None = None
+        self.on_auth: Callable[[dict[str, Any]], None] = lambda _: None
         self._chunks: dict[int, tuple[int, int]] = {}  # call id -> (start, size) of its chunk, until answered
 
     def attach_arena(self, name: str, size: int) -> None:
@@ -90,6 +93,8 @@ class CoreLink:
                 waiter.set_result((int(number), payload))
         elif kind == Kind.CONFIG and not self.settings.done():
             self.settings.set_result(json.loads(payload))
+        elif kind == Kind.AUTH:
+            self.on_auth(json.loads(payload))
         elif kind == Kind.LOG_LEVEL:
             level = bytes(payload).decode()
             if level in LEVELS:
@@ -156,7 +161,7 @@ class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
 
     def __init__(self, link: CoreLink, channel: grpc.aio.Channel, policy: AccessPolicy) -> None:
         self._channel = channel
-        self._policy = policy
+        self.policy = policy
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
         for method, (client_streaming, server_streaming) in served_methods().items():
             self._handlers[method] = self._handler(method, client_streaming, server_streaming)
@@ -166,7 +171,7 @@ class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
         """Access control happens here rather than in an interceptor: the same check, without the extra
         coroutine an asyncio interceptor costs every call."""
         method: str = handler_call_details.method
-        error = self._policy.check(method, handler_call_details.invocation_metadata)
+        error = self.policy.check(method, handler_call_details.invocation_metadata)
         if error is not None:
             log.info("call refused", method=method, code=error.code.value, reason=error.message)
             return refusal(error)
@@ -255,14 +260,28 @@ async def serve(sock: socket.socket) -> int:
     try:
         if settings.get("arena"):
             link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
+        mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
         policy = build_policy(
-            config.auth,
-            local_only=address.is_local,
-            mutual_tls=config.tls is not None and config.tls.client_ca_file is not None,
-            address=address.text,
+            config.auth, local_only=address.is_local, mutual_tls=mutual_tls, address=address.text
         )
         server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
-        server.add_generic_rpc_handlers([Relay(link, channel, policy)])
+        relay = Relay(link, channel, policy)
+        server.add_generic_rpc_handlers([relay])
+
+        def on_auth(settings: dict[str, Any]) -> None:
+            """New tokens from the daemon, which has read them already; one that cannot be read here
+            keeps the previous ones."""
+            try:
+                auth = AuthConfig.model_validate(settings)
+                relay.policy = build_policy(
+                    auth, local_only=address.is_local, mutual_tls=mutual_tls, address=address.text
+                )
+            except (ConfigError, ValueError) as exc:
+                log.error("tokens not reloaded; the previous ones stay in force", reason=str(exc))
+                return
+            log.info("tokens reloaded", tokens=len(auth.tokens))
+
+        link.on_auth = on_auth
         bind(server, address, config.tls)
         await server.start()
     except Exception as exc:
