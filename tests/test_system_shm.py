@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -288,3 +289,93 @@ def test_unregister_while_in_use_is_safe(daemon: RunningDaemon, key: Key) -> Non
     finally:
         client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(handle)
+
+
+class OwnObject:
+    """A POSIX shared-memory object this test writes and shrinks through its descriptor, never mapping it
+    (a mapping in this process would take the SIGBUS that the daemon must not)."""
+
+    def __init__(self, key: str, data: bytes) -> None:
+        import _posixshmem
+
+        self.key = key
+        self.fd = _posixshmem.shm_open(key, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(self.fd, len(data))
+        os.pwrite(self.fd, data, 0)
+
+    def shrink(self) -> None:
+        os.ftruncate(self.fd, 0)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _gated_call(
+    client: grpcclient.InferenceServerClient,
+    x: np.ndarray,
+    region: tuple[str, str] | None = None,
+) -> tuple[threading.Event, list[object]]:
+    """Send `x` to the gated model, its input (`region` "in") or output ("out") in shared memory."""
+    results: list[object] = []
+    done = threading.Event()
+
+    def callback(result: object, error: object) -> None:
+        results.append(error or result)
+        done.set()
+
+    inp = grpcclient.InferInput("x", [len(x)], "FP32")
+    out = grpcclient.InferRequestedOutput("y")
+    if region is not None and region[1] == "in":
+        inp.set_shared_memory(region[0], x.nbytes)
+    else:
+        inp.set_data_from_numpy(x)
+    if region is not None and region[1] == "out":
+        out.set_shared_memory(region[0], x.nbytes)
+    client.async_infer("gated", [inp], callback, outputs=[out])
+    return done, results
+
+
+def test_a_region_shrunk_by_its_owner_fails_the_request_not_the_daemon(
+    daemon: RunningDaemon, key: Key
+) -> None:
+    """Its owner may shrink a registered object at any time, after the request was checked: the input is
+    read when the batch is assembled, the output written when the response is built, and both fail with
+    INVALID_ARGUMENT where touching a mapping of the missing pages would have ended the daemon (SIGBUS)."""
+    client = daemon.client
+    gate: Path = daemon.gate  # type: ignore[attr-defined]
+    x_in = np.array([13, 1, 2, 3], dtype=np.float32)
+    (gate / "13").touch()  # should the shrunk input ever reach the model, it does not block
+    source = OwnObject(key("shrink_in"), x_in.tobytes())
+    sink = OwnObject(key("shrink_out"), bytes(16))
+    try:
+        client.register_system_shared_memory("shrink_in", source.key, x_in.nbytes)
+        client.register_system_shared_memory("shrink_out", sink.key, 16)
+        # The worker's two slots are taken (11 runs, 12 waits behind it): the next request waits in the queue.
+        first = _gated_call(client, np.array([11, 0, 0, 0], np.float32))
+        wait_for(lambda: (gate / "11.started").exists(), 60, "the first request to reach the model")
+        second = _gated_call(client, np.array([12, 0, 0, 0], np.float32), ("shrink_out", "out"))
+        queued = _gated_call(client, x_in, ("shrink_in", "in"))
+        time.sleep(0.5)  # checked and queued by now
+        source.shrink()
+        (gate / "11").touch()
+        wait_for(lambda: (gate / "12.started").exists(), 60, "the second request to reach the model")
+        sink.shrink()  # while it runs: its output has nowhere to go
+        (gate / "12").touch()
+        for done, _ in (first, second, queued):
+            assert done.wait(60)
+        assert not isinstance(first[1][0], InferenceServerException), first[1][0]
+        for _, results in (second, queued):
+            error = results[0]
+            assert isinstance(error, InferenceServerException), error
+            assert error.status() == "StatusCode.INVALID_ARGUMENT", error
+            assert "was truncated by its owner" in error.message(), error.message()
+        assert daemon.proc.poll() is None
+        assert client.is_server_live()
+    finally:
+        client.unregister_system_shared_memory()
+        source.close()
+        sink.close()
+        for n in ("11", "12", "13"):
+            for suffix in ("", ".started"):
+                with contextlib.suppress(FileNotFoundError):
+                    (gate / f"{n}{suffix}").unlink()

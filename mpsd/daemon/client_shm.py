@@ -1,17 +1,17 @@
 """Clients' system shared-memory regions (Triton's `system_shared_memory` extension).
 
-A registered region is the client's POSIX shared-memory object mapped into the daemon. Inputs reach the
-worker as views of that mapping, so the copy into the worker's own region is the only copy; outputs are
-written straight into it. The client owns the name: mpsd never unlinks it. A region unregistered while
-requests still use it stays mapped until the last of them has finished, and a view that outlives even that
-keeps the mapping alive (Python refuses to unmap memory that is still borrowed), so no request ever reads
-unmapped memory.
+A registered region is the client's POSIX shared-memory object, held open by the daemon. Inputs are read
+from it with `pread` straight into the worker's region when their batch is assembled, so that copy is the
+only one; outputs are written into it with `pwrite`. The daemon never maps a client's object: its owner
+can shrink it at any time, and touching a mapped page past the new end is a SIGBUS, which would end the
+daemon. A read cut short by a shrunken object fails that request instead. The client owns the name: mpsd
+never unlinks it. A region unregistered while requests still use it stays open until the last of them has
+finished.
 """
 
 from __future__ import annotations
 
 import _posixshmem
-import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,41 +92,79 @@ class ClientRegion:
                     f"shared memory region '{name}': offset {offset} + byte_size {byte_size} exceeds the "
                     f"{size} bytes of key '{key}'"
                 )
-            start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
-            self._mmap = mmap.mmap(fd, offset + byte_size - start, offset=start)
         except BaseException:
             os.close(fd)
             raise
-        self._fd: int | None = fd  # kept to notice an object truncated under us before touching it
-        self._view = memoryview(self._mmap)[offset - start :]
+        self._fd: int | None = fd
 
-    def view(self, what: str, offset: int, nbytes: int) -> memoryview:
-        """`nbytes` from `offset` inside the region, bounds checked."""
+    def place(self, what: str, offset: int, nbytes: int) -> ShmSlice:
+        """`nbytes` from `offset` inside the region, bounds checked (against the object's size now, too)."""
         if offset + nbytes > self.byte_size:
             raise InvalidArgument(
                 f"{what}: offset {offset} + byte size {nbytes} is outside shared memory region "
                 f"'{self.name}' ({self.byte_size} bytes)"
             )
-        assert self._fd is not None
-        size = os.fstat(self._fd).st_size
-        if size < self.offset + self.byte_size:  # touching the missing pages would kill the daemon
+        self._check_size(what)
+        return ShmSlice(self, what, self.offset + offset, nbytes)
+
+    def _check_size(self, what: str) -> None:
+        size = os.fstat(self._open(what)).st_size
+        if size < self.offset + self.byte_size:
             raise InvalidArgument(
                 f"{what}: shared memory region '{self.name}' was truncated by its owner: key "
                 f"'{self.key}' holds {size} bytes now; register it again"
             )
-        return self._view[offset : offset + nbytes]
+
+    def _open(self, what: str) -> int:
+        if self._fd is None:  # cannot happen while a request holds the region
+            raise InvalidArgument(f"{what}: shared memory region '{self.name}' is closed")
+        return self._fd
+
+    def read_into(self, what: str, dest: memoryview, position: int) -> None:
+        """Fill `dest` from `position` of the object; a short read means its owner shrank it."""
+        fd, done = self._open(what), 0
+        while done < dest.nbytes:
+            got = os.preadv(fd, [dest[done:]], position + done)
+            if got <= 0:
+                self._check_size(what)  # names the truncation
+                raise InvalidArgument(f"{what}: shared memory region '{self.name}' ended early")
+            done += got
+
+    def write_from(self, what: str, data: bytes | memoryview, position: int) -> None:
+        """Write `data` at `position` of the object (never past the region: the caller checked its size)."""
+        self._check_size(what)  # a shrunken object would otherwise silently grow again
+        fd, view, done = self._open(what), memoryview(data).cast("B"), 0
+        while done < view.nbytes:
+            done += os.pwrite(fd, view[done:], position + done)
 
     def close(self) -> None:
-        """Unmap and close, never unlink; a view still borrowed unmaps when it is released."""
+        """Close, never unlink."""
         if self._fd is None:
             return
         os.close(self._fd)
         self._fd = None
-        try:
-            self._view.release()
-            self._mmap.close()
-        except BufferError:
-            pass
+
+
+class ShmSlice:
+    """A tensor's place in a client's region: read into the worker's region when its batch is assembled
+    (`read_into`), or written when its response is built (`write`)."""
+
+    __slots__ = ("nbytes", "position", "region", "what")
+
+    def __init__(self, region: ClientRegion, what: str, position: int, nbytes: int) -> None:
+        self.region = region
+        self.what = what
+        self.position = position  # in the client's object
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def read_into(self, dest: memoryview) -> None:
+        self.region.read_into(self.what, dest, self.position)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.region.write_from(self.what, data, self.position)
 
 
 class ClientShmRegistry:
@@ -185,7 +223,7 @@ class ShmLease:
     def __init__(self, registry: ClientShmRegistry) -> None:
         self._registry = registry
         self._held: dict[str, ClientRegion] = {}
-        self.outputs: dict[str, memoryview] = {}  # output name -> where its bytes go
+        self.outputs: dict[str, ShmSlice] = {}  # output name -> where its bytes go
 
     def _region(self, name: str, what: str) -> ClientRegion:
         region = self._held.get(name)
@@ -194,17 +232,18 @@ class ShmLease:
             self._held[name] = region
         return region
 
-    def input(self, what: str, ref: ShmRef, nbytes: int) -> memoryview:
-        """The input's bytes in place (no copy); the byte size must be exactly shape x datatype."""
+    def input(self, what: str, ref: ShmRef, nbytes: int) -> ShmSlice:
+        """Where the input's bytes are (read later, into the worker's region); the byte size must be
+        exactly shape x datatype."""
         if ref.byte_size != nbytes:
             raise InvalidArgument(
                 f"{what}: {SHM_BYTE_SIZE} is {ref.byte_size} but its shape and datatype need {nbytes} bytes"
             )
-        return self._region(ref.region, what).view(what, ref.offset, ref.byte_size)
+        return self._region(ref.region, what).place(what, ref.offset, ref.byte_size)
 
     def bind_output(self, name: str, ref: ShmRef) -> None:
         what = f"output '{name}'"
-        self.outputs[name] = self._region(ref.region, what).view(what, ref.offset, ref.byte_size)
+        self.outputs[name] = self._region(ref.region, what).place(what, ref.offset, ref.byte_size)
 
     def write_outputs(self, outputs: Sequence[OutputTensor]) -> None:
         """Copy each output bound to shared memory into its place."""
@@ -217,7 +256,7 @@ class ShmLease:
                     f"output '{out.name}': its shared memory holds {len(target)} bytes but the result has "
                     f"{len(out.data)} bytes"
                 )
-            target[: len(out.data)] = out.data
+            target.write(out.data)
 
     def __enter__(self) -> ShmLease:
         return self

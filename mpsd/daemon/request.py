@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Deferred(Protocol):
+    """Input bytes read only when the batch is assembled, straight into the worker's region (a client's
+    shared memory); `read_into` raises MpsdError when they cannot be read any more."""
+
+    def __len__(self) -> int: ...
+
+    def read_into(self, dest: memoryview) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -12,7 +22,7 @@ class InputTensor:
     name: str
     datatype: str
     shape: tuple[int, ...]
-    data: bytes | memoryview
+    data: bytes | memoryview | Deferred
 
 
 @dataclass(frozen=True)

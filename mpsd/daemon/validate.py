@@ -17,7 +17,7 @@ from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
 
 from .client_shm import ShmLease, shm_ref
-from .request import InferRequest, InputTensor
+from .request import Deferred, InferRequest, InputTensor
 
 MAX_NAME = 256
 MAX_DIMS = 16
@@ -222,7 +222,7 @@ def parse_infer_request(
             batch = shape[0]
         count = math.prod(shape)
         nbytes = count * ITEMSIZE[cfg.wire_datatype]
-        data: bytes | memoryview
+        data: bytes | memoryview | Deferred
         if ref is not None and shm is not None:
             if _typed_used(tensor):
                 raise InvalidArgument(f"input '{name}': data is given both in shared memory and in contents")

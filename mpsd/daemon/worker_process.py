@@ -127,15 +127,26 @@ def assemble(
     per request's bytes.
 
     A request whose caller is gone (cancelled after the batch was formed) keeps its rows but lends no bytes:
-    they may be in a front's arena chunk that is already in use for another call.
+    they may be in a front's arena chunk that is already in use for another call. Bytes in a client's shared
+    memory are read here; a request whose bytes cannot be read any more fails alone (its rows stay as they
+    were), when it has a caller to tell.
     """
     for i, ref in enumerate(refs):
         pos = ref.offset
         for k, r in enumerate(requests):
             data = r.inputs[i].data
+            n = len(data)
             if not (waiting and waiting[k].done()):
-                buf[pos : pos + len(data)] = data
-            pos += len(data)
+                if isinstance(data, (bytes, memoryview)):
+                    buf[pos : pos + n] = data
+                else:
+                    try:
+                        data.read_into(buf[pos : pos + n])
+                    except MpsdError as exc:
+                        if not waiting:
+                            raise
+                        waiting[k].set_exception(exc)
+            pos += n
 
 
 class WorkerProcess:
