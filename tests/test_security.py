@@ -869,3 +869,14 @@ def test_sighup_rereads_the_token_files_here_and_in_the_fronts(tmp_path: Path, f
     finally:
         daemon.stop()
         daemon.kill_group()
+
+
+def test_tokens_reach_the_fronts_as_the_daemon_read_them() -> None:
+    from mpsd.daemon.auth import export_tokens, import_tokens
+
+    tokens = [Token(b"s3cret", frozenset({"inference", "health"}), "token_file /etc/t", True)]
+    back = import_tokens(yaml.safe_load(yaml.safe_dump(export_tokens(tokens))))
+    (token,) = back
+    assert (token.secret, token.source) == (b"s3cret", "token_file /etc/t")
+    assert token.categories == {"inference", "health"}
+    assert not token.group_readable_file  # the daemon warned about the file already

@@ -252,7 +252,7 @@ def test_status_lists_registered_regions_and_unregister_while_idle(daemon: Runni
 
 
 def test_unregister_while_in_use_is_safe(daemon: RunningDaemon, key: Key) -> None:
-    """A region unregistered while a request uses it stays mapped until that request is answered."""
+    """A region unregistered while a request uses it stays open until that request is answered."""
     client = daemon.client
     gate: Path = daemon.gate  # type: ignore[attr-defined]
     x = np.array([7, 1, 2, 3], dtype=np.float32)
@@ -364,11 +364,12 @@ def test_a_region_shrunk_by_its_owner_fails_the_request_not_the_daemon(
         for done, _ in (first, second, queued):
             assert done.wait(60)
         assert not isinstance(first[1][0], InferenceServerException), first[1][0]
-        for _, results in (second, queued):
+        # Each failed where its bytes were to move, not when it was checked.
+        for (_, results), when in ((second, "while the request ran"), (queued, "before the request ran")):
             error = results[0]
             assert isinstance(error, InferenceServerException), error
             assert error.status() == "StatusCode.INVALID_ARGUMENT", error
-            assert "was truncated by its owner" in error.message(), error.message()
+            assert f"was truncated by its owner {when}" in error.message(), error.message()
         assert daemon.proc.poll() is None
         assert client.is_server_live()
     finally:
@@ -379,3 +380,56 @@ def test_a_region_shrunk_by_its_owner_fails_the_request_not_the_daemon(
             for suffix in ("", ".started"):
                 with contextlib.suppress(FileNotFoundError):
                     (gate / f"{n}{suffix}").unlink()
+
+
+def test_a_region_unregistered_while_its_request_waits_is_still_read(daemon: RunningDaemon, key: Key) -> None:
+    """Inputs are read when the batch is assembled: the region stays open for a request already accepted."""
+    client = daemon.client
+    gate: Path = daemon.gate  # type: ignore[attr-defined]
+    x = np.array([23, 4, 5, 6], dtype=np.float32)
+    (gate / "23").touch()
+    source = OwnObject(key("late_in"), x.tobytes())
+    try:
+        client.register_system_shared_memory("late_in", source.key, x.nbytes)
+        first = _gated_call(client, np.array([21, 0, 0, 0], np.float32))
+        wait_for(lambda: (gate / "21.started").exists(), 60, "the first request to reach the model")
+        second = _gated_call(client, np.array([22, 0, 0, 0], np.float32))
+        queued = _gated_call(client, x, ("late_in", "in"))
+        time.sleep(0.5)  # checked and queued by now
+        client.unregister_system_shared_memory("late_in")
+        (gate / "21").touch()
+        (gate / "22").touch()
+        for done, _ in (first, second, queued):
+            assert done.wait(60)
+        result = queued[1][0]
+        assert not isinstance(result, InferenceServerException), result
+        np.testing.assert_array_equal(result.as_numpy("y"), x * 2)  # type: ignore[attr-defined]
+    finally:
+        client.unregister_system_shared_memory()
+        source.close()
+        for n in ("21", "22", "23"):
+            for suffix in ("", ".started"):
+                with contextlib.suppress(FileNotFoundError):
+                    (gate / f"{n}{suffix}").unlink()
+
+
+def test_where_descriptors_cannot_be_read_regions_are_mapped_and_copied(
+    monkeypatch: pytest.MonkeyPatch, key: Key
+) -> None:
+    """macOS has no read or write on shared-memory descriptors, and sizes an object once: regions are mapped
+    there. The same reads and writes, through a mapping (switched on here, on Linux)."""
+    from mpsd.daemon import client_shm
+
+    monkeypatch.setattr(client_shm, "MAP_REGIONS", True)
+    source = OwnObject(key("mapped"), bytes(range(64)))
+    try:
+        region = client_shm.ClientRegion("mapped", source.key, 16, 32)
+        place = region.place("input 'x'", 4, 8)
+        dest = bytearray(8)
+        place.read_into(memoryview(dest))
+        assert bytes(dest) == bytes(range(20, 28))
+        place.write(b"ABCDEFGH")
+        assert os.pread(source.fd, 8, 20) == b"ABCDEFGH"
+        region.close()
+    finally:
+        source.close()

@@ -133,7 +133,10 @@ def read_tokens(auth: AuthConfig) -> list[Token]:
         seen[secret] = cfg.source
         loose = False
         if cfg.token_file is not None:
-            loose = bool(cfg.token_file.stat().st_mode & 0o077)
+            try:
+                loose = bool(cfg.token_file.stat().st_mode & 0o077)
+            except OSError as exc:  # removed right after it was read
+                raise ConfigError(f"auth.tokens: cannot read {cfg.token_file}: {exc.strerror}") from None
         tokens.append(Token(secret.encode(), frozenset(cfg.categories), cfg.source, loose))
     return tokens
 

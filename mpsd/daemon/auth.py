@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -180,9 +180,16 @@ class AccessPolicy:
         )
 
 
-def build_policy(auth: AuthConfig, local_only: bool, mutual_tls: bool, address: str) -> AccessPolicy:
-    """Read the configured tokens now (ConfigError if one cannot be read) and build the policy."""
-    tokens = read_tokens(auth)
+def build_policy(
+    auth: AuthConfig,
+    local_only: bool,
+    mutual_tls: bool,
+    address: str,
+    tokens: Sequence[Token] | None = None,
+) -> AccessPolicy:
+    """The policy for `tokens`, or for the configured tokens read now (ConfigError if one cannot be)."""
+    if tokens is None:
+        tokens = read_tokens(auth)
     for token in tokens:
         if token.group_readable_file:
             log.warning("token file is readable by other users; chmod 600 it", source=token.source)
@@ -216,3 +223,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return await continuation(handler_call_details)
         log.info("call refused", method=method, code=error.code.value, reason=error.message)
         return refusal(error)
+
+
+def export_tokens(tokens: Sequence[Token]) -> list[dict[str, object]]:
+    """Tokens as JSON for a front process, over its private socketpair: the daemon reads the token files
+    once, and every front checks calls against exactly the tokens the daemon has."""
+    return [
+        {"secret": t.secret.decode(), "categories": sorted(t.categories), "source": t.source} for t in tokens
+    ]
+
+
+def import_tokens(exported: Sequence[Mapping[str, Any]]) -> list[Token]:
+    return [Token(str(t["secret"]).encode(), frozenset(t["categories"]), str(t["source"])) for t in exported]

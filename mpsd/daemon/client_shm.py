@@ -2,9 +2,11 @@
 
 A registered region is the client's POSIX shared-memory object, held open by the daemon. Inputs are read
 from it with `pread` straight into the worker's region when their batch is assembled, so that copy is the
-only one; outputs are written into it with `pwrite`. The daemon never maps a client's object: its owner
-can shrink it at any time, and touching a mapped page past the new end is a SIGBUS, which would end the
-daemon. A read cut short by a shrunken object fails that request instead. The client owns the name: mpsd
+only one; outputs are written into it with `pwrite`. On Linux the daemon never maps a client's object: its
+owner can shrink it at any time, and touching a mapped page past the new end is a SIGBUS, which would end
+the daemon. A read cut short by a shrunken object fails that request instead. macOS has no read or write
+on shared-memory descriptors, but it also lets an object be sized only once, so there the region is
+mapped and copied to and from. The client owns the name: mpsd
 never unlinks it. A region unregistered while requests still use it stays open until the last of them has
 finished.
 """
@@ -12,7 +14,9 @@ finished.
 from __future__ import annotations
 
 import _posixshmem
+import mmap
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -27,6 +31,8 @@ SHM_REGION = "shared_memory_region"
 SHM_OFFSET = "shared_memory_offset"
 SHM_BYTE_SIZE = "shared_memory_byte_size"
 SHM_PARAMS = frozenset({SHM_REGION, SHM_OFFSET, SHM_BYTE_SIZE})
+# Map client objects instead of reading and writing their descriptors (see the module docstring).
+MAP_REGIONS = sys.platform == "darwin"
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,11 @@ class ClientRegion:
                     f"shared memory region '{name}': offset {offset} + byte_size {byte_size} exceeds the "
                     f"{size} bytes of key '{key}'"
                 )
+            self._view: memoryview | None = None  # the region, where it is mapped
+            if MAP_REGIONS:
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
+                self._mmap = mmap.mmap(fd, offset + byte_size - start, offset=start)
+                self._view = memoryview(self._mmap)[offset - start :]
         except BaseException:
             os.close(fd)
             raise
@@ -107,11 +118,11 @@ class ClientRegion:
         self._check_size(what)
         return ShmSlice(self, what, self.offset + offset, nbytes)
 
-    def _check_size(self, what: str) -> None:
+    def _check_size(self, what: str, when: str = "") -> None:
         size = os.fstat(self._open(what)).st_size
         if size < self.offset + self.byte_size:
             raise InvalidArgument(
-                f"{what}: shared memory region '{self.name}' was truncated by its owner: key "
+                f"{what}: shared memory region '{self.name}' was truncated by its owner{when}: key "
                 f"'{self.key}' holds {size} bytes now; register it again"
             )
 
@@ -123,26 +134,46 @@ class ClientRegion:
     def read_into(self, what: str, dest: memoryview, position: int) -> None:
         """Fill `dest` from `position` of the object; a short read means its owner shrank it."""
         fd, done = self._open(what), 0
-        while done < dest.nbytes:
-            got = os.preadv(fd, [dest[done:]], position + done)
-            if got <= 0:
-                self._check_size(what)  # names the truncation
-                raise InvalidArgument(f"{what}: shared memory region '{self.name}' ended early")
-            done += got
+        if self._view is not None:
+            start = position - self.offset
+            dest[:] = self._view[start : start + dest.nbytes]
+            return
+        try:
+            while done < dest.nbytes:
+                got = os.preadv(fd, [dest[done:]], position + done)
+                if got <= 0:
+                    self._check_size(what, " before the request ran")  # names the truncation
+                    raise InvalidArgument(f"{what}: shared memory region '{self.name}' ended early")
+                done += got
+        except OSError as exc:
+            raise InvalidArgument(f"{what}: shared memory region '{self.name}': {exc.strerror}") from None
 
     def write_from(self, what: str, data: bytes | memoryview, position: int) -> None:
         """Write `data` at `position` of the object (never past the region: the caller checked its size)."""
-        self._check_size(what)  # a shrunken object would otherwise silently grow again
+        self._check_size(what, " while the request ran")  # a shrunken object would silently grow again
         fd, view, done = self._open(what), memoryview(data).cast("B"), 0
-        while done < view.nbytes:
-            done += os.pwrite(fd, view[done:], position + done)
+        if self._view is not None:
+            start = position - self.offset
+            self._view[start : start + view.nbytes] = view
+            return
+        try:
+            while done < view.nbytes:
+                done += os.pwrite(fd, view[done:], position + done)
+        except OSError as exc:
+            raise InvalidArgument(f"{what}: shared memory region '{self.name}': {exc.strerror}") from None
 
     def close(self) -> None:
-        """Close, never unlink."""
+        """Close (and unmap where mapped), never unlink."""
         if self._fd is None:
             return
         os.close(self._fd)
         self._fd = None
+        if self._view is not None:
+            try:
+                self._view.release()
+                self._mmap.close()
+            except BufferError:  # a copy still in progress elsewhere: unmapped when it lets go
+                pass
 
 
 class ShmSlice:

@@ -34,10 +34,11 @@ import structlog
 
 from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
-from mpsd.config.security import AuthConfig
+from mpsd.config.security import AuthConfig, Token
 from mpsd.errors import ConfigError, MpsdError
 from mpsd.ipc.shm import Region
 
+from .auth import export_tokens
 from .front.arena import ARENA_BYTES, ARENA_MIN, INFER_REF, REPLY_REF
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
@@ -311,9 +312,17 @@ class Front:
 class FrontPool:
     """Starts, supervises and stops the front processes."""
 
-    def __init__(self, count: int, config: DaemonConfig, core_target: str, infer: InferBytes) -> None:
+    def __init__(
+        self,
+        count: int,
+        config: DaemonConfig,
+        core_target: str,
+        infer: InferBytes,
+        tokens: Sequence[Token] = (),
+    ) -> None:
         self.count = count
         self._config = config
+        self._tokens = list(tokens)  # as the daemon read them: fronts never read token files
         self._core_target = core_target
         self._infer = infer
         self.fronts: dict[int, Front] = {}
@@ -399,15 +408,22 @@ class FrontPool:
             relay.add_done_callback(self._relays.discard)
             transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
             link.attach(transport)
+            sent_auth, sent_tokens, sent_level = self._config.auth, self._tokens, logs.level_name()
             settings = {
                 "index": index,
-                "log_level": logs.level_name(),  # now: LogSettings or SIGHUP may have changed it
+                "log_level": sent_level,  # now: LogSettings or SIGHUP may have changed it
                 "core_target": self._core_target,
                 "config": self._config.model_dump(mode="json"),
+                "tokens": export_tokens(self._tokens),
                 "arena": {"name": arena.name, "size": arena.size} if arena is not None else None,
             }
             link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
+            # A SIGHUP or LogSettings while it started reached only the fronts already listening.
+            if self._config.auth is not sent_auth or self._tokens is not sent_tokens:
+                link.send(self._auth_frame())
+            if logs.level_name() != sent_level:
+                link.send(frame(Kind.LOG_LEVEL, payload=logs.level_name().encode()))
         except BaseException as exc:
             if arena is not None:
                 arena.unlink()
@@ -479,12 +495,17 @@ class FrontPool:
             with contextlib.suppress(ProcessLookupError):
                 front.process.send_signal(signal.SIGTERM)
 
-    def update_auth(self, auth: AuthConfig) -> None:
-        """New tokens (SIGHUP): every front rebuilds its policy; a restarted one starts with them."""
+    def update_auth(self, auth: AuthConfig, tokens: Sequence[Token]) -> None:
+        """New tokens (SIGHUP): every front swaps its policy for one with these; a front starting now gets
+        them once it listens (`_spawn`)."""
         self._config.auth = auth
-        payload = json.dumps(auth.model_dump(mode="json")).encode()
+        self._tokens = list(tokens)
         for front in self.fronts.values():
-            front.link.send(frame(Kind.AUTH, payload=payload))
+            front.link.send(self._auth_frame())
+
+    def _auth_frame(self) -> tuple[Buffer, ...]:
+        settings = {"auth": self._config.auth.model_dump(mode="json"), "tokens": export_tokens(self._tokens)}
+        return frame(Kind.AUTH, payload=json.dumps(settings).encode())
 
     def _send_level(self, level: str) -> None:
         """A front filters its own events, so it must follow the daemon's level."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
-from mpsd.config.security import AuthConfig
+from mpsd.config.security import AuthConfig, Token, read_tokens
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
@@ -83,8 +84,8 @@ class Daemon:
         self._core_dir: Path | None = None
         self.servicer = InferenceServicer(self.registry, lambda: self.shutting_down, config.model_control)
 
-    def _policy(self, auth: AuthConfig) -> AccessPolicy:
-        """The access policy for `auth` on this daemon's address (reads the token files now)."""
+    def _policy(self, auth: AuthConfig, tokens: Sequence[Token]) -> AccessPolicy:
+        """The access policy for `auth` and its tokens (already read) on this daemon's address."""
         address = parse_address(self.config.grpc_address)
         tls = self.config.tls
         return build_policy(
@@ -92,13 +93,15 @@ class Daemon:
             local_only=address.is_local,
             mutual_tls=tls is not None and tls.client_ca_file is not None,
             address=address.text,
+            tokens=tokens,
         )
 
     def _build_server(self) -> grpc.aio.Server:
         limit = self.config.max_message_bytes
         address = parse_address(self.config.grpc_address)
         tls = self.config.tls
-        self._auth = AuthInterceptor(self._policy(self.config.auth))
+        tokens = read_tokens(self.config.auth)
+        self._auth = AuthInterceptor(self._policy(self.config.auth, tokens))
         server = grpc.aio.server(
             interceptors=[self._auth, DecodeGuard()],
             options=[
@@ -127,7 +130,7 @@ class Daemon:
             core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
             bind(server, core, None)
             infer = self.servicer.infer_serialized_parts
-            self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer)
+            self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer, tokens)
             self.metrics.add_fronts(self.fronts)
             self.admin.fronts = self.fronts.describe
         else:
@@ -232,6 +235,7 @@ class Daemon:
             return
         try:
             fresh = load_daemon_config(self.config_path)
+            tokens = read_tokens(fresh.auth)  # read once, here: the fronts get these very tokens
         except ConfigError as exc:
             log.error("config not reloaded", reason=exc.message)
             return
@@ -241,22 +245,17 @@ class Daemon:
         self.registry.drain_timeout_s = self.config.drain_timeout_s
         self.registry.budget_policy = self.config.memory_budget_policy
         self.registry.quiet_period_s = self.config.reload_quiet_period_s
-        self._reload_auth(fresh.auth)
+        self._reload_auth(fresh.auth, tokens)
 
-    def _reload_auth(self, auth: AuthConfig) -> None:
+    def _reload_auth(self, auth: AuthConfig, tokens: Sequence[Token]) -> None:
         """Tokens as the config and their files say now: a rotated token file takes effect at SIGHUP, here
-        and in every front. A token that cannot be read keeps the previous tokens in force."""
-        try:
-            policy = self._policy(auth)
-        except ConfigError as exc:
-            log.error("tokens not reloaded; the previous ones stay in force", reason=exc.message)
-            return
+        and in every front."""
         self.config.auth = auth
         if self._auth is not None:
-            self._auth.policy = policy
+            self._auth.policy = self._policy(auth, tokens)
         if self.fronts is not None:
-            self.fronts.update_auth(auth)
-        log.info("tokens reloaded", tokens=len(auth.tokens))
+            self.fronts.update_auth(auth, tokens)
+        log.info("tokens reloaded", tokens=len(tokens))
 
     async def reload(self) -> str:
         """`mpsd reload` and the admin Reload RPC: the same reconcile as SIGHUP, awaited."""

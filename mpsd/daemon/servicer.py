@@ -127,7 +127,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         """The response without its raw_output_contents, and those entries (see `convert`)."""
         check_name("model", request.model_name)
         mv = self.registry.route(request.model_name, request.model_version)
-        with self.client_shm.lease() as shm:  # regions the request names stay mapped until it is answered
+        with self.client_shm.lease() as shm:  # regions the request names stay open until it is answered
             parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
             result = await mv.infer(parsed, deadline)
             shm.write_outputs(result.outputs)

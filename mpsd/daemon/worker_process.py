@@ -137,7 +137,7 @@ def assemble(
             data = r.inputs[i].data
             n = len(data)
             if not (waiting and waiting[k].done()):
-                if isinstance(data, (bytes, memoryview)):
+                if isinstance(data, (bytes, bytearray, memoryview)):
                     buf[pos : pos + n] = data
                 else:
                     try:

@@ -22,12 +22,11 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
-from mpsd.errors import ConfigError
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
 
 from .. import eventloop
-from ..auth import AccessPolicy, build_policy, refusal
+from ..auth import AccessPolicy, build_policy, import_tokens, refusal
 from ..listen import bind, parse_address
 from .arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
 from .wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
@@ -261,25 +260,22 @@ async def serve(sock: socket.socket) -> int:
         if settings.get("arena"):
             link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
         mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
-        policy = build_policy(
-            config.auth, local_only=address.is_local, mutual_tls=mutual_tls, address=address.text
-        )
+        tokens = import_tokens(settings.get("tokens", []))
+        policy = build_policy(config.auth, address.is_local, mutual_tls, address.text, tokens=tokens)
         server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
         relay = Relay(link, channel, policy)
         server.add_generic_rpc_handlers([relay])
 
         def on_auth(settings: dict[str, Any]) -> None:
-            """New tokens from the daemon, which has read them already; one that cannot be read here
-            keeps the previous ones."""
+            """New tokens from the daemon (SIGHUP), as it read them."""
             try:
-                auth = AuthConfig.model_validate(settings)
-                relay.policy = build_policy(
-                    auth, local_only=address.is_local, mutual_tls=mutual_tls, address=address.text
-                )
-            except (ConfigError, ValueError) as exc:
+                auth = AuthConfig.model_validate(settings["auth"])
+                tokens = import_tokens(settings["tokens"])
+                relay.policy = build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens)
+            except Exception as exc:  # a frame the two ends disagree on: keep serving with the old tokens
                 log.error("tokens not reloaded; the previous ones stay in force", reason=str(exc))
                 return
-            log.info("tokens reloaded", tokens=len(auth.tokens))
+            log.info("tokens reloaded", tokens=len(tokens))
 
         link.on_auth = on_auth
         bind(server, address, config.tls)
