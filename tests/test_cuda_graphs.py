@@ -196,22 +196,28 @@ class Syncs(nn.Module):
         return x.mean((2, 3)).repeat(1, 4)[:, :10] * scale
 
 
+def gpu_model(repo: Path, name: str, module: nn.Module, max_batch_size: int, graph_sizes: list[int]) -> None:
+    """An x FP32[3,8,8] -> y FP32[10] TorchScript model on the GPU, with CUDA graphs at `graph_sizes`."""
+    models.save_torchscript(module, repo / name / "1" / "model.pt")
+    graph_spec = [{"batch_size": s} for s in graph_sizes]
+    models.write_config(
+        repo / name,
+        {
+            "backend": "torchscript",
+            "max_batch_size": max_batch_size,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 8, 8]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
+            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
+            "optimization": {"cuda": {"graphs": True, "graph_spec": graph_spec}},
+        },
+    )
+
+
 @needs_cuda
 def test_a_model_that_cannot_be_recorded_fails_to_load_naming_the_batch_size(tmp_path: Path) -> None:
     """In the daemon's worker, not here: a failed recording leaves that process's CUDA state behind."""
     repo = tmp_path / "repo"
-    models.save_torchscript(Syncs(), repo / "syncs" / "1" / "model.pt")
-    models.write_config(
-        repo / "syncs",
-        {
-            "backend": "torchscript",
-            "max_batch_size": 4,
-            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 8, 8]}],
-            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
-            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
-            "optimization": {"cuda": {"graphs": True, "graph_spec": [{"batch_size": 4}]}},
-        },
-    )
+    gpu_model(repo, "syncs", Syncs(), max_batch_size=4, graph_sizes=[4])
     daemon = RunningDaemon(repo, tmp_path / "daemon.log")
     try:
         daemon.wait_models_settled()
@@ -228,18 +234,7 @@ def test_the_daemon_records_graphs_and_serves_from_them(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     torch.manual_seed(0)
     module = SmallCnn().eval()
-    models.save_torchscript(module, repo / "cnn" / "1" / "model.pt")
-    models.write_config(
-        repo / "cnn",
-        {
-            "backend": "torchscript",
-            "max_batch_size": 8,
-            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 8, 8]}],
-            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
-            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
-            "optimization": {"cuda": {"graphs": True, "graph_spec": [{"batch_size": 2}, {"batch_size": 4}]}},
-        },
-    )
+    gpu_model(repo, "cnn", module, max_batch_size=8, graph_sizes=[2, 4])
     with serving(repo, tmp_path / "daemon.log") as daemon:
         for rows in (1, 3, 4, 8):
             x = np.random.default_rng(rows).standard_normal((rows, 3, 8, 8)).astype(np.float32)

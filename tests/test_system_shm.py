@@ -310,6 +310,13 @@ class OwnObject:
         os.close(self.fd)
 
 
+def _remove_gates(gate: Path, *names: str) -> None:
+    for name in names:
+        for suffix in ("", ".started"):
+            with contextlib.suppress(FileNotFoundError):
+                (gate / f"{name}{suffix}").unlink()
+
+
 def _gated_call(
     client: grpcclient.InferenceServerClient,
     x: np.ndarray,
@@ -376,10 +383,7 @@ def test_a_region_shrunk_by_its_owner_fails_the_request_not_the_daemon(
         client.unregister_system_shared_memory()
         source.close()
         sink.close()
-        for n in ("11", "12", "13"):
-            for suffix in ("", ".started"):
-                with contextlib.suppress(FileNotFoundError):
-                    (gate / f"{n}{suffix}").unlink()
+        _remove_gates(gate, "11", "12", "13")
 
 
 def test_a_region_unregistered_while_its_request_waits_is_still_read(daemon: RunningDaemon, key: Key) -> None:
@@ -407,10 +411,7 @@ def test_a_region_unregistered_while_its_request_waits_is_still_read(daemon: Run
     finally:
         client.unregister_system_shared_memory()
         source.close()
-        for n in ("21", "22", "23"):
-            for suffix in ("", ".started"):
-                with contextlib.suppress(FileNotFoundError):
-                    (gate / f"{n}{suffix}").unlink()
+        _remove_gates(gate, "21", "22", "23")
 
 
 def test_where_descriptors_cannot_be_read_regions_are_mapped_and_copied(

@@ -171,6 +171,10 @@ def _arena_ref(payload: bytes | bytearray) -> tuple[int, int, int]:
     return int(start), int(length), int(capacity)
 
 
+def _level_frame(level: str) -> tuple[Buffer, ...]:
+    return frame(Kind.LOG_LEVEL, payload=level.encode())
+
+
 @dataclass
 class FrontCounts:
     """What one front slot has handed to the core, over its processes' restarts."""
@@ -226,7 +230,7 @@ class FrontLink:
                 self.transport.pause_reading()
         elif kind == Kind.CANCEL:
             # Cancelling the task cancels the request's future at once: a batch formed before then copies
-            # nothing from it (`WorkerProcess._run_in_slot`), so the answer below may free its arena chunk.
+            # nothing from it (`worker_process.assemble`), so the answer below may free its arena chunk.
             task = self.calls.pop(call_id, None)
             if task is not None:
                 task.cancel()
@@ -423,7 +427,7 @@ class FrontPool:
             if self._config.auth is not sent_auth or self._tokens is not sent_tokens:
                 link.send(self._auth_frame())
             if logs.level_name() != sent_level:
-                link.send(frame(Kind.LOG_LEVEL, payload=logs.level_name().encode()))
+                link.send(_level_frame(logs.level_name()))
         except BaseException as exc:
             if arena is not None:
                 arena.unlink()
@@ -510,7 +514,7 @@ class FrontPool:
     def _send_level(self, level: str) -> None:
         """A front filters its own events, so it must follow the daemon's level."""
         for front in self.fronts.values():
-            front.link.send(frame(Kind.LOG_LEVEL, payload=level.encode()))
+            front.link.send(_level_frame(level))
 
     async def stop(self, drain_timeout_s: float) -> None:
         """Stop accepting calls, let the fronts finish theirs (the core still answers them), then end."""

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from mpsd.ipc.protocol import ModelSpec
+from mpsd.ipc.protocol import ModelSpec, WarmupTensor
 from mpsd.worker.backends import Backend
 from mpsd.worker.dtypes import TO_TORCH
+from mpsd.worker.inference import sample_tensor
 
 # Calls on a side stream before a recording: lazy set-up (cuBLAS workspaces, cuDNN plans, the TorchScript
 # executor's profiling runs) must happen before it, as none of it can be recorded.
@@ -53,6 +54,7 @@ class GraphedBackend:
         self.backend = backend
         self.device = device
         self.sizes = tuple(sorted(set(spec.cuda_graph_batch_sizes)))
+        self._specs = spec.inputs
         self._row_shapes = [tuple(t.dims) for t in spec.inputs]
         self._graphs: dict[int, _Graph] = {}
         pool = torch.cuda.graph_pool_handle()
@@ -92,14 +94,9 @@ class GraphedBackend:
         """Replay on fresh inputs and compare with calling the model: a graph records GPU kernels only, so
         a model whose answers also come from Python state or host values would replay stale ones."""
         recorded = self._graphs[size]
-        generator = torch.Generator().manual_seed(size)  # a host one: the device's stay as they are
-        for static in recorded.inputs:
-            if static.dtype.is_floating_point:
-                values = torch.randn(static.shape, generator=generator)
-            else:
-                high = 2 if static.dtype == torch.bool else 8
-                values = torch.randint(0, high, static.shape, generator=generator)
-            static.copy_(values.to(static.dtype))
+        for t, static in zip(self._specs, recorded.inputs, strict=True):
+            random = WarmupTensor(t.name, t.datatype, tuple(static.shape), random=True)
+            static.copy_(sample_tensor(random, self.device))
         recorded.graph.replay()
         replayed = {name: out.clone() for name, out in recorded.outputs.items()}
         direct = self.backend(recorded.inputs)
