@@ -4,6 +4,7 @@ model's own answers (tests marked so skip elsewhere)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,16 @@ def test_graphs_are_off_unless_asked_for() -> None:
     assert config().cuda_graph_batch_sizes() == ()
 
 
-def test_default_sizes_are_powers_of_two_the_preferred_sizes_and_the_maximum() -> None:
+def test_default_sizes_are_steps_the_preferred_sizes_and_the_maximum() -> None:
     on = {"cuda": {"graphs": True}}
-    assert config(optimization=on).cuda_graph_batch_sizes() == (1, 2, 4, 8, 16, 32, 64)
-    odd = config(optimization=on, max_batch_size=48, dynamic_batching={"preferred_batch_size": [24]})
-    assert odd.cuda_graph_batch_sizes() == (1, 2, 4, 8, 16, 24, 32, 48)
+    assert config(optimization=on).cuda_graph_batch_sizes() == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    odd = config(optimization=on, max_batch_size=45, dynamic_batching={"preferred_batch_size": [21]})
+    assert odd.cuda_graph_batch_sizes() == (1, 2, 4, 8, 16, 21, 24, 32, 40, 45)
+    large = config(optimization=on, max_batch_size=1000).cuda_graph_batch_sizes()
+    assert large[:7] == (1, 2, 4, 8, 16, 32, 64) and large[-2:] == (960, 1000)  # a step of 64
+    assert len(large) == 22 and all(b - a <= 64 for a, b in itertools.pairwise(large))
+    single = config(optimization=on, max_batch_size=1).cuda_graph_batch_sizes()
+    assert single == (1,)
     beyond = config(optimization=on, max_batch_size=8, dynamic_batching={"preferred_batch_size": [100]})
     assert beyond.cuda_graph_batch_sizes() == (1, 2, 4, 8)  # never above max_batch_size
 
@@ -182,10 +188,17 @@ def test_a_model_whose_answers_come_from_more_than_its_gpu_work_is_refused() -> 
         GraphedBackend(stateful, cnn_spec((2, 4)), torch.device("cuda"))
 
     def on_host(inputs: Any) -> dict[str, torch.Tensor]:
+        inputs[0].mul(2)  # some GPU work: a graph with none is refused as empty before outputs are checked
         return {"y": torch.zeros(inputs[0].shape[0], 10)}
 
     with torch.inference_mode(), pytest.raises(RuntimeError, match="output 'y' is on cpu"):
         GraphedBackend(on_host, cnn_spec((2,)), torch.device("cuda"))
+
+    def no_gpu_work(inputs: Any) -> dict[str, torch.Tensor]:
+        return {"y": torch.zeros(inputs[0].shape[0], 10)}
+
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="recording a CUDA graph at batch size 2"):
+        GraphedBackend(no_gpu_work, cnn_spec((2,)), torch.device("cuda"))
 
 
 class Syncs(nn.Module):

@@ -39,6 +39,8 @@ PLATFORMS: dict[str, str] = {
     "torch_export": "torch_export",
     "python": "python",
 }
+# Default CUDA graph sizes are multiples of a step at least this large (see cuda_graph_batch_sizes).
+GRAPH_STEP_MIN = 8
 
 
 class _Strict(BaseModel):
@@ -289,8 +291,10 @@ class ModelConfig(_Strict):
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes to record CUDA graphs at, ascending; () when graphs are off.
 
-        Without a `graph_spec`: the preferred batch sizes, the powers of two below max_batch_size and
-        max_batch_size itself, so that a batch is padded to at most about twice its size.
+        Without a `graph_spec`: the preferred batch sizes, max_batch_size, the powers of two below a step
+        of max(8, max_batch_size / 16 rounded up to a power of two), and every multiple of that step. A
+        batch then pads by fewer than `step` samples (padding to powers of two cost up to half of a large
+        batch's compute) with at most about twenty graphs, which share one memory pool.
         """
         cuda = self.optimization.cuda
         if not cuda.graphs:
@@ -298,8 +302,10 @@ class ModelConfig(_Strict):
         if cuda.graph_spec:
             return tuple(sorted({g.batch_size for g in cuda.graph_spec}))
         preferred = self.dynamic_batching.preferred_batch_size if self.dynamic_batching else []
-        powers = [1 << i for i in range(self.max_batch_size.bit_length())]
-        sizes = {*preferred, *powers, self.max_batch_size}
+        top = self.max_batch_size
+        step = max(GRAPH_STEP_MIN, (1 << (top - 1).bit_length()) // 16)
+        small = [1 << i for i in range(step.bit_length() - 1)]
+        sizes = {*preferred, *small, *range(step, top + 1, step), top}
         return tuple(sorted(s for s in sizes if s <= self.max_batch_size))
 
     @property
