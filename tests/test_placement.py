@@ -64,6 +64,42 @@ def test_count_is_per_listed_gpu_and_index_counts_across_groups() -> None:
     assert plans[3].label("add_sub/1") == "add_sub/1#3"
 
 
+def test_an_unpinned_gpu_group_is_spread_over_every_gpu_the_daemon_may_use() -> None:
+    """Triton's rule: `count` instances on each GPU; KIND_AUTO stays free to fall back to the CPU."""
+    cfg = config({"kind": "KIND_GPU", "count": 2}, {"kind": "KIND_AUTO"}, {"kind": "KIND_CPU"})
+    plans = plan_instances(cfg, platform="linux", cuda_gpus=3)
+    assert [(p.group, p.index, p.kind, p.gpu) for p in plans] == [
+        (0, 0, "KIND_GPU", 0),
+        (0, 1, "KIND_GPU", 0),
+        (0, 2, "KIND_GPU", 1),
+        (0, 3, "KIND_GPU", 1),
+        (0, 4, "KIND_GPU", 2),
+        (0, 5, "KIND_GPU", 2),
+        (1, 6, "KIND_AUTO", 0),
+        (1, 7, "KIND_AUTO", 1),
+        (1, 8, "KIND_AUTO", 2),
+        (2, 9, "KIND_CPU", None),
+    ]
+    envs = [worker_environment(p, cfg, {**BASE, ENV_CUDA_VISIBLE: "4,5,6"}, "linux") for p in plans]
+    assert [e.get(ENV_CUDA_VISIBLE) for e in envs] == ["4", "4", "5", "5", "6", "6", "4", "5", "6", "4,5,6"]
+
+
+@pytest.mark.parametrize(("platform", "gpus"), [("linux", 0), ("linux", 1), ("darwin", 4)])
+def test_one_gpu_or_none_or_macos_keeps_one_set_of_unpinned_instances(platform: str, gpus: int) -> None:
+    plans = plan_instances(config({"kind": "KIND_GPU", "count": 2}), platform=platform, cuda_gpus=gpus)
+    assert [(p.kind, p.gpu) for p in plans] == [("KIND_GPU", None), ("KIND_GPU", None)]
+
+
+def test_a_spread_group_is_budgeted_per_gpu() -> None:
+    pinned = config({"kind": "KIND_GPU", "gpus": [1], "memory_fraction": 0.5})
+    plans = {
+        "spread/1": plan_instances(config({"kind": "KIND_GPU", "memory_fraction": 0.6}), "linux", 2),
+        "pinned/1": plan_instances(pinned, "linux"),
+    }
+    (message,) = check_memory_budget(plans)
+    assert message.startswith("cuda:1: memory fractions add up to 1.1") and "spread/1 (1 instance" in message
+
+
 def test_auto_with_gpus_is_pinned_gpu() -> None:
     (plan,) = plan_instances(config({"kind": "KIND_AUTO", "gpus": [1]}), platform="linux")
     assert (plan.kind, plan.gpu, plan.device_key) == ("KIND_GPU", 1, "cuda:1")

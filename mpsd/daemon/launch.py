@@ -8,6 +8,7 @@ from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.config.repository import ModelSource
 from mpsd.ipc.protocol import ModelSpec, TensorSpec, WarmupSample, WarmupTensor
 
+from .gpus import daemon_cuda_gpus
 from .placement import InstancePlacement, plan_instances, worker_environment
 from .worker_process import WorkerLaunch
 
@@ -62,7 +63,7 @@ def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacem
     assert config is not None
     spec = model_spec(source, version)
     base = worker_base_env()
-    placements = plan_instances(config)
+    placements = plan_instances(config, cuda_gpus=daemon_cuda_gpus())
     launches = [
         WorkerLaunch(
             model=spec,

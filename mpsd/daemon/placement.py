@@ -146,12 +146,25 @@ def _check_fraction(config: ModelConfig, group: int, placement: InstancePlacemen
         )
 
 
-def plan_instances(config: ModelConfig, platform: str = sys.platform) -> list[InstancePlacement]:
-    """Expand `instance_group` into one placement per worker: `count` instances, or `count` per listed GPU.
+def _spread(kind: str, platform: str, cuda_gpus: int) -> list[int | None]:
+    """The GPUs an unpinned group goes to: `count` instances on each of several CUDA GPUs (Triton's rule
+    for KIND_GPU, and for KIND_AUTO, which means the GPU where there is one); else [None], one set of
+    instances on the first GPU the worker finds (or the CPU, for KIND_AUTO without a usable GPU)."""
+    if platform == "darwin" or kind not in ("KIND_GPU", "KIND_AUTO") or cuda_gpus < 2:
+        return [None]
+    return list(range(cuda_gpus))
 
-    KIND_AUTO with `gpus` becomes KIND_GPU (pinning means CUDA; falling back to CPU would defeat it). `gpus`
-    is refused on macOS, where KIND_GPU means MPS and CUDA does not exist, and with KIND_CPU or KIND_MPS.
-    KIND_MPS on Linux is not refused here: the worker's probe fails the load with the reason.
+
+def plan_instances(
+    config: ModelConfig, platform: str = sys.platform, cuda_gpus: int = 0
+) -> list[InstancePlacement]:
+    """Expand `instance_group` into one placement per worker: `count` instances, or `count` per GPU.
+
+    The GPUs are the listed `gpus`, else, for KIND_GPU and KIND_AUTO off macOS, each of the `cuda_gpus`
+    the daemon may use when there are several. KIND_AUTO with `gpus` becomes KIND_GPU (pinning means CUDA;
+    falling back to CPU would defeat it); spread over every GPU it stays KIND_AUTO, free to fall back.
+    `gpus` is refused on macOS, where KIND_GPU means MPS and CUDA does not exist, and with KIND_CPU or
+    KIND_MPS. KIND_MPS on Linux is not refused here: the worker's probe fails the load with the reason.
     """
     mps_fallback(config)
     intra_op_threads(config)
@@ -172,7 +185,9 @@ def plan_instances(config: ModelConfig, platform: str = sys.platform) -> list[In
                     "lists CUDA GPUs, but macOS has no CUDA; remove gpus (KIND_GPU uses MPS there)",
                 )
             kind = "KIND_GPU"
-        gpus: list[int | None] = list(group.gpus) if group.gpus is not None else [None]
+        gpus: list[int | None] = (
+            list(group.gpus) if group.gpus is not None else _spread(kind, platform, cuda_gpus)
+        )
         first = len(plans)
         for gpu in gpus:
             for _ in range(group.count):
