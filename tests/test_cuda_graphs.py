@@ -220,7 +220,8 @@ def gpu_model(repo: Path, name: str, module: nn.Module, max_batch_size: int, gra
             "max_batch_size": max_batch_size,
             "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, 8, 8]}],
             "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [10]}],
-            "instance_group": [{"kind": "KIND_GPU", "count": 1}],
+            # gpus: one worker, also where there are several GPUs (unpinned, there would be one on each)
+            "instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [0]}],
             "optimization": {"cuda": {"graphs": True, "graph_spec": graph_spec}},
         },
     )
