@@ -880,3 +880,91 @@ def test_tokens_reach_the_fronts_as_the_daemon_read_them() -> None:
     assert (token.secret, token.source) == (b"s3cret", "token_file /etc/t")
     assert token.categories == {"inference", "health"}
     assert not token.group_readable_file  # the daemon warned about the file already
+
+
+def _tls_live(address: str, ca: Path) -> tuple[str, str]:
+    """('ok', '') when a fresh TLS connection trusting `ca` is served, else the status and message."""
+    client = grpcclient.InferenceServerClient(address, ssl=True, root_certificates=str(ca))
+    try:
+        client.is_server_live()
+    except InferenceServerException as exc:
+        return str(exc.status()), str(exc.message())
+    finally:
+        client.close()
+    return "ok", ""
+
+
+@pytest.mark.parametrize("fronts", [0, 1])
+def test_sighup_serves_a_renewed_certificate_here_and_in_the_fronts(tmp_path: Path, fronts: int) -> None:
+    """A certificate renewed on disk is served to new connections after SIGHUP, without a restart; one
+    that cannot be read, or a reload that would turn client certificates on, changes nothing."""
+    import shutil
+    import signal
+
+    for name in ("old", "new", "live"):
+        (tmp_path / name).mkdir()
+    old, new, live = make_pki(tmp_path / "old"), make_pki(tmp_path / "new"), tmp_path / "live"
+    shutil.copy(old.server_cert, live / "server.pem")
+    shutil.copy(old.server_key, live / "server.key")
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    tls = {"cert_file": "live/server.pem", "key_file": "live/server.key"}
+    config = write_daemon_config(tmp_path / "mpsd.yaml", front_processes=fronts, tls=tls)
+    address = f"localhost:{free_port()}"
+    client = grpcclient.InferenceServerClient(address, ssl=True, root_certificates=str(old.ca))
+    daemon = start_daemon(tmp_path, repo, config, address, client)
+    try:
+        wait_for(lambda: _tls_live(address, old.ca)[0] == "ok", 60, f"served over TLS\n{daemon.log()}")
+        assert _tls_live(address, new.ca)[0] == str(grpc.StatusCode.UNAVAILABLE)
+        assert client.is_server_live()  # its connection is open from here on
+
+        shutil.copy(new.server_cert, live / "server.pem")
+        shutil.copy(new.server_key, live / "server.key")
+        os.kill(daemon.pid, signal.SIGHUP)
+        reloaded = lambda: len(_events(daemon, "certificates reloaded")) == 1 + fronts  # noqa: E731
+        wait_for(reloaded, 30, f"certificates reloaded\n{daemon.log()}")
+        assert _tls_live(address, new.ca) == ("ok", "")
+        assert _tls_live(address, old.ca)[0] == str(grpc.StatusCode.UNAVAILABLE)
+        assert client.is_server_live(), "a connection opened before the reload keeps its session"
+
+        (live / "server.key").write_text("")  # unreadable as a key file: the new certificate stays
+        os.kill(daemon.pid, signal.SIGHUP)
+        wait_for(lambda: _events(daemon, "config not reloaded"), 30, "config not reloaded")
+        assert "tls.cert_file, tls.key_file" in _events(daemon, "config not reloaded")[0]["reason"]
+        assert _tls_live(address, new.ca) == ("ok", "")
+
+        shutil.copy(new.server_key, live / "server.key")
+        write_daemon_config(
+            tmp_path / "mpsd.yaml", front_processes=fronts, tls={**tls, "client_ca_file": str(new.ca)}
+        )
+        os.kill(daemon.pid, signal.SIGHUP)
+        wait_for(lambda: len(_events(daemon, "config not reloaded")) == 2, 30, "config not reloaded")
+        assert "takes a restart" in _events(daemon, "config not reloaded")[1]["reason"]
+        assert _tls_live(address, new.ca) == ("ok", ""), "client certificates are still not required"
+        assert len(_events(daemon, "certificates reloaded")) == 1 + fronts
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+
+
+def test_certificates_that_cannot_be_served_are_config_errors(tmp_path: Path) -> None:
+    """Checked when read (start or SIGHUP), not at a client's first handshake."""
+    from mpsd.config.security import TlsConfig
+    from mpsd.daemon.certificates import TlsMaterial
+
+    pki = make_pki(tmp_path)
+    good = TlsMaterial.read(
+        TlsConfig(cert_file=pki.server_cert, key_file=pki.server_key, client_ca_file=pki.ca)
+    )
+    assert good.mutual and TlsMaterial.load(yaml.safe_load(yaml.safe_dump(good.export()))) == good
+    with pytest.raises(
+        ConfigError, match=r"tls.cert_file, tls.key_file: .* cannot be served: .*KEY_VALUES_MISMATCH"
+    ):
+        TlsMaterial.read(TlsConfig(cert_file=pki.server_cert, key_file=pki.client_key))
+    (tmp_path / "junk.pem").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match=r"tls.client_ca_file: .*junk.pem holds no usable CA"):
+        TlsMaterial.read(
+            TlsConfig(
+                cert_file=pki.server_cert, key_file=pki.server_key, client_ca_file=tmp_path / "junk.pem"
+            )
+        )

@@ -39,6 +39,7 @@ from mpsd.errors import ConfigError, MpsdError
 from mpsd.ipc.shm import Region
 
 from .auth import export_tokens
+from .certificates import TlsMaterial
 from .front.arena import ARENA_BYTES, ARENA_MIN, INFER_REF, REPLY_REF
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
@@ -323,10 +324,13 @@ class FrontPool:
         core_target: str,
         infer: InferBytes,
         tokens: Sequence[Token] = (),
+        tls: TlsMaterial | None = None,
     ) -> None:
         self.count = count
         self._config = config
-        self._tokens = list(tokens)  # as the daemon read them: fronts never read token files
+        # As the daemon read them: fronts never read token or certificate files.
+        self._tokens = list(tokens)
+        self._tls = tls
         self._core_target = core_target
         self._infer = infer
         self.fronts: dict[int, Front] = {}
@@ -412,19 +416,22 @@ class FrontPool:
             relay.add_done_callback(self._relays.discard)
             transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
             link.attach(transport)
-            sent_auth, sent_tokens, sent_level = self._config.auth, self._tokens, logs.level_name()
+            sent_auth, sent_tokens, sent_tls = self._config.auth, self._tokens, self._tls
+            sent_level = logs.level_name()
             settings = {
                 "index": index,
                 "log_level": sent_level,  # now: LogSettings or SIGHUP may have changed it
                 "core_target": self._core_target,
                 "config": self._config.model_dump(mode="json"),
                 "tokens": export_tokens(self._tokens),
+                "tls": self._tls.export() if self._tls is not None else None,
                 "arena": {"name": arena.name, "size": arena.size} if arena is not None else None,
             }
             link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
             # A SIGHUP or LogSettings while it started reached only the fronts already listening.
-            if self._config.auth is not sent_auth or self._tokens is not sent_tokens:
+            changed = (self._config.auth, self._tokens, self._tls) != (sent_auth, sent_tokens, sent_tls)
+            if changed:
                 link.send(self._auth_frame())
             if logs.level_name() != sent_level:
                 link.send(_level_frame(logs.level_name()))
@@ -499,16 +506,25 @@ class FrontPool:
             with contextlib.suppress(ProcessLookupError):
                 front.process.send_signal(signal.SIGTERM)
 
-    def update_auth(self, auth: AuthConfig, tokens: Sequence[Token]) -> None:
-        """New tokens (SIGHUP): every front swaps its policy for one with these; a front starting now gets
-        them once it listens (`_spawn`)."""
+    @property
+    def tls(self) -> TlsMaterial | None:
+        return self._tls
+
+    def update_access(self, auth: AuthConfig, tokens: Sequence[Token], tls: TlsMaterial | None) -> None:
+        """New tokens and certificate (SIGHUP): every front swaps its policy and, for its next TLS
+        handshakes, its certificate; a front starting now gets them once it listens (`_spawn`)."""
         self._config.auth = auth
         self._tokens = list(tokens)
+        self._tls = tls
         for front in self.fronts.values():
             front.link.send(self._auth_frame())
 
     def _auth_frame(self) -> tuple[Buffer, ...]:
-        settings = {"auth": self._config.auth.model_dump(mode="json"), "tokens": export_tokens(self._tokens)}
+        settings = {
+            "auth": self._config.auth.model_dump(mode="json"),
+            "tokens": export_tokens(self._tokens),
+            "tls": self._tls.export() if self._tls is not None else None,
+        }
         return frame(Kind.AUTH, payload=json.dumps(settings).encode())
 
     def _send_level(self, level: str) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 import grpc
 import structlog
 
-from mpsd.config.security import TlsConfig
 from mpsd.errors import ConfigError
+
+from .certificates import Certificates
 
 log = structlog.get_logger("mpsd.daemon.listen")
 
@@ -98,20 +99,14 @@ def remove_stale_socket(path: Path) -> None:
         path.unlink()
 
 
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    chain, key, client_ca = tls.read()
-    return grpc.ssl_server_credentials(
-        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
-def bind(server: grpc.aio.Server, address: Address, tls: TlsConfig | None) -> None:
-    """Add the listening port; for a Unix socket, make the file 0600 before anyone can use it."""
+def bind(server: grpc.aio.Server, address: Address, certificates: Certificates | None) -> None:
+    """Add the listening port (over TLS with `certificates`); for a Unix socket, make the file 0600 before
+    anyone can use it."""
     if address.unix_path is not None:
         if not address.unix_path.parent.is_dir():
             raise ConfigError(f"grpc_address: directory {address.unix_path.parent} does not exist")
         remove_stale_socket(address.unix_path)
-    credentials = server_credentials(tls) if tls is not None else None
+    credentials = certificates.credentials() if certificates is not None else None
     # The umask covers the moment between bind() and chmod(); the chmod makes the mode independent of it.
     old_umask = os.umask(0o177) if address.unix_path is not None else None
     try:

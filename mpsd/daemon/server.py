@@ -28,6 +28,7 @@ from . import eventloop
 from .admin import SERVICE_NAME as ADMIN_SERVICE
 from .admin import AdminServicer
 from .auth import AccessPolicy, AuthInterceptor, build_policy
+from .certificates import Certificates, TlsMaterial, check_replacement
 from .decode_guard import DecodeGuard
 from .events import BUS
 from .fronts import FrontPool, check_port_free, front_count, make_core_dir, remove_stale_core_dirs
@@ -81,6 +82,7 @@ class Daemon:
         self._hurry: asyncio.Future[None] | None = None
         self.fronts: FrontPool | None = None
         self._auth: AuthInterceptor | None = None  # made with the gRPC server
+        self._certificates: Certificates | None = None  # the daemon's own TLS port, without fronts
         self._core_dir: Path | None = None
         self.servicer = InferenceServicer(self.registry, lambda: self.shutting_down, config.model_control)
 
@@ -99,7 +101,7 @@ class Daemon:
     def _build_server(self) -> grpc.aio.Server:
         limit = self.config.max_message_bytes
         address = parse_address(self.config.grpc_address)
-        tls = self.config.tls
+        tls = TlsMaterial.read(self.config.tls) if self.config.tls is not None else None
         tokens = read_tokens(self.config.auth)
         self._auth = AuthInterceptor(self._policy(self.config.auth, tokens))
         server = grpc.aio.server(
@@ -130,11 +132,12 @@ class Daemon:
             core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
             bind(server, core, None)
             infer = self.servicer.infer_serialized_parts
-            self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer, tokens)
+            self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer, tokens, tls)
             self.metrics.add_fronts(self.fronts)
             self.admin.fronts = self.fronts.describe
         else:
-            bind(server, address, tls)
+            self._certificates = Certificates(tls) if tls is not None else None
+            bind(server, address, self._certificates)
         return server
 
     def _remove_core_dir(self) -> None:
@@ -235,7 +238,10 @@ class Daemon:
             return
         try:
             fresh = load_daemon_config(self.config_path)
-            tokens = read_tokens(fresh.auth)  # read once, here: the fronts get these very tokens
+            # Read once, here: the fronts get these very tokens and certificate bytes.
+            tokens = read_tokens(fresh.auth)
+            tls = TlsMaterial.read(fresh.tls) if fresh.tls is not None else None
+            check_replacement(self._tls(), tls)
         except ConfigError as exc:
             log.error("config not reloaded", reason=exc.message)
             return
@@ -245,17 +251,27 @@ class Daemon:
         self.registry.drain_timeout_s = self.config.drain_timeout_s
         self.registry.budget_policy = self.config.memory_budget_policy
         self.registry.quiet_period_s = self.config.reload_quiet_period_s
-        self._reload_auth(fresh.auth, tokens)
+        self._reload_access(fresh, tokens, tls)
 
-    def _reload_auth(self, auth: AuthConfig, tokens: Sequence[Token]) -> None:
-        """Tokens as the config and their files say now: a rotated token file takes effect at SIGHUP, here
-        and in every front."""
-        self.config.auth = auth
-        if self._auth is not None:
-            self._auth.policy = self._policy(auth, tokens)
+    def _tls(self) -> TlsMaterial | None:
+        """The TLS material being served now (by the fronts, or by this process's own port)."""
         if self.fronts is not None:
-            self.fronts.update_auth(auth, tokens)
+            return self.fronts.tls
+        return self._certificates.material if self._certificates is not None else None
+
+    def _reload_access(self, fresh: DaemonConfig, tokens: Sequence[Token], tls: TlsMaterial | None) -> None:
+        """Tokens and certificate as the config and their files say now: a rotated token file or a renewed
+        certificate takes effect at SIGHUP, here and in every front (certificates at the next handshake)."""
+        self.config.auth, self.config.tls = fresh.auth, fresh.tls
+        if self._auth is not None:
+            self._auth.policy = self._policy(fresh.auth, tokens)
+        if self._certificates is not None and tls is not None:
+            self._certificates.replace(tls)
+        if self.fronts is not None:
+            self.fronts.update_access(fresh.auth, tokens, tls)
         log.info("tokens reloaded", tokens=len(tokens))
+        if tls is not None:
+            log.info("certificates reloaded", client_certificates=tls.mutual)
 
     async def reload(self) -> str:
         """`mpsd reload` and the admin Reload RPC: the same reconcile as SIGHUP, awaited."""

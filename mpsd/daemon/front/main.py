@@ -27,6 +27,7 @@ from mpsd.logs import LEVELS, configure, set_level
 
 from .. import eventloop
 from ..auth import AccessPolicy, build_policy, import_tokens, refusal
+from ..certificates import Certificates, TlsMaterial
 from ..listen import bind, parse_address
 from .arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
 from .wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
@@ -266,19 +267,28 @@ async def serve(sock: socket.socket) -> int:
         relay = Relay(link, channel, policy)
         server.add_generic_rpc_handlers([relay])
 
+        tls = settings.get("tls")
+        certificates = Certificates(TlsMaterial.load(tls)) if tls is not None else None
+
         def on_auth(settings: dict[str, Any]) -> None:
-            """New tokens from the daemon (SIGHUP), as it read them."""
+            """New tokens and certificate from the daemon (SIGHUP), as it read them."""
             try:
                 auth = AuthConfig.model_validate(settings["auth"])
                 tokens = import_tokens(settings["tokens"])
-                relay.policy = build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens)
-            except Exception as exc:  # a frame the two ends disagree on: keep serving with the old tokens
-                log.error("tokens not reloaded; the previous ones stay in force", reason=str(exc))
+                policy = build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens)
+                tls = settings.get("tls")
+                if certificates is not None and tls is not None:
+                    certificates.replace(TlsMaterial.load(tls))
+            except Exception as exc:  # a frame the two ends disagree on: keep serving with the old ones
+                log.error("access settings not reloaded; the previous ones stay in force", reason=str(exc))
                 return
+            relay.policy = policy
             log.info("tokens reloaded", tokens=len(tokens))
+            if certificates is not None:
+                log.info("certificates reloaded", client_certificates=certificates.material.mutual)
 
         link.on_auth = on_auth
-        bind(server, address, config.tls)
+        bind(server, address, certificates)
         await server.start()
     except Exception as exc:
         link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))

@@ -39,7 +39,7 @@ class Kind(enum.IntEnum):
     LOG_LEVEL = 7  # core -> front: the daemon's log level changed (payload: its name)
     INFER_SHM = 8  # front -> core: a ModelInfer call whose request is in the arena (payload: arena.INFER_REF)
     REPLY_SHM = 9  # core -> front: the response, at the start of the call's chunk (payload: arena.REPLY_REF)
-    AUTH = 10  # core -> front: the tokens changed (SIGHUP; payload: the auth settings as JSON)
+    AUTH = 10  # core -> front: SIGHUP re-read the access settings (payload: auth, tokens, TLS as JSON)
 
 
 # Socket buffer of each end: a frame of a few MiB (a 600 KB image and its reply) goes in one system call
