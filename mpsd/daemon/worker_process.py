@@ -26,9 +26,9 @@ from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 from mpsd.ipc.shm import Region
 
-from .arena import Arena
-from .arena import ref as arena_ref
 from .request import InferRequest, OutputTensor, Timings
+from .slot_regions import SlotRegions
+from .slot_regions import ref as region_ref
 
 log = structlog.get_logger("mpsd.daemon.worker")
 
@@ -173,7 +173,7 @@ class WorkerProcess:
         self._req_ids = itertools.count(1)
         # Up to p.SLOTS executions in flight, each with its own regions: the next batch waits in the
         # worker's socket while the current one runs.
-        self.arenas = tuple(Arena() for _ in range(p.SLOTS))
+        self.slots = tuple(SlotRegions() for _ in range(p.SLOTS))
         self._free_slots = list(range(p.SLOTS))[::-1]
         self._slot_freed = asyncio.Event()
         self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
@@ -389,13 +389,13 @@ class WorkerProcess:
             await self.kill()
 
     def _grow_output(self, slot: int, nbytes: int) -> None:
-        region = self.arenas[slot].grow_output(nbytes)
+        region = self.slots[slot].grow_output(nbytes)
         assert self._transport is not None
         self._transport.write(encode(p.OutputRegion(region)))
 
     def _release_regions(self) -> None:
-        for arena in self.arenas:
-            arena.release()
+        for regions in self.slots:
+            regions.release()
 
     async def _take_slot(self) -> int:
         while not self._free_slots:
@@ -455,16 +455,16 @@ class WorkerProcess:
             shape = (total_rows, *t.shape[1:]) if len(requests) > 1 else t.shape
             refs.append(p.TensorRef(t.name, t.datatype, shape, offset, n))
             offset = _align(offset + n)
-        arena = self.arenas[slot]
-        in_region = arena.input_for(offset)
+        regions = self.slots[slot]
+        in_region = regions.input_for(offset)
         buf = in_region.buf
         buf[0] = 0  # wanted (see `_watch`)
         assemble(buf, refs, requests, waiting)
-        out = arena.output_region()
+        out = regions.output_region()
         wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
-        in_ref, out_ref = arena_ref(in_region), arena_ref(out)
+        in_ref, out_ref = region_ref(in_region), region_ref(out)
         msg = p.Infer(req_id, tuple(refs), tuple(wanted), in_ref, out_ref, slot, time.monotonic_ns())
         pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
         self._inflight[req_id] = (pending, slot)
@@ -484,10 +484,10 @@ class WorkerProcess:
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
             raise Internal(f"protocol error: unexpected reply {type(reply).__name__} from worker")
-        if arena.output is None:  # released: the worker died right after answering
+        if regions.output is None:  # released: the worker died right after answering
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
-        arena.mapped_by_worker()
-        out = arena.output_region()  # the worker may have asked for a larger one meanwhile
+        regions.mapped_by_worker()
+        out = regions.output_region()  # the worker may have asked for a larger one meanwhile
         r0 = loop.time()
         results = self._split(requests, reply.outputs, out, total_rows)
         read_ns = int((loop.time() - r0) * 1e9)

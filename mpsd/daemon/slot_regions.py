@@ -1,6 +1,9 @@
 """The shared memory of one execution slot of a worker: an input region and an output region, owned by the
 daemon (a worker has `SLOTS` of them).
 
+Not to be confused with a front process's arena (`front/arena.py`), which holds requests on their way from
+a front to the daemon.
+
 Regions are reused from request to request and only replaced (by one twice as large) when a request does
 not fit, so no request allocates shared memory. Names are unlinked once the worker has mapped them.
 """
@@ -13,7 +16,7 @@ from mpsd.ipc.shm import Region, page_round
 INITIAL_REGION = 1 << 20
 
 
-class Arena:
+class SlotRegions:
     def __init__(self) -> None:
         self.input: Region | None = None
         self.output: Region | None = None
