@@ -20,6 +20,7 @@ from mpsd.daemon.placement import (
     ENV_MPS_LOW,
     InstancePlacement,
     check_memory_budget,
+    counts_resize_in_place,
     enforce_memory_budget,
     plan_instances,
     worker_environment,
@@ -98,6 +99,23 @@ def test_a_spread_group_is_budgeted_per_gpu() -> None:
     }
     (message,) = check_memory_budget(plans)
     assert message.startswith("cuda:1: memory fractions add up to 1.1") and "spread/1 (1 instance" in message
+
+
+def test_a_count_change_resizes_in_place_only_where_instances_keep_their_place() -> None:
+    def plans(*groups: dict[str, Any], gpus: int = 0) -> list[InstancePlacement]:
+        return plan_instances(config(*groups), platform="linux", cuda_gpus=gpus)
+
+    cpu = {"kind": "KIND_CPU"}
+    one, three = plans({**cpu, "count": 1}), plans({**cpu, "count": 3})
+    assert counts_resize_in_place(one, three) and counts_resize_in_place(three, one)
+    # The last group grows: the instances before it keep their numbers.
+    assert counts_resize_in_place(plans(cpu, cpu), plans(cpu, {**cpu, "count": 2}))
+    # The first group grows: the second group's instance would become the first group's second.
+    assert not counts_resize_in_place(plans(cpu, cpu), plans({**cpu, "count": 2}, cpu))
+    # Spread over two GPUs: instance 1 moves from GPU 1 to GPU 0.
+    gpu = {"kind": "KIND_GPU"}
+    assert not counts_resize_in_place(plans(gpu, gpus=2), plans({**gpu, "count": 2}, gpus=2))
+    assert not counts_resize_in_place(plans({**gpu, "count": 2}, gpus=2), plans(gpu, gpus=2))
 
 
 def test_auto_with_gpus_is_pinned_gpu() -> None:

@@ -30,7 +30,10 @@ def write_config_file(tmp: Path, **settings: object) -> Path:
     return path
 
 
-def constant_model(repo: Path, name: str = "const", count: int = 1) -> Path:
+def constant_model(repo: Path, name: str = "const", count: int = 1, second_group: bool = False) -> Path:
+    groups = [{"kind": "KIND_CPU", "count": count}]
+    if second_group:
+        groups.append({"kind": "KIND_CPU", "count": 1})
     model_dir = repo / name
     models.write_config(
         model_dir,
@@ -39,7 +42,7 @@ def constant_model(repo: Path, name: str = "const", count: int = 1) -> Path:
             "max_batch_size": 0,
             "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [DIMS]}],
             "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [DIMS]}],
-            "instance_group": [{"kind": "KIND_CPU", "count": count}],
+            "instance_group": groups,
         },
     )
     return model_dir
@@ -249,6 +252,27 @@ def test_instance_count_change_keeps_the_running_instance(
         wait_for(lambda: "instance count changed" in daemon.log(), 30, "resize logged")
     assert psutil.pid_exists(first)
     assert first in daemon.worker_pids()
+    assert load.errors == []
+    assert served_value(daemon.client) == 1.0
+
+
+def test_a_count_change_that_renumbers_instances_replaces_the_version_side_by_side(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    """Growing the first of two groups renumbers the second group's instance: the running instances are
+    not kept by number (they would end up in the wrong group) but replaced, with no request lost."""
+    repo = tmp_path / "repo"
+    model_dir = constant_model(repo, count=1, second_group=True)
+    publish_version(model_dir, 1, 1.0)
+    daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
+    daemon.wait_ready()
+    before = set(daemon.started_workers("const"))
+    assert len(before) == 2
+    with Load(daemon.address, "const") as load:
+        constant_model(repo, count=2, second_group=True)
+        wait_for(lambda: len(daemon.started_workers("const")) == 5, 60, "a new set of three instances")
+        wait_for(lambda: not before & set(daemon.worker_pids()), 60, "the old instances retired")
+    assert "instance count changed" not in daemon.log()
     assert load.errors == []
     assert served_value(daemon.client) == 1.0
 

@@ -205,6 +205,29 @@ def plan_instances(
     return plans
 
 
+def instance_places(plans: Sequence[InstancePlacement]) -> list[tuple[int, int | None, int]]:
+    """Where each instance runs, as (group, GPU, its number among the group's instances on that GPU)."""
+    seen: dict[tuple[int, int | None], int] = {}
+    places = []
+    for plan in plans:
+        key = (plan.group, plan.gpu)
+        places.append((*key, seen.get(key, 0)))
+        seen[key] = seen.get(key, 0) + 1
+    return places
+
+
+def counts_resize_in_place(old: Sequence[InstancePlacement], new: Sequence[InstancePlacement]) -> bool:
+    """Whether a count-only change can keep the running instances by number and add or remove the last.
+
+    Instance numbers run across groups and GPUs, so a count change renumbers every instance after the group
+    or GPU it changes: with `{count: 1}` on two GPUs, instance 1 is on GPU 1; with `{count: 2}` it is the
+    second on GPU 0. Kept by number, it would run in the wrong place. In place only when the instances both
+    plans have are where they were; otherwise the version is replaced as a whole, side by side.
+    """
+    shared = min(len(old), len(new))
+    return instance_places(old)[:shared] == instance_places(new)[:shared]
+
+
 def _describe(total: float) -> str:
     return "0 = no limit" if math.isinf(total) else f"{round(total, 6):g}"
 

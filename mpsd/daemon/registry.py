@@ -22,7 +22,7 @@ from mpsd.errors import ConfigError, InvalidArgument, NotFound, Unavailable
 from .instance import SupervisorSettings
 from .launch import plan_version
 from .model_version import ModelVersion, VersionState
-from .placement import BudgetPolicy, check_memory_budget, enforce_memory_budget
+from .placement import BudgetPolicy, check_memory_budget, counts_resize_in_place, enforce_memory_budget
 from .worker_process import LoadError
 
 log = structlog.get_logger("mpsd.daemon.registry")
@@ -249,15 +249,20 @@ class Registry:
             for v in source.versions:
                 version_fp = (source.config_fingerprint, source.version_fingerprints[v])
                 old = entry.versions.get(v)
-                if old is not None and old.state is VersionState.READY:
-                    if old.fingerprint == version_fp:
-                        keep[v] = old
-                        continue
-                    if old.fingerprint[1] == version_fp[1] and only_counts_differ(old.config, source.config):
-                        keep[v] = old
-                        resized.append((old, source.config))
-                        continue
+                running = old if old is not None and old.state is VersionState.READY else None
+                if running is not None and running.fingerprint == version_fp:
+                    keep[v] = running
+                    continue
                 placements, launches = plan_version(source, v)
+                if (
+                    running is not None
+                    and running.fingerprint[1] == version_fp[1]
+                    and only_counts_differ(running.config, source.config)
+                    and counts_resize_in_place(running.placements, placements)
+                ):
+                    keep[v] = running
+                    resized.append((running, source.config))
+                    continue
                 fresh.append(
                     ModelVersion(
                         source.name, v, source.config, version_fp, placements, launches, self.settings
