@@ -20,6 +20,18 @@ import tritonclient.grpc as grpcclient
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _one_gpu() -> dict[str, str]:
+    """On a machine of several CUDA GPUs, test daemons see the first only: a GPU (or the default, KIND_AUTO)
+    model there gets one instance per GPU, and tests count one worker per model. Tests of that spread pass
+    their own CUDA_VISIBLE_DEVICES. Elsewhere (CI has no GPU) the environment is left as it is."""
+    from mpsd.daemon.gpus import cuda_gpu_count
+
+    return {"CUDA_VISIBLE_DEVICES": "0"} if cuda_gpu_count(os.environ) > 1 else {}
+
+
+DAEMON_GPUS = _one_gpu()
+
+
 _HANDED_OUT: set[int] = set()
 
 
@@ -69,7 +81,7 @@ class RunningDaemon:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **DAEMON_GPUS, **(env or {})},
             start_new_session=True,
             cwd=ROOT,
         )

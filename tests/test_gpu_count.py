@@ -31,7 +31,11 @@ def driver_list(tmp_path: Path) -> Path:
         ("0,-1,2", 1),  # CUDA stops at the first invalid entry
         ("-1", 0),
         ("", 0),
-        ("0,1,2,3,4", 3),  # never more than the driver has
+        ("0,1,2,3,4", 3),  # the list ends at the first index past the last GPU
+        ("1,5", 1),
+        ("5,0", 0),
+        ("0,0", 0),  # an index given twice hides every GPU
+        ("2,GPU-8f1c", 2),
     ],
 )
 def test_visible_devices_narrow_the_drivers_list(driver_list: Path, visible: str | None, count: int) -> None:

@@ -33,7 +33,8 @@ def test_an_unpinned_gpu_model_gets_an_instance_on_every_gpu(tmp_path: Path) -> 
     free_before = [torch.cuda.mem_get_info(i)[0] for i in range(GPUS)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     expected = [e.strip() for e in visible.split(",")][:GPUS] if visible else [str(i) for i in range(GPUS)]
-    daemon = RunningDaemon(repo, tmp_path / "daemon.log")
+    every_gpu = {"CUDA_VISIBLE_DEVICES": visible or ",".join(str(i) for i in range(GPUS))}
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log", env=every_gpu)  # not just the first (conftest)
     try:
         daemon.wait_ready()
         pids = daemon.worker_pids()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import ssl
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -27,39 +28,50 @@ def _NO_PASSWORD() -> bytes:
     return b""
 
 
+def _check_certificates(context: ssl.SSLContext, name: str, path: Path | None, pem: bytes) -> None:
+    """The file holds at least one certificate that parses; ConfigError names the field otherwise."""
+    try:
+        context.load_verify_locations(cadata=pem.decode(_TEXT))
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"{name}: {path} holds no usable PEM certificate: {exc}") from None
+
+
 @dataclass(frozen=True)
 class TlsMaterial:
     """The PEM bytes of one TLS setup: certificate chain, private key, and the client CA (mutual TLS)."""
 
     chain: bytes
-    key: bytes
+    key: bytes = field(repr=False)  # never in a log line or a traceback
     client_ca: bytes | None
 
     @classmethod
     def read(cls, tls: TlsConfig) -> TlsMaterial:
         """Read the three files and check that they can be served with.
 
-        gRPC parses them only at the first handshake, where a bad file would fail every client and say
-        nothing in the log; OpenSSL (the `ssl` module) checks them here instead, so a damaged or mismatched
-        file stops the start, or the reload, with the field named. The chain and key are checked from their
-        paths (the module reads keys only from files) right after they are read: renewal tools replace
-        them whole. ConfigError names the file that cannot be read or used.
+        gRPC parses them only at a handshake, where a bad file would fail every new client and say nothing
+        in the log; OpenSSL (the `ssl` module) checks them here instead, so a damaged or mismatched file
+        stops the start, or the reload, with the field named. The module reads keys only from files, so
+        the pair is checked from its paths and then read again: bytes that changed meanwhile (a renewal
+        caught between its certificate and its key) are refused rather than served unchecked.
         """
         chain, key, client_ca = tls.read()
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        _check_certificates(context, "tls.cert_file", tls.cert_file, chain)
+        if b"ENCRYPTED" in key:
+            raise ConfigError(f"tls.key_file: {tls.key_file} is encrypted; gRPC needs an unencrypted key")
         try:
             context.load_cert_chain(tls.cert_file, tls.key_file, password=_NO_PASSWORD)
         except (ssl.SSLError, OSError) as exc:
             raise ConfigError(
-                f"tls.cert_file, tls.key_file: {tls.cert_file} with {tls.key_file} cannot be served: {exc}"
+                f"tls.key_file: {tls.key_file} cannot be served with {tls.cert_file}: {exc}"
             ) from None
+        if tls.read()[:2] != (chain, key):
+            raise ConfigError(
+                f"tls.cert_file, tls.key_file: {tls.cert_file} or {tls.key_file} changed while being read; "
+                "reload again once both are written"
+            )
         if client_ca is not None:
-            try:
-                context.load_verify_locations(cadata=client_ca.decode(_TEXT))
-            except (ssl.SSLError, ValueError) as exc:
-                raise ConfigError(
-                    f"tls.client_ca_file: {tls.client_ca_file} holds no usable CA: {exc}"
-                ) from None
+            _check_certificates(context, "tls.client_ca_file", tls.client_ca_file, client_ca)
         return cls(chain, key, client_ca)
 
     @property

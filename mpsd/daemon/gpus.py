@@ -15,21 +15,35 @@ from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
+import structlog
+
 from .placement import ENV_CUDA_VISIBLE
+
+log = structlog.get_logger("mpsd.daemon.gpus")
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
-def _visible_entries(value: str) -> int:
-    """How many devices a `CUDA_VISIBLE_DEVICES` value names: CUDA stops at the first invalid entry, and an
-    index below zero is one ("-1" is the usual way to hide every GPU)."""
+def _visible_entries(value: str, present: int) -> int:
+    """How many of the `present` GPUs a `CUDA_VISIBLE_DEVICES` value leaves visible, by CUDA's rules: the
+    list ends at the first entry that names no GPU (empty, below zero, or an index past the last: "-1"
+    hides them all, "1,5" on two GPUs means one), and an index given twice hides every GPU. Entries that
+    are not indices (GPU-<uuid>, MIG-<uuid>) are counted as given."""
     count = 0
+    indices: set[int] = set()
     for raw in value.split(","):
         entry = raw.strip()
-        if not entry or (entry.lstrip("-").isdigit() and int(entry) < 0):
+        if not entry:
             break
+        if entry.lstrip("-").isdigit():
+            index = int(entry)
+            if index < 0 or index >= present:
+                break
+            if index in indices:
+                return 0
+            indices.add(index)
         count += 1
-    return count
+    return min(count, present)
 
 
 def cuda_gpu_count(env: Mapping[str, str], driver_list: Path = NVIDIA_GPUS) -> int:
@@ -39,12 +53,13 @@ def cuda_gpu_count(env: Mapping[str, str], driver_list: Path = NVIDIA_GPUS) -> i
     except OSError:
         return 0
     visible = env.get(ENV_CUDA_VISIBLE)
-    if visible is None:
-        return present
-    return min(present, _visible_entries(visible))
+    return present if visible is None else _visible_entries(visible, present)
 
 
 @cache
 def daemon_cuda_gpus() -> int:
-    """The daemon's own count, read once: GPUs do not come and go under a running daemon."""
-    return cuda_gpu_count(os.environ)
+    """The daemon's own count, read once (when the first model is planned): GPUs do not come and go under
+    a running daemon."""
+    count = cuda_gpu_count(os.environ)
+    log.info("cuda gpus counted", gpus=count, cuda_visible_devices=os.environ.get(ENV_CUDA_VISIBLE))
+    return count
