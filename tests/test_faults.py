@@ -123,6 +123,16 @@ def test_stopped_worker_is_detected_by_heartbeat_and_replaced(daemon: RunningDae
     assert daemon.client.infer("bystander", x(0.0)).as_numpy("y").tolist() == [0.0]
 
 
+def test_a_busy_worker_keeps_beating_past_the_heartbeat_timeout(daemon: RunningDaemon) -> None:
+    """A model call longer than heartbeat_timeout_s (2 s) is not a hang: the heartbeat thread's beats, on
+    their own channel, arrive while the main thread is busy."""
+    (pid,) = daemon.started_workers("bystander")
+    assert daemon.client.infer("bystander", x(3.5)).as_numpy("y").tolist() == [3.5]
+    assert daemon.started_workers("bystander") == [pid]
+    hung = [line for line in daemon.log().splitlines() if "worker hung" in line and "bystander" in line]
+    assert hung == []
+
+
 def test_request_that_never_finishes_hits_the_request_timeout(daemon: RunningDaemon) -> None:
     (pid,) = daemon.started_workers("hangs")
     with pytest.raises(InferenceServerException) as err:

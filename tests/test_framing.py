@@ -21,7 +21,7 @@ MESSAGES = st.lists(
         st.builds(p.InferFailed, st.integers(0, 1000), st.sampled_from(["INTERNAL"]), st.text(max_size=300)),
         # larger than either end's 64 KiB buffer
         st.builds(p.LoadFailed, st.text(min_size=0, max_size=5).map(lambda s: s + "x" * 70_000)),
-        st.just(p.Heartbeat()),
+        st.just(p.Shutdown()),
     ),
     min_size=1,
     max_size=12,
@@ -55,7 +55,7 @@ def test_the_worker_reader_gets_every_message_with_one_read_for_many() -> None:
     try:
         reader = FrameReader(ours, 0.2)
         big = p.LoadFailed("y" * 200_000)
-        batch = [p.NeedOutput(i, i * 10) for i in range(50)] + [big, p.Heartbeat()]
+        batch = [p.NeedOutput(i, i * 10) for i in range(50)] + [big, p.Shutdown()]
 
         def writer() -> None:  # the large message arrives in pieces, with pauses longer than the timeout
             theirs.sendall(b"".join(encode(m) for m in batch[:50]))
@@ -96,11 +96,11 @@ def test_the_daemon_protocol_on_a_real_socket() -> None:
         transport, _ = await asyncio.get_running_loop().create_unix_connection(
             lambda: FrameProtocol(got.append, lambda exc: done.set_result(exc)), sock=ours
         )
-        batch = [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Heartbeat()]
+        batch = [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Shutdown()]
         await asyncio.to_thread(theirs.sendall, b"".join(encode(m) for m in batch))
         theirs.close()
         assert await asyncio.wait_for(done, 10) is None
         transport.close()
         return got
 
-    assert asyncio.run(main()) == [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Heartbeat()]
+    assert asyncio.run(main()) == [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Shutdown()]

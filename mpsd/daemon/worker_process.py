@@ -168,6 +168,7 @@ class WorkerProcess:
         self.died = asyncio.Event()
         self._proc: asyncio.subprocess.Process | None = None
         self._transport: asyncio.Transport | None = None
+        self._beats: socket.socket | None = None  # heartbeats from the worker, a datagram each
         self._load_reply: asyncio.Future[object] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._req_ids = itertools.count(1)
@@ -186,6 +187,9 @@ class WorkerProcess:
     async def start(self, timeout_s: float) -> p.Ready:
         """Spawn (exec, never fork), send Init, wait for Ready; raises LoadError with the reason."""
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Heartbeats have a channel of their own: the worker's main thread is then the only writer of its
+        # socket and sends without a lock; a datagram is one beat, whole or not at all.
+        beats, child_beats = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -193,18 +197,27 @@ class WorkerProcess:
                 "mpsd.worker",
                 "--fd",
                 str(child_sock.fileno()),
+                "--beat-fd",
+                str(child_beats.fileno()),
                 "--parent-pid",
                 str(os.getpid()),
-                pass_fds=(child_sock.fileno(),),
+                pass_fds=(child_sock.fileno(), child_beats.fileno()),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=dict(self.launch.env),
             )
+        except BaseException:
+            beats.close()
+            raise
         finally:
             child_sock.close()
+            child_beats.close()
         self.pid = self._proc.pid
         loop = asyncio.get_running_loop()
+        beats.setblocking(False)
+        self._beats = beats
+        loop.add_reader(beats.fileno(), self._on_beat)
         self._load_reply = loop.create_future()
         transport, _ = await loop.create_unix_connection(
             lambda: FrameProtocol(self._on_message, self._on_closed), sock=parent_sock
@@ -284,11 +297,30 @@ class WorkerProcess:
                 pid=self.pid,
             )
 
+    def _on_beat(self) -> None:
+        """Heartbeats waiting on the beat channel: each says the worker process is still running."""
+        try:
+            while self._beats is not None:
+                if not self._beats.recv(16):
+                    self._close_beats()  # the worker's end is closed: it is gone, _on_closed follows
+                    return
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._close_beats()
+            return
+        self.last_seen = asyncio.get_running_loop().time()
+
+    def _close_beats(self) -> None:
+        if self._beats is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._beats.fileno())
+            self._beats.close()
+            self._beats = None
+
     def _on_message(self, msg: object) -> None:
         """Every message from the worker, handled as it arrives (in the socket's read callback)."""
         self.last_seen = asyncio.get_running_loop().time()
-        if isinstance(msg, p.Heartbeat):
-            return
         if self._load_reply is not None:  # loading: the first other message is the answer to Init
             if not self._load_reply.done():
                 self._load_reply.set_result(msg)
@@ -307,6 +339,7 @@ class WorkerProcess:
                 entry[0].set_result(msg)
 
     def _on_closed(self, exc: Exception | None) -> None:
+        self._close_beats()
         if self._load_reply is not None and not self._load_reply.done():
             self._load_reply.set_exception(ConnectionError("the worker closed its channel"))
         self._tasks.append(asyncio.create_task(self._after_close()))
@@ -598,6 +631,7 @@ class WorkerProcess:
     def _close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+        self._close_beats()
         self._release_regions()
 
 

@@ -10,7 +10,6 @@ import asyncio
 import pickle
 import socket
 import struct
-import threading
 from collections.abc import Callable
 from typing import cast
 
@@ -39,14 +38,10 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-_send_lock = threading.Lock()
-
-
 def send_blocking(sock: socket.socket, message: object) -> None:
-    """Thread-safe: a worker's heartbeat thread and its main thread share one socket."""
-    data = encode(message)
-    with _send_lock:
-        sock.sendall(data)
+    """Not thread-safe, and needs no lock: one thread writes each socket (a worker's heartbeats have a
+    socket of their own)."""
+    sock.sendall(encode(message))
 
 
 def recv_blocking(sock: socket.socket) -> object:

@@ -178,10 +178,5 @@ class MemorySnapshot:
     memory: dict[str, int]
 
 
-@dataclass(frozen=True)
-class Heartbeat:
-    """Sent every heartbeat interval by a worker thread: silence means the process is stopped or wedged."""
-
-
 ToWorker = Init | Infer | OutputRegion | Shutdown
-FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | MemorySnapshot | Heartbeat
+FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | MemorySnapshot

@@ -1,6 +1,8 @@
 """Heartbeats to the daemon from a thread of their own, so a stopped (SIGSTOP) or wedged process is seen.
 
-The thread touches no device state, so it does not break the one-thread rule for MPS.
+They go on a datagram socket of their own, not the request channel: the main thread is the only writer of
+that one and sends without a lock. The thread touches no device state, so it does not break the one-thread
+rule for MPS.
 """
 
 from __future__ import annotations
@@ -9,16 +11,17 @@ import socket
 import threading
 import time
 
-from mpsd.ipc.framing import send_blocking
-from mpsd.ipc.protocol import Heartbeat
+BEAT = b"\x01"
 
 
-def start_heartbeat(sock: socket.socket, interval_s: float) -> threading.Thread:
+def start_heartbeat(beats: socket.socket, interval_s: float) -> threading.Thread:
     def _loop() -> None:
         while True:
             time.sleep(interval_s)
             try:
-                send_blocking(sock, Heartbeat())
+                beats.send(BEAT, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue  # the daemon has not read the last ones: it knows we are alive
             except OSError:
                 return
 

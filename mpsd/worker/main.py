@@ -1,7 +1,7 @@
 """The worker process: load one model version on one device, then serve requests from the daemon.
 
-Started by exec (`python -m mpsd.worker --fd N --parent-pid P`), never by fork. Everything that touches the
-device runs on the main thread.
+Started by exec (`python -m mpsd.worker --fd N --beat-fd B --parent-pid P`), never by fork. Everything that
+touches the device runs on the main thread.
 """
 
 from __future__ import annotations
@@ -199,21 +199,24 @@ def _bound_openmp_spinning() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpsd-worker", description="mpsd worker process (started by mpsd)")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket to the daemon")
+    parser.add_argument("--beat-fd", type=int, required=True, help="inherited datagram socket for heartbeats")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     _bound_openmp_spinning()
     # The daemon stops workers with a Shutdown message or SIGTERM; Ctrl-C in a terminal goes to the daemon.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(args.parent_pid)
-    os.set_inheritable(args.fd, False)  # processes the model may start must not hold our channel open
+    for fd in (args.fd, args.beat_fd):
+        os.set_inheritable(fd, False)  # processes the model may start must not hold our channels open
     sock = socket.socket(fileno=args.fd)
+    beats = socket.socket(fileno=args.beat_fd)
     try:
         init = recv_blocking(sock)
     except ConnectionClosed:
         return p.EXIT_PARENT_GONE
     if not isinstance(init, p.Init):
         return p.EXIT_PROTOCOL_ERROR
-    start_heartbeat(sock, init.heartbeat_interval_s)
+    start_heartbeat(beats, init.heartbeat_interval_s)
     try:
         runner = _load(sock, init)
         _serve(sock, runner, after_request=init.snapshot_after_request)
