@@ -40,6 +40,7 @@ from mpsd.ipc.shm import Region
 
 from .auth import export_tokens
 from .certificates import TlsMaterial
+from .child_output import output_lines
 from .front.arena import ARENA_BYTES, ARENA_MIN, INFER_REF, REPLY_REF
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
@@ -555,15 +556,11 @@ async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) ->
     (which the front follows, so it writes only what passes), and in the event stream `mpsd logs` reads.
     The front writes them as JSON lines; any other line on its stderr (a traceback from a crash) is relayed
     as text."""
-    while True:
-        try:
-            line = await stream.readline()
-        except ValueError:  # a line over the stream's limit: dropped, the relay goes on
-            log.warning("front log line too long; dropped", front=index, pid=pid, limit=LOG_LINE_LIMIT)
-            continue
-        if not line:
-            return
-        text = line.decode(errors="replace").rstrip()
+
+    def too_long() -> None:
+        log.warning("front log line too long; dropped", front=index, pid=pid, limit=LOG_LINE_LIMIT)
+
+    async for text in output_lines(stream, too_long):
         if not text:
             continue
         try:

@@ -26,6 +26,7 @@ from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 from mpsd.ipc.shm import Region
 
+from .child_output import output_lines
 from .request import InferRequest, OutputTensor, Timings
 from .slot_regions import SlotRegions
 from .slot_regions import ref as region_ref
@@ -280,16 +281,13 @@ class WorkerProcess:
     async def _pump_output(self, stream: asyncio.StreamReader, name: str) -> None:
         """Every line a worker prints becomes a log event tagged with its model and pid."""
         level = log.info if name == "stdout" else log.warning
-        while True:
-            try:
-                line = await stream.readline()
-            except ValueError:  # a line over the stream's limit: dropped, the pump goes on
-                log.warning("worker output line too long; dropped", worker=self.launch.label, pid=self.pid)
-                continue
-            if not line:
-                return
+
+        def too_long() -> None:
+            log.warning("worker output line too long; dropped", worker=self.launch.label, pid=self.pid)
+
+        async for text in output_lines(stream, too_long):
             level(
-                line.decode(errors="replace").rstrip(),
+                text,
                 source=f"worker.{name}",
                 worker=self.launch.label,
                 model=self.launch.model.name,
