@@ -23,7 +23,7 @@ from mpsd.errors import ConfigError
 _TEXT = "latin-1"
 
 
-def _NO_PASSWORD() -> bytes:
+def _no_password() -> bytes:
     """An encrypted key fails to load (gRPC cannot use one) instead of OpenSSL asking on the terminal."""
     return b""
 
@@ -60,7 +60,7 @@ class TlsMaterial:
         if b"ENCRYPTED" in key:
             raise ConfigError(f"tls.key_file: {tls.key_file} is encrypted; gRPC needs an unencrypted key")
         try:
-            context.load_cert_chain(tls.cert_file, tls.key_file, password=_NO_PASSWORD)
+            context.load_cert_chain(tls.cert_file, tls.key_file, password=_no_password)
         except (ssl.SSLError, OSError) as exc:
             raise ConfigError(
                 f"tls.key_file: {tls.key_file} cannot be served with {tls.cert_file}: {exc}"
