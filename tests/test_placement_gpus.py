@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def test_an_unpinned_gpu_model_gets_an_instance_on_every_gpu(tmp_path: Path) -> 
         pids = daemon.worker_pids()
         assert len(pids) == GPUS, daemon.log()
         assert sorted(_visible(pid) or "" for pid in pids) == sorted(expected)
+        # Each reports its GPU by the daemon's numbering (inside, every worker sees its one GPU as cuda:0).
+        ready = [json.loads(line) for line in daemon.log().splitlines() if '"worker ready"' in line]
+        assert sorted(e["device_index"] for e in ready) == list(range(GPUS)), ready
         # Each GPU's own free memory fell: the workers really are on different GPUs.
         free_after = [torch.cuda.mem_get_info(i)[0] for i in range(GPUS)]
         assert all(b - a >= CONTEXT_BYTES for b, a in zip(free_before, free_after, strict=True)), (

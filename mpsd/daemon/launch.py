@@ -73,6 +73,7 @@ def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacem
             env=worker_environment(placement, config, base),
             max_device_memory_bytes=config.max_device_memory_bytes,
             max_rss_bytes=config.max_rss_bytes,
+            gpu=placement.gpu,
         )
         for placement in placements
     ]

@@ -76,6 +76,7 @@ class WorkerLaunch:
     env: Mapping[str, str]
     max_device_memory_bytes: int | None = None
     max_rss_bytes: int | None = None
+    gpu: int | None = None  # pinned: its index among the daemon's GPUs (the worker sees only it, as cuda:0)
 
     @property
     def label(self) -> str:
@@ -252,6 +253,9 @@ class WorkerProcess:
         if not isinstance(reply, p.Ready):
             await self.kill()
             raise LoadError(f"protocol error: unexpected {type(reply).__name__} during load")
+        if self.launch.gpu is not None and reply.device.get("kind") == "cuda":
+            # Reported as the GPU's index among the daemon's, the numbering `gpus` and metrics use.
+            reply = dataclasses.replace(reply, device={**reply.device, "index": self.launch.gpu})
         self.ready = reply
         device = reply.device
         skipped = device.get("skipped")
