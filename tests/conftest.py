@@ -215,3 +215,9 @@ def shm_segments() -> set[str]:
     """mpsd's shared-memory segments currently in /dev/shm."""
     shm = Path("/dev/shm")
     return {p.name for p in shm.iterdir() if p.name.startswith("mpsd-")} if shm.is_dir() else set()
+
+
+def own_segments(daemon: RunningDaemon) -> set[str]:
+    """Shared-memory segments created by this daemon (named after its pid): other daemons on the machine,
+    another test run's too, do not count."""
+    return {s for s in shm_segments() if s.startswith(f"mpsd-{daemon.pid}-")}

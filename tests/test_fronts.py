@@ -37,7 +37,7 @@ from tritonclient.utils import InferenceServerException
 from mpsd.daemon.fronts import is_front_command
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
-from tests.conftest import ROOT, RunningDaemon, free_port, serving, shm_segments, wait_for
+from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, serving, wait_for
 
 FRONTS = 2
 BIG_DIMS = 300_000  # 1.2 MB per tensor: requests and replies of 2.4 MB, larger than the link's socket buffer
@@ -561,7 +561,6 @@ def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
 def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_along(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     models.python_model(repo, "slow", SLOW)
-    before = shm_segments()
     daemon = RunningDaemon(repo, tmp_path / "daemon.log", extra_args=["--front-processes", "2"])
     try:
         daemon.wait_ready()
@@ -585,7 +584,7 @@ def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_a
         assert results == [[3.0]], results
         assert daemon.proc.wait(60) == 0
         wait_for(lambda: not any(psutil.pid_exists(p) for p in fronts), 10, "fronts gone")
-        assert shm_segments() <= before
+        assert own_segments(daemon) == set()
     finally:
         daemon.stop()
         daemon.kill_group()

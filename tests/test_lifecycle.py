@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon, shm_segments, wait_for
+from tests.conftest import RunningDaemon, own_segments, wait_for
 
 SLOW = """
 if float(inputs['x'].sum()) > 0:
@@ -86,7 +86,6 @@ def test_sigterm_drains_in_flight_requests_and_cleans_up(
 ) -> None:
     repo = tmp_path / "repo"
     models.python_model(repo, "slow", SLOW)
-    before = shm_segments()
     daemon = start_daemon(repo)
     daemon.wait_ready()
     workers = daemon.worker_pids()
@@ -122,7 +121,7 @@ def test_sigterm_drains_in_flight_requests_and_cleans_up(
     assert refused is not None, "a request during the drain was accepted"
     assert daemon.proc.wait(60) == 0
     wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), 10, "workers gone")
-    assert shm_segments() <= before
+    assert own_segments(daemon) == set()
 
 
 def test_kill_9_of_the_daemon_leaves_no_worker(

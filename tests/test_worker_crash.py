@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon, shm_segments, wait_for
+from tests.conftest import RunningDaemon, own_segments, shm_segments, wait_for
 
 
 def sleepy_model(repo: Path, marker: Path, count: int = 1) -> None:
@@ -51,11 +51,6 @@ def alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def own_segments(daemon: RunningDaemon) -> set[str]:
-    """Shared-memory segments created by this daemon (named after its pid)."""
-    return {s for s in shm_segments() if s.startswith(f"mpsd-{daemon.pid}-")}
 
 
 def test_worker_killed_during_a_request(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
