@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -424,9 +425,8 @@ class FrontPool:
                 "log_level": sent_level,  # now: LogSettings or SIGHUP may have changed it
                 "core_target": self._core_target,
                 "config": self._config.model_dump(mode="json"),
-                "tokens": export_tokens(self._tokens),
-                "tls": self._tls.export() if self._tls is not None else None,
                 "arena": {"name": arena.name, "size": arena.size} if arena is not None else None,
+                **self._access(),
             }
             link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
@@ -520,13 +520,16 @@ class FrontPool:
         for front in self.fronts.values():
             front.link.send(self._auth_frame())
 
-    def _auth_frame(self) -> tuple[Buffer, ...]:
-        settings = {
+    def _access(self) -> dict[str, Any]:
+        """What SIGHUP can change, as a front reads it at start (CONFIG) and on a reload (AUTH)."""
+        return {
             "auth": self._config.auth.model_dump(mode="json"),
             "tokens": export_tokens(self._tokens),
             "tls": self._tls.export() if self._tls is not None else None,
         }
-        return frame(Kind.AUTH, payload=json.dumps(settings).encode())
+
+    def _auth_frame(self) -> tuple[Buffer, ...]:
+        return frame(Kind.AUTH, payload=json.dumps(self._access()).encode())
 
     def _send_level(self, level: str) -> None:
         """A front filters its own events, so it must follow the daemon's level."""

@@ -261,10 +261,15 @@ async def serve(sock: socket.socket) -> int:
         if settings.get("arena"):
             link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
         mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
-        tokens = import_tokens(settings.get("tokens", []))
-        policy = build_policy(config.auth, address.is_local, mutual_tls, address.text, tokens=tokens)
+
+        def access_policy(access: dict[str, Any]) -> tuple[AccessPolicy, int]:
+            """The policy for the auth settings and tokens the daemon sent (CONFIG or AUTH); their count."""
+            tokens = import_tokens(access["tokens"])
+            auth = AuthConfig.model_validate(access["auth"])
+            return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
+
         server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
-        relay = Relay(link, channel, policy)
+        relay = Relay(link, channel, access_policy(settings)[0])
         server.add_generic_rpc_handlers([relay])
 
         tls = settings.get("tls")
@@ -273,9 +278,7 @@ async def serve(sock: socket.socket) -> int:
         def on_auth(settings: dict[str, Any]) -> None:
             """New tokens and certificate from the daemon (SIGHUP), as it read them."""
             try:
-                auth = AuthConfig.model_validate(settings["auth"])
-                tokens = import_tokens(settings["tokens"])
-                policy = build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens)
+                policy, tokens = access_policy(settings)
                 tls = settings.get("tls")
                 if certificates is not None and tls is not None:
                     certificates.replace(TlsMaterial.load(tls))
@@ -283,7 +286,7 @@ async def serve(sock: socket.socket) -> int:
                 log.error("access settings not reloaded; the previous ones stay in force", reason=str(exc))
                 return
             relay.policy = policy
-            log.info("tokens reloaded", tokens=len(tokens))
+            log.info("tokens reloaded", tokens=tokens)
             if certificates is not None:
                 log.info("certificates reloaded", client_certificates=certificates.material.mutual)
 
