@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import yaml
 
-from mpsd.daemon.fronts import is_front_command
+from mpsd.daemon.supervise.fronts import is_front_command
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -247,7 +247,7 @@ def pin_threads(pids: Iterable[int], cpus: Collection[int]) -> None:
 
 
 def is_front(p: psutil.Process) -> bool:
-    """A daemon's gRPC front process (`python -m mpsd.daemon.front`), as opposed to a model worker."""
+    """A daemon's gRPC front process (`python -m mpsd.front`), as opposed to a model worker."""
     try:
         return is_front_command(p.cmdline())
     except psutil.NoSuchProcess:

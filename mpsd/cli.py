@@ -32,10 +32,10 @@ def _serve(args: argparse.Namespace) -> int:
             config.log_level = args.log_level
         if args.front_processes is not None:
             config.front_processes = args.front_processes
-        from mpsd.daemon.fronts import front_count
+        from mpsd.daemon.supervise.fronts import front_count
 
         front_count(config)  # a setting the address cannot serve is a configuration error
-        from mpsd.daemon import eventloop
+        from mpsd.net import eventloop
 
         eventloop.check(config.event_loop)
         if not config.model_repository.is_dir():
@@ -44,7 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"mpsd: configuration error: {exc.message}", file=sys.stderr)
         return EX_CONFIG
     configure(config.log_level, config.log_format)
-    from mpsd.daemon.server import serve
+    from mpsd.daemon.main import serve
 
     return serve(config, config_path)
 

@@ -1,7 +1,7 @@
 """One error taxonomy for the whole server.
 
 Every failure a client can see is an `MpsdError` carrying an `ErrorCode`; the daemon maps codes to gRPC
-status codes in exactly one place (`mpsd.daemon.status`). Workers send the code's name over IPC, so the
+status codes in exactly one place (`mpsd.net.status`). Workers send the code's name over IPC, so the
 taxonomy must not depend on grpc.
 """
 

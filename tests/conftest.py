@@ -24,7 +24,7 @@ def _one_gpu() -> dict[str, str]:
     """On a machine of several CUDA GPUs, test daemons see the first only: a GPU (or the default, KIND_AUTO)
     model there gets one instance per GPU, and tests count one worker per model. Tests of that spread pass
     their own CUDA_VISIBLE_DEVICES. Elsewhere (CI has no GPU) the environment is left as it is."""
-    from mpsd.daemon.gpus import cuda_gpu_count
+    from mpsd.daemon.supervise.gpus import cuda_gpu_count
 
     return {"CUDA_VISIBLE_DEVICES": "0"} if cuda_gpu_count(os.environ) > 1 else {}
 
@@ -138,7 +138,7 @@ class RunningDaemon:
     def worker_pids(self) -> list[int]:
         import psutil
 
-        from mpsd.daemon.fronts import is_front_command
+        from mpsd.daemon.supervise.fronts import is_front_command
 
         def is_front(child: psutil.Process) -> bool:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mpsd.daemon.child_output import output_lines
+from mpsd.daemon.supervise.child_output import output_lines
 
 
 def test_a_line_over_the_limit_is_dropped_and_the_next_ones_still_come() -> None:

@@ -19,12 +19,12 @@ import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.daemon.front.arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK, Allocator, chunk_size
-from mpsd.daemon.front.main import CoreLink
-from mpsd.daemon.front.wire import HEADER, Kind
-from mpsd.daemon.fronts import FrontLink
-from mpsd.daemon.request import InferRequest, InputTensor
-from mpsd.daemon.worker_process import assemble
+from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.supervise.fronts import FrontLink
+from mpsd.daemon.supervise.worker_process import assemble
+from mpsd.front.main import CoreLink
+from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK, Allocator, chunk_size
+from mpsd.ipc.front_wire import HEADER, Kind
 from mpsd.ipc.protocol import TensorRef
 from mpsd.ipc.shm import Region
 
@@ -286,7 +286,7 @@ def test_arenas_are_allocated_up_front_and_fronts_go_without_when_dev_shm_is_ful
     import os
 
     from mpsd.config.daemon_config import DaemonConfig
-    from mpsd.daemon import fronts
+    from mpsd.daemon.supervise import fronts
 
     region = Region.create(1 << 20, reserve=True)
     try:

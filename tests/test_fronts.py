@@ -34,7 +34,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from mpsd.daemon.fronts import is_front_command
+from mpsd.daemon.supervise.fronts import is_front_command
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, serving, wait_for
@@ -230,7 +230,7 @@ def test_a_reply_larger_than_its_request_comes_back_through_the_socket(setup: Se
 def test_a_frame_is_its_pieces_behind_a_header_that_counts_their_bytes() -> None:
     """No empty piece (asyncio's scatter-gather writelines would poll the socket forever with one left at
     the end), and the length is in bytes even for views of wider items."""
-    from mpsd.daemon.front.wire import HEADER, Kind, frame, frame_of
+    from mpsd.ipc.front_wire import HEADER, Kind, frame, frame_of
 
     wide = memoryview(np.arange(5, dtype=np.float32).tobytes()).cast("f")  # len() is 5, 20 bytes
     parts = frame_of(Kind.REPLY, 7, 0.0, [b"", b"ab", wide, memoryview(b""), bytearray(b"c")])
@@ -242,7 +242,7 @@ def test_a_frame_is_its_pieces_behind_a_header_that_counts_their_bytes() -> None
 
 
 def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
-    from mpsd.daemon.front.wire import SOCKET_BUFFER, widen_buffers
+    from mpsd.ipc.front_wire import SOCKET_BUFFER, widen_buffers
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with ours, theirs:
@@ -277,8 +277,8 @@ def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, ev
 
 
 def test_uvloop_where_it_is_not_installed_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpsd.daemon import eventloop
     from mpsd.errors import ConfigError
+    from mpsd.net import eventloop
 
     monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` now fails as if it were not installed
     eventloop.check("asyncio")
@@ -627,7 +627,7 @@ def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_a
 )
 def test_how_many_fronts(setting: object, address: str, cpus: int, platform: str, expected: int) -> None:
     from mpsd.config.daemon_config import DaemonConfig
-    from mpsd.daemon.fronts import front_count
+    from mpsd.daemon.supervise.fronts import front_count
 
     config = DaemonConfig(front_processes=setting, grpc_address=address)  # type: ignore[arg-type]
     assert front_count(config, cpu_count=cpus, platform=platform) == expected
@@ -637,7 +637,7 @@ def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip
     tmp_path: Path,
 ) -> None:
     from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
-    from mpsd.daemon.fronts import front_count
+    from mpsd.daemon.supervise.fronts import front_count
     from mpsd.errors import ConfigError
 
     with pytest.raises(ConfigError, match="only on Linux"):
@@ -654,7 +654,7 @@ def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip
 def test_a_front_whose_daemon_is_gone_before_it_was_told_what_to_serve_exits() -> None:
     daemon_end, front_end = socket.socketpair()
     front = subprocess.Popen(
-        [sys.executable, "-m", "mpsd.daemon.front", "--fd", str(front_end.fileno())],
+        [sys.executable, "-m", "mpsd.front", "--fd", str(front_end.fileno())],
         pass_fds=(front_end.fileno(),),
         cwd=ROOT,
         stdin=subprocess.DEVNULL,
@@ -668,7 +668,7 @@ def test_socket_directories_of_dead_daemons_are_removed(monkeypatch: pytest.Monk
     import shutil
     import tempfile
 
-    from mpsd.daemon import fronts
+    from mpsd.daemon.supervise import fronts
 
     tmp_path = Path(tempfile.mkdtemp(prefix="mpsdt-", dir="/tmp"))  # short: it holds socket paths
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpsd.daemon.gpus import cuda_gpu_count
+from mpsd.daemon.supervise.gpus import cuda_gpu_count
 
 
 @pytest.fixture

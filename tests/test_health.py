@@ -192,8 +192,8 @@ def test_the_server_is_not_ready_before_the_repository_was_read(tmp_path: Path) 
     yet", and ServerReady must not say ready with no model known (a client would get NOT_FOUND)."""
     import asyncio
 
-    from mpsd.daemon.instance import SupervisorSettings
-    from mpsd.daemon.registry import Registry
+    from mpsd.daemon.core.registry import Registry
+    from mpsd.daemon.supervise.instance import SupervisorSettings
 
     async def check() -> None:
         registry = Registry(tmp_path, SupervisorSettings(), drain_timeout_s=1.0)

@@ -19,9 +19,9 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from mpsd.daemon.events import EventBus, EventFilter, classify, parse_label
 from mpsd.errors import InvalidArgument
 from mpsd.logs import apply_log_settings, log_settings, set_level
+from mpsd.logs.events import EventBus, EventFilter, classify, parse_label
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
 from tests.conftest import RunningDaemon, serving, wait_for

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from mpsd.config.daemon_config import DaemonConfig
-from mpsd.daemon.metrics import MetricsEndpoint, parse_address
+from mpsd.daemon.api.metrics import MetricsEndpoint, parse_address
 from tests import models
 from tests.conftest import RunningDaemon, free_port
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.placement import (
+from mpsd.daemon.supervise.placement import (
     ENV_CUDA_VISIBLE,
     ENV_MPS_FALLBACK,
     ENV_MPS_HIGH,

@@ -42,9 +42,9 @@ from tritonclient.utils import InferenceServerException
 
 from mpsd.config.daemon_config import load_daemon_config
 from mpsd.config.security import AuthConfig, Token
-from mpsd.daemon.auth import METHOD_CATEGORY, REPOSITORY_CHANGES, AccessPolicy, category_of
-from mpsd.daemon.listen import parse_address, remove_stale_socket
 from mpsd.errors import ConfigError
+from mpsd.net.auth import METHOD_CATEGORY, REPOSITORY_CHANGES, AccessPolicy, category_of
+from mpsd.net.listen import parse_address, remove_stale_socket
 from mpsd.worker.backends.pickled import PickleRefused, archive_kind, no_unpickling
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, wait_for
@@ -872,7 +872,7 @@ def test_sighup_rereads_the_token_files_here_and_in_the_fronts(tmp_path: Path, f
 
 
 def test_tokens_reach_the_fronts_as_the_daemon_read_them() -> None:
-    from mpsd.daemon.auth import export_tokens, import_tokens
+    from mpsd.net.auth import export_tokens, import_tokens
 
     tokens = [Token(b"s3cret", frozenset({"inference", "health"}), "token_file /etc/t", True)]
     back = import_tokens(yaml.safe_load(yaml.safe_dump(export_tokens(tokens))))
@@ -950,7 +950,7 @@ def test_sighup_serves_a_renewed_certificate_here_and_in_the_fronts(tmp_path: Pa
 def test_certificates_that_cannot_be_served_are_config_errors(tmp_path: Path) -> None:
     """Checked when read (start or SIGHUP), not at a client's first handshake; each message names the file."""
     from mpsd.config.security import TlsConfig
-    from mpsd.daemon.certificates import TlsMaterial
+    from mpsd.net.certificates import TlsMaterial
 
     pki = make_pki(tmp_path)
     good = TlsMaterial.read(

@@ -419,7 +419,7 @@ def test_where_descriptors_cannot_be_read_regions_are_mapped_and_copied(
 ) -> None:
     """macOS has no read or write on shared-memory descriptors, and sizes an object once: regions are mapped
     there. The same reads and writes, through a mapping (switched on here, on Linux)."""
-    from mpsd.daemon import client_shm
+    from mpsd.daemon.api import client_shm
 
     monkeypatch.setattr(client_shm, "MAP_REGIONS", True)
     source = OwnObject(key("mapped"), bytes(range(64)))

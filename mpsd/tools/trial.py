@@ -28,7 +28,7 @@ def load_and_warm_up(source: ModelSource, version: int) -> None:
     """Raise TrialError unless the version loads on the CPU and its warm-up outputs match the config."""
     import torch
 
-    from mpsd.daemon.launch import model_spec
+    from mpsd.daemon.supervise.launch import model_spec
     from mpsd.worker.backends import load_backend
     from mpsd.worker.inference import run_warmup
 

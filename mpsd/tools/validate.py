@@ -310,7 +310,7 @@ def _read_yaml_config(name: str, cfg_path: Path, report: ModelReport) -> tuple[M
 
 def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelReport, ModelSource | None]:
     """Every problem of one model directory that can be found without loading it."""
-    from mpsd.daemon.placement import plan_instances
+    from mpsd.daemon.supervise.placement import plan_instances
 
     name = model_dir.name
     report = ModelReport(name, str(model_dir))

@@ -1,9 +1,9 @@
 """The worker's device: resolve an instance kind to a usable torch device, cap its memory, report counters.
 
 Runs inside the worker process, after the daemon has prepared the environment (`CUDA_VISIBLE_DEVICES`,
-`PYTORCH_ENABLE_MPS_FALLBACK`, the MPS watermark ratios; see `mpsd.daemon.placement`), because PyTorch
-reads those variables once, at import or at the first allocation. CUDA and MPS sit behind the same
-functions so that the rest of the worker never branches on the backend.
+`PYTORCH_ENABLE_MPS_FALLBACK`, the MPS watermark ratios; see `mpsd.daemon.supervise.placement`),
+because PyTorch reads those variables once, at import or at the first allocation. CUDA and MPS sit
+behind the same functions so that the rest of the worker never branches on the backend.
 
 Usability is probed for real (allocate, run a kernel, synchronize, check the result): `is_available()` is
 cached for the process lifetime and reports True in VMs and sandboxes where the first allocation then fails.

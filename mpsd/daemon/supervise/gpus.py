@@ -17,9 +17,9 @@ from pathlib import Path
 
 import structlog
 
-from .placement import ENV_CUDA_VISIBLE
+from mpsd.daemon.supervise.placement import ENV_CUDA_VISIBLE
 
-log = structlog.get_logger("mpsd.daemon.gpus")
+log = structlog.get_logger("mpsd.daemon.supervise.gpus")
 
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 

@@ -9,14 +9,13 @@ import time
 import structlog
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core.batching import Pending, RequestQueue, fail_all
+from mpsd.daemon.core.request import InferRequest, InferResult, Timings
+from mpsd.daemon.core.stats import VersionStats
+from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
+from mpsd.daemon.supervise.placement import InstancePlacement
+from mpsd.daemon.supervise.worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
 from mpsd.errors import ErrorCode, MpsdError, Unavailable
-
-from .batcher import Pending, RequestQueue, fail_all
-from .instance import Instance, SupervisorSettings
-from .placement import InstancePlacement
-from .request import InferRequest, InferResult, Timings
-from .stats import VersionStats
-from .worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
 
 log = structlog.get_logger("mpsd.daemon.model")
 

@@ -17,15 +17,19 @@ import structlog
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.config.repository import ModelSource, model_name_problem, scan_repository
+from mpsd.daemon.core.model_version import ModelVersion, VersionState
+from mpsd.daemon.supervise.instance import SupervisorSettings
+from mpsd.daemon.supervise.launch import plan_version
+from mpsd.daemon.supervise.placement import (
+    BudgetPolicy,
+    check_memory_budget,
+    counts_resize_in_place,
+    enforce_memory_budget,
+)
+from mpsd.daemon.supervise.worker_process import LoadError
 from mpsd.errors import ConfigError, InvalidArgument, NotFound, Unavailable
 
-from .instance import SupervisorSettings
-from .launch import plan_version
-from .model_version import ModelVersion, VersionState
-from .placement import BudgetPolicy, check_memory_budget, counts_resize_in_place, enforce_memory_budget
-from .worker_process import LoadError
-
-log = structlog.get_logger("mpsd.daemon.registry")
+log = structlog.get_logger("mpsd.daemon.core.registry")
 
 
 # A model's state is reported with the same four values as a version's (RepositoryIndex uses both).

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mpsd.ipc.front_wire import nbytes
+
 RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
 RAW_OUTPUT_CONTENTS = 6  # field number of ModelInferResponse.raw_output_contents
 _LENGTH_DELIMITED = 2
@@ -72,11 +74,6 @@ def split_raw_contents(
         return data, raw
     rest.append(view[start:size])
     return b"".join(rest), raw
-
-
-def nbytes(piece: bytes | bytearray | memoryview) -> int:
-    """Bytes, not items: `len` of a memoryview counts elements of its format."""
-    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
 
 
 def _varint_bytes(n: int) -> bytes:

@@ -13,9 +13,9 @@ from typing import Any
 
 import structlog
 
-from mpsd.daemon.events import LEVELS as EVENT_LEVELS
-from mpsd.daemon.events import publish_processor
 from mpsd.errors import InvalidArgument
+from mpsd.logs.events import LEVELS as EVENT_LEVELS
+from mpsd.logs.events import publish_processor
 
 LEVELS = {
     "debug": logging.DEBUG,

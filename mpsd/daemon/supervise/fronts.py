@@ -36,16 +36,13 @@ import structlog
 from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token
+from mpsd.daemon.supervise.child_output import output_lines
+from mpsd.daemon.supervise.launch import worker_base_env
 from mpsd.errors import ConfigError, MpsdError
-from mpsd.ipc.shm import Region
-
-from .auth import export_tokens
-from .certificates import TlsMaterial
-from .child_output import output_lines
-from .front.arena import ARENA_BYTES, ARENA_MIN, INFER_REF, REPLY_REF
+from mpsd.ipc.front_arena import ARENA_BYTES, ARENA_MIN, INFER_REF, REPLY_REF
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
-from .front.wire import (
+from mpsd.ipc.front_wire import (
     MAX_IN_FLIGHT,
     SOCKET_BUFFER,
     Buffer,
@@ -54,15 +51,17 @@ from .front.wire import (
     Kind,
     frame,
     frame_of,
+    nbytes,
     widen_buffers,
 )
-from .launch import worker_base_env
-from .listen import Address, parse_address
-from .status import grpc_status
-from .wire_split import nbytes
+from mpsd.ipc.shm import Region
+from mpsd.net.auth import export_tokens
+from mpsd.net.certificates import TlsMaterial
+from mpsd.net.listen import Address, parse_address
+from mpsd.net.status import grpc_status
 
-log = structlog.get_logger("mpsd.daemon.fronts")
-FRONT_MODULE = "mpsd.daemon.front"  # what a front process runs: `python -m FRONT_MODULE`
+log = structlog.get_logger("mpsd.daemon.supervise.fronts")
+FRONT_MODULE = "mpsd.front"  # what a front process runs: `python -m FRONT_MODULE`
 
 
 def is_front_command(argv: Sequence[str]) -> bool:

@@ -15,8 +15,7 @@ from typing import Any
 import grpc
 
 from mpsd.errors import InvalidArgument
-
-from .status import grpc_status
+from mpsd.net.status import grpc_status
 
 Behavior = Callable[..., Any]
 

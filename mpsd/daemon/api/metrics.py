@@ -19,11 +19,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from .fronts import FrontPool
-from .model_version import ModelVersion
-from .registry import ModelState, Registry
+from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.registry import ModelState, Registry
+from mpsd.daemon.supervise.fronts import FrontPool
 
-log = structlog.get_logger("mpsd.daemon.metrics")
+log = structlog.get_logger("mpsd.daemon.api.metrics")
 
 VERSION_LABELS = ["model", "version"]
 WORKER_LABELS = ["model", "version", "instance", "device"]

@@ -21,10 +21,9 @@ import structlog
 
 from mpsd.config.security import AuthConfig, Category, Token, read_tokens
 from mpsd.errors import MpsdError, PermissionDenied, Unauthenticated
+from mpsd.net.status import grpc_status
 
-from .status import grpc_status
-
-log = structlog.get_logger("mpsd.daemon.auth")
+log = structlog.get_logger("mpsd.net.auth")
 
 _KSERVE = "/inference.GRPCInferenceService/"
 _ADMIN = "/mpsd.v1.MpsdAdmin/"

@@ -13,11 +13,10 @@ from typing import Any
 import numpy as np
 
 from mpsd.config.model_config import ModelConfig, TensorConfig
+from mpsd.daemon.api.client_shm import ShmLease, shm_ref
+from mpsd.daemon.core.request import Deferred, InferRequest, InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
-
-from .client_shm import ShmLease, shm_ref
-from .request import Deferred, InferRequest, InputTensor
 
 MAX_NAME = 256
 MAX_DIMS = 16

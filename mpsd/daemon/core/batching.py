@@ -16,9 +16,8 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.errors import DeadlineExceeded, MpsdError, ResourceExhausted
-
-from .request import InferRequest, InferResult, Timings
 
 
 @dataclass

@@ -22,17 +22,16 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
+from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
+from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
+from mpsd.net import eventloop
+from mpsd.net.auth import AccessPolicy, build_policy, import_tokens, refusal
+from mpsd.net.certificates import Certificates, TlsMaterial
+from mpsd.net.listen import bind, parse_address
 
-from .. import eventloop
-from ..auth import AccessPolicy, build_policy, import_tokens, refusal
-from ..certificates import Certificates, TlsMaterial
-from ..listen import bind, parse_address
-from .arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
-from .wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
-
-log = structlog.get_logger("mpsd.daemon.front")
+log = structlog.get_logger("mpsd.front")
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -324,7 +323,7 @@ async def serve(sock: socket.socket) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpsd.daemon.front")
+    parser = argparse.ArgumentParser(prog="python -m mpsd.front")
     parser.add_argument("--fd", type=int, required=True, help="the socketpair end the daemon passed")
     parser.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio")
     args = parser.parse_args(argv)

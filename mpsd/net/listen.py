@@ -19,10 +19,9 @@ import grpc
 import structlog
 
 from mpsd.errors import ConfigError
+from mpsd.net.certificates import Certificates
 
-from .certificates import Certificates
-
-log = structlog.get_logger("mpsd.daemon.listen")
+log = structlog.get_logger("mpsd.net.listen")
 
 UNIX_PREFIX = "unix:"
 SOCKET_MODE = 0o600

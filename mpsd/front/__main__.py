@@ -1,5 +1,5 @@
 """Entry point of a front process (started by the daemon, never by hand)."""
 
-from mpsd.daemon.front.main import main
+from mpsd.front.main import main
 
 raise SystemExit(main())

@@ -18,30 +18,35 @@ from grpc_reflection.v1alpha import reflection
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
 from mpsd.config.security import AuthConfig, Token, read_tokens
+from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
+from mpsd.daemon.api.admin import AdminServicer
+from mpsd.daemon.api.decode_guard import DecodeGuard
+from mpsd.daemon.api.health import HealthService, registry_status
+from mpsd.daemon.api.inference import InferenceServicer
+from mpsd.daemon.api.inference import add_to_server as add_inference_service
+from mpsd.daemon.api.metrics import MetricsEndpoint
+from mpsd.daemon.core.reconcile import Reconciler
+from mpsd.daemon.core.registry import Registry
+from mpsd.daemon.core.watcher import watch_repository
+from mpsd.daemon.sdnotify import SdNotifier
+from mpsd.daemon.supervise.fronts import (
+    FrontPool,
+    check_port_free,
+    front_count,
+    make_core_dir,
+    remove_stale_core_dirs,
+)
+from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
+from mpsd.logs.events import BUS
+from mpsd.net import eventloop
+from mpsd.net.auth import AccessPolicy, AuthInterceptor, build_policy
+from mpsd.net.certificates import Certificates, TlsMaterial, check_replacement
+from mpsd.net.listen import bind, parse_address
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
-
-from . import eventloop
-from .admin import SERVICE_NAME as ADMIN_SERVICE
-from .admin import AdminServicer
-from .auth import AccessPolicy, AuthInterceptor, build_policy
-from .certificates import Certificates, TlsMaterial, check_replacement
-from .decode_guard import DecodeGuard
-from .events import BUS
-from .fronts import FrontPool, check_port_free, front_count, make_core_dir, remove_stale_core_dirs
-from .health import HealthService, registry_status
-from .instance import SupervisorSettings
-from .listen import bind, parse_address
-from .metrics import MetricsEndpoint
-from .reconciler import Reconciler
-from .registry import Registry
-from .sdnotify import SdNotifier
-from .servicer import InferenceServicer
-from .servicer import add_to_server as add_inference_service
-from .watcher import watch_repository
 
 log = structlog.get_logger("mpsd.daemon")
 

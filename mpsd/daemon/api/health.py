@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .events import Event, EventBus
-from .registry import Registry
+from mpsd.daemon.core.registry import Registry
+from mpsd.logs.events import Event, EventBus
 
 SERVING: int = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING: int = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -21,15 +21,14 @@ from typing import Any
 
 import structlog
 
+from mpsd.daemon.core.request import InferRequest, OutputTensor, Timings
+from mpsd.daemon.supervise.child_output import output_lines
+from mpsd.daemon.supervise.slot_regions import SlotRegions
+from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.errors import Internal, MpsdError, Unavailable, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 from mpsd.ipc.shm import Region
-
-from .child_output import output_lines
-from .request import InferRequest, OutputTensor, Timings
-from .slot_regions import SlotRegions
-from .slot_regions import ref as region_ref
 
 log = structlog.get_logger("mpsd.daemon.worker")
 

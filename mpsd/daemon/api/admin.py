@@ -12,19 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from mpsd.daemon.api.inference import rpc
+from mpsd.daemon.core.registry import Registry
+from mpsd.daemon.supervise.instance import Instance
 from mpsd.errors import InvalidArgument
+from mpsd.logs.events import BUS, Event, EventBus, EventFilter
 from mpsd.proto import admin_pb2 as pb
 from mpsd.proto import admin_pb2_grpc as pb_grpc
 
-from .events import BUS, Event, EventBus, EventFilter
-from .instance import Instance
-from .registry import Registry
-from .servicer import rpc
-
 if TYPE_CHECKING:
-    from .fronts import FrontInfo
+    from mpsd.daemon.supervise.fronts import FrontInfo
 
-log = structlog.get_logger("mpsd.daemon.admin")
+log = structlog.get_logger("mpsd.daemon.api.admin")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MpsdAdmin"].full_name
 
 

@@ -11,13 +11,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from mpsd.daemon.supervise.worker_process import LoadError, WorkerLaunch, WorkerProcess
 from mpsd.ipc.protocol import SLOTS
 
-from .worker_process import LoadError, WorkerLaunch, WorkerProcess
-
 if TYPE_CHECKING:
-    from .batcher import Pending
-    from .model_version import ModelVersion
+    from mpsd.daemon.core.batching import Pending
+    from mpsd.daemon.core.model_version import ModelVersion
 
 log = structlog.get_logger("mpsd.daemon.supervisor")
 

@@ -15,8 +15,6 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from ..wire_split import nbytes
-
 # kind, call id, a number (request: seconds left before the client's deadline, < 0 for none;
 # response: gRPC status code), payload length.
 HEADER = struct.Struct("!BQdI")
@@ -49,6 +47,11 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 
 
 Buffer = bytes | bytearray | memoryview
+
+
+def nbytes(piece: bytes | bytearray | memoryview) -> int:
+    """Bytes, not items: `len` of a memoryview counts elements of its format."""
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
 
 
 def frame(kind: Kind, call_id: int = 0, number: float = 0.0, payload: Buffer = b"") -> tuple[Buffer, ...]:

@@ -6,11 +6,10 @@ import os
 
 from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.config.repository import ModelSource
+from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
+from mpsd.daemon.supervise.placement import InstancePlacement, plan_instances, worker_environment
+from mpsd.daemon.supervise.worker_process import WorkerLaunch
 from mpsd.ipc.protocol import ModelSpec, TensorSpec, WarmupSample, WarmupTensor
-
-from .gpus import daemon_cuda_gpus
-from .placement import InstancePlacement, plan_instances, worker_environment
-from .worker_process import WorkerLaunch
 
 # Variables meant for the daemon alone: a worker that inherited them could talk to systemd as if it were
 # the service's main process.

@@ -7,12 +7,11 @@ from typing import Any
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.config.pbtxt import write_cuda_graphs
+from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.request import InferResult
+from mpsd.daemon.core.stats import Duration
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import model_config_pb2 as mc
-
-from .model_version import ModelVersion
-from .request import InferResult
-from .stats import Duration
 
 # Triton has no MPS kind: MPS instances are GPU instances whose real kind is recorded in parameters.
 _KIND = {

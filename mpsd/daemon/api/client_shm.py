@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from mpsd.daemon.core.request import OutputTensor
 from mpsd.errors import AlreadyExists, InvalidArgument, NotFound
 from mpsd.ipc.shm import PREFIX
-
-from .request import OutputTensor
 
 SHM_REGION = "shared_memory_region"
 SHM_OFFSET = "shared_memory_offset"

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Collection
 
 import structlog
 
-from .registry import ReconcileReport, Registry
+from mpsd.daemon.core.registry import ReconcileReport, Registry
 
 log = structlog.get_logger("mpsd.daemon.reconcile")
 
