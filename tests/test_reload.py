@@ -161,8 +161,21 @@ def test_broken_updates_keep_the_old_version_serving(watched: tuple[RunningDaemo
     assert "update failed" in daemon.log()
 
 
-def test_half_written_version_is_not_seen_by_clients(watched: tuple[RunningDaemon, Path]) -> None:
-    daemon, model_dir = watched
+def test_half_written_version_waits_for_its_files_to_settle(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    """The quiet period's promise: a version whose file is still being written is not attempted (no failed
+    load, a deferral instead) and is loaded once, after the writes stop. Without the quiet period the first
+    file event loads the truncated file and the log says "update failed"."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    model_dir = constant_model(repo)
+    publish_version(model_dir, 1, 1.0)
+    # A quiet period far longer than the pauses between writes, so a slow machine cannot open a gap.
+    config = write_config_file(tmp_path, model_control="watch", reload_quiet_period_s=3.0)
+    daemon = start_daemon(repo, config=config)
+    daemon.wait_ready()
+    started = len(daemon.log())
     aside = model_dir.parent / "aside.pt"
     models.save_torchscript(models.Constant(7.0), aside)
     payload = aside.read_bytes()
@@ -174,12 +187,19 @@ def test_half_written_version_is_not_seen_by_clients(watched: tuple[RunningDaemo
         for offset in range(0, len(payload), step):
             out.write(payload[offset : offset + step])
             out.flush()
-            time.sleep(0.15)
+            if offset == 0:  # a reconcile now (SIGHUP) finds the file still changing, and defers it
+                daemon.proc.send_signal(signal.SIGHUP)
+                wait_for(lambda: "load deferred" in daemon.log(), 30, "the change deferred")
+            time.sleep(0.1)
     with Load(daemon.address, "const") as load2:
         wait_for(
             lambda: served_value(daemon.client) == 7.0, 120, f"copied version serving\n{daemon.log()[-2000:]}"
         )
     assert load.errors == [] and load2.errors == []
+    text = daemon.log()[started:]
+    assert "update failed" not in text
+    loads = [line for line in text.splitlines() if "loading model" in line and "unloading" not in line]
+    assert len(loads) == 1, loads  # the new version, once
 
 
 def test_removed_model_finishes_in_flight_requests(

@@ -159,6 +159,12 @@ class Registry:
                 continue
             if settle and _settling(source.path, self.quiet_period_s):
                 report.deferred.append(name)
+                log.info(
+                    "model files still changing: load deferred",
+                    model=name,
+                    quiet_period_s=self.quiet_period_s,
+                    event_kind="reload",
+                )
                 continue
             self.entries.setdefault(name, ModelEntry(name, loading=True))
             jobs.append(self._apply_into(source, report))
