@@ -81,9 +81,11 @@ def test_cancelled_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon,
     daemon, log, metrics = setup
     done: queue.Queue[object] = queue.Queue()
     daemon.client.async_infer("slow", x(1000), callback=lambda result, error: done.put(error))
-    time.sleep(0.3)  # the blocker is running; the next request has to wait in the queue
+    wait_for(lambda: ran(log)[-1:] == ["1000"], 30, "the blocker running")
     call = daemon.client.async_infer("slow", x(4242), callback=lambda result, error: done.put(error))
-    time.sleep(0.2)
+    # Cancel only once the daemon holds the request (pending beside the blocker): a cancel that lands
+    # before would test nothing.
+    wait_for(lambda: pending(metrics) == 2, 30, "the second request pending")
     call.cancel()
     assert done.get(timeout=30) is not None  # the cancelled call reports its cancellation first
     assert done.get(timeout=30) is None  # then the blocker completes
@@ -98,13 +100,14 @@ def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDa
     client.start_stream(callback=lambda result, error: None)
     for marker in (7001, 7002, 7003):
         client.async_stream_infer("slow", x(marker))
-    time.sleep(0.4)
+    wait_for(lambda: "7001" in ran(log) and pending(metrics) == 3, 30, "one running, two queued")
     client.stop_stream(cancel_requests=True)
     client.close()
     wait_for(lambda: pending(metrics) == 0, 10, "stream's requests released")
-    time.sleep(1.6)  # long enough for a queued request to have started if it had not been dropped
-    assert "7002" not in ran(log) and "7003" not in ran(log)
+    # Requests run in order: had the stream's queued requests been kept, they would run before this one.
     assert daemon.client.infer("slow", x(0)).as_numpy("y").tolist() == [0.0]
+    assert "7002" not in ran(log) and "7003" not in ran(log)
+    assert ran(log)[-1] == "0"
 
 
 def test_a_request_abandoned_while_it_runs_does_not_disturb_the_next(
@@ -113,9 +116,12 @@ def test_a_request_abandoned_while_it_runs_does_not_disturb_the_next(
     """When the client gives up while its request runs, the worker still finishes it; the next request waits
     for that before it reuses the shared memory, then gets its own answer (not the abandoned one's)."""
     daemon, log, metrics = setup
-    with pytest.raises(InferenceServerException) as info:
-        daemon.client.infer("slow", x(5151), client_timeout=0.4)
-    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    done: queue.Queue[InferenceServerException | None] = queue.Queue()
+    call = daemon.client.async_infer("slow", x(5151), callback=lambda result, error: done.put(error))
+    wait_for(lambda: ran(log)[-1:] == ["5151"], 30, "the request running in the worker")
+    call.cancel()  # the client gives up while the model runs it
+    error = done.get(timeout=30)
+    assert error is not None and error.status() == "StatusCode.CANCELLED"
     t0 = time.monotonic()
     answer = daemon.client.infer("slow", x(-3)).as_numpy("y").tolist()
     assert answer == [-3.0]
