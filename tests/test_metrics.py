@@ -5,9 +5,11 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
@@ -15,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.daemon.api.metrics import MetricsEndpoint, parse_address
 from tests import models
-from tests.conftest import RunningDaemon, free_port
+from tests.conftest import RunningDaemon, free_port, serving, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -93,7 +95,13 @@ def test_counters_move_with_requests(daemon: RunningDaemon) -> None:
     assert moved("mpsd_inference_exec_count_total") == 3
     assert moved("mpsd_inference_request_duration_us_total") > 0
     assert moved("mpsd_inference_compute_infer_duration_us_total") > 0
-    assert moved("mpsd_inference_queue_duration_us_total") >= 0
+    # Each request waits in the queue for a task switch at least: the time is counted, and is part of the
+    # request's own duration.
+    assert (
+        0
+        < moved("mpsd_inference_queue_duration_us_total")
+        < moved("mpsd_inference_request_duration_us_total")
+    )
     assert value(after, "mpsd_inference_pending_request_count", **model) == 0
     assert value(after, "mpsd_models_ready") == 2
 
@@ -132,3 +140,53 @@ def test_address_settings() -> None:
         parse_address("localhost")
     for off in ("", "off", None):
         assert MetricsEndpoint(off, None).address is None  # type: ignore[arg-type]
+
+
+class HoldsDeviceMemory(torch.nn.Module):
+    """Keeps 64 MiB in a buffer on its device, so the worker's allocator has a known floor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("ballast", torch.zeros(16 * 2**20))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ballast[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_memory_gauges_per_worker(tmp_path: Path) -> None:
+    """A CUDA worker reports its allocator's figures: at least the 64 MiB its model holds, reserved at
+    least what is allocated, and the device's total memory."""
+    repo = tmp_path / "repo"
+    models.save_torchscript(HoldsDeviceMemory(), repo / "ballast" / "1" / "model.pt")
+    models.write_config(
+        repo / "ballast",
+        {
+            "backend": "torchscript",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4]}],
+            "instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [0]}],
+        },
+    )
+    address = f"127.0.0.1:{free_port()}"
+    with serving(repo, tmp_path / "daemon.log", extra_args=["--metrics-address", address]) as daemon:
+        inp = grpcclient.InferInput("x", [4], "FP32")
+        inp.set_data_from_numpy(np.ones(4, np.float32))
+        daemon.client.infer("ballast", [inp])
+        worker = {"model": "ballast", "version": "1", "instance": "0", "device": "cuda:0"}
+
+        def gauges() -> Samples | None:
+            samples = scrape(daemon)
+            has = value(samples, "mpsd_gpu_memory_allocated_bytes", **worker) > 0
+            return samples if has else None
+
+        samples = wait_for(gauges, 60, "GPU memory gauges")
+    allocated = value(samples, "mpsd_gpu_memory_allocated_bytes", **worker)
+    assert allocated >= 64 * 2**20
+    assert value(samples, "mpsd_gpu_memory_used_bytes", **worker) >= allocated
+    assert (
+        value(samples, "mpsd_gpu_memory_total_bytes", **worker)
+        == torch.cuda.get_device_properties(0).total_memory
+    )
