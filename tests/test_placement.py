@@ -342,15 +342,20 @@ def test_macos_cpu_instance_environment_is_unchanged() -> None:
     assert worker_environment(plan, cfg, BASE, platform="darwin") == BASE
 
 
-@pytest.mark.parametrize("fraction", [0.01, 0.1, 0.5, 1.0, 1.4, 1.7, 2.0])
-def test_macos_watermarks_follow_the_fraction_with_low_not_above_high(fraction: float) -> None:
+# docs/devices.md: HIGH = f and LOW = f * 1.4 / 1.7, written out here as numbers, not as the formula.
+@pytest.mark.parametrize(
+    ("fraction", "high", "low"),
+    [(0.5, 0.5, 0.41176), (1.0, 1.0, 0.82353), (1.7, 1.7, 1.4), (2.0, 2.0, 1.64706), (0.01, 0.01, 0.00824)],
+)
+def test_macos_worker_environment_has_the_documented_watermarks(
+    fraction: float, high: float, low: float
+) -> None:
     cfg = config({"kind": "KIND_GPU", "memory_fraction": fraction})
     (plan,) = plan_instances(cfg, platform="darwin")
     env = worker_environment(plan, cfg, {**BASE, ENV_MPS_LOW: "1.4"}, platform="darwin")
-    high, low = float(env[ENV_MPS_HIGH]), float(env[ENV_MPS_LOW])
-    assert high == fraction
-    assert 0.0 < low <= high
-    assert low == pytest.approx(fraction * 1.4 / 1.7)
+    assert float(env[ENV_MPS_HIGH]) == high
+    assert float(env[ENV_MPS_LOW]) == pytest.approx(low, abs=1e-5)
+    assert float(env[ENV_MPS_LOW]) <= float(env[ENV_MPS_HIGH])  # the allocator refuses LOW above HIGH
 
 
 def test_macos_fraction_zero_disables_the_limit_and_keeps_low() -> None:
