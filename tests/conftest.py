@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,3 +222,15 @@ def own_segments(daemon: RunningDaemon) -> set[str]:
     """Shared-memory segments created by this daemon (named after its pid): other daemons on the machine,
     another test run's too, do not count."""
     return {s for s in shm_segments() if s.startswith(f"mpsd-{daemon.pid}-")}
+
+
+def pending_requests(metrics_address: str) -> float:
+    """Requests the daemon holds (queued or running), from its pending gauge: what a test waits on before it
+    cancels, signals or removes something, so the request is known to be in the daemon."""
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mpsd_inference_pending_request_count{")
+    )

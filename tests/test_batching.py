@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, free_port, pending_requests, wait_for
 
 ROWS = """
 import json
@@ -57,10 +56,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDae
     batched_model(repo, "bounded", tmp / "bounded.log", max_queue_size=2)
     batched_model(repo, "pair", tmp / "pair.log", count=2, max_queue_delay_microseconds=20_000)
     config = tmp / "mpsd.yaml"
-    config.write_text(yaml.safe_dump({"metrics_address": ""}))
+    metrics = f"127.0.0.1:{free_port()}"
+    config.write_text(yaml.safe_dump({"metrics_address": metrics}))
     daemon = RunningDaemon(repo, tmp / "daemon.log", config=config)
     try:
         daemon.wait_ready()
+        (tmp / "metrics").write_text(metrics)
         yield daemon, tmp
     finally:
         daemon.stop()
@@ -133,11 +134,12 @@ def test_full_queue_is_refused_at_once(setup: tuple[RunningDaemon, Path]) -> Non
 def test_expired_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon, Path]) -> None:
     daemon, tmp = setup
     blocker = np.full((1, 2), 1000.0, np.float32)  # occupies the only instance for 0.5 s
-    marker = np.full((1, 2), 4242.0, np.float32)
+    marker = np.full((1, 3), 4242.0, np.float32)  # another shape: never in the blocker's batch
     done: queue.Queue[tuple[str, object, object]] = queue.Queue()
     daemon.client.async_infer(
         "bounded", x(blocker), callback=lambda result, error: done.put(("b", result, error))
     )
+    wait_for(lambda: '"first": [1000.0]' in (tmp / "bounded.log").read_text(), 30, "the blocker running")
     daemon.client.async_infer(
         "bounded",
         x(marker),
@@ -173,13 +175,15 @@ def test_a_single_instance_takes_the_next_batch_while_it_runs_one(setup: tuple[R
     daemon, _ = setup
     done: queue.Queue[tuple[int, object, object]] = queue.Queue()
     shapes = [(1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]  # incompatible: one batch each
+    metrics = (setup[1] / "metrics").read_text()
     for i, shape in enumerate(shapes):
         daemon.client.async_infer(
             "bounded",
             x(np.full(shape, 1000.0 + i, np.float32)),
             callback=lambda result, error, i=i: done.put((i, result, error)),
         )
-        time.sleep(0.05)  # in this order; the first runs for 0.5 s
+        if i < 4:  # in this order: each held by the daemon before the next is sent
+            wait_for(lambda i=i: pending_requests(metrics) == i + 1, 30, f"request {i} in the daemon")
     got = sorted((done.get(timeout=60) for _ in shapes), key=lambda t: t[0])
     errors = [e for _, _, e in got]
     # running, waiting in the worker, two in the queue, refused

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import queue
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon, free_port, wait_for
+from tests.conftest import RunningDaemon, free_port, pending_requests, wait_for
 
 SLOW = """
 value = float(inputs['x'].reshape(-1)[0])
@@ -67,16 +66,6 @@ def ran(log: Path) -> list[str]:
     return log.read_text().split() if log.exists() else []
 
 
-def pending(metrics: str) -> float:
-    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("mpsd_inference_pending_request_count{")
-    ]
-    return sum(values)
-
-
 def test_cancelled_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon, Path, str]) -> None:
     daemon, log, metrics = setup
     done: queue.Queue[object] = queue.Queue()
@@ -85,13 +74,13 @@ def test_cancelled_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon,
     call = daemon.client.async_infer("slow", x(4242), callback=lambda result, error: done.put(error))
     # Cancel only once the daemon holds the request (pending beside the blocker): a cancel that lands
     # before would test nothing.
-    wait_for(lambda: pending(metrics) == 2, 30, "the second request pending")
+    wait_for(lambda: pending_requests(metrics) == 2, 30, "the second request pending")
     call.cancel()
     assert done.get(timeout=30) is not None  # the cancelled call reports its cancellation first
     assert done.get(timeout=30) is None  # then the blocker completes
     daemon.client.infer("slow", x(0))
     assert "4242" not in ran(log)
-    wait_for(lambda: pending(metrics) == 0, 10, "no pending request left")
+    wait_for(lambda: pending_requests(metrics) == 0, 10, "no pending request left")
 
 
 def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDaemon, Path, str]) -> None:
@@ -100,10 +89,10 @@ def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDa
     client.start_stream(callback=lambda result, error: None)
     for marker in (7001, 7002, 7003):
         client.async_stream_infer("slow", x(marker))
-    wait_for(lambda: "7001" in ran(log) and pending(metrics) == 3, 30, "one running, two queued")
+    wait_for(lambda: "7001" in ran(log) and pending_requests(metrics) == 3, 30, "one running, two queued")
     client.stop_stream(cancel_requests=True)
     client.close()
-    wait_for(lambda: pending(metrics) == 0, 10, "stream's requests released")
+    wait_for(lambda: pending_requests(metrics) == 0, 10, "stream's requests released")
     # Requests run in order: had the stream's queued requests been kept, they would run before this one.
     assert daemon.client.infer("slow", x(0)).as_numpy("y").tolist() == [0.0]
     assert "7002" not in ran(log) and "7003" not in ran(log)
@@ -127,7 +116,7 @@ def test_a_request_abandoned_while_it_runs_does_not_disturb_the_next(
     assert answer == [-3.0]
     assert time.monotonic() - t0 > 0.5, "the next request waited for the abandoned one to finish"
     assert ran(log)[-2:] == ["5151", "-3"]
-    wait_for(lambda: pending(metrics) == 0, 10, "nothing left pending")
+    wait_for(lambda: pending_requests(metrics) == 0, 10, "nothing left pending")
 
 
 def _dead_pid() -> int:

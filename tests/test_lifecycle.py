@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon, own_segments, wait_for
+from tests.conftest import RunningDaemon, free_port, own_segments, pending_requests, wait_for
 
 SLOW = """
 if float(inputs['x'].sum()) > 0:
@@ -86,7 +85,8 @@ def test_sigterm_drains_in_flight_requests_and_cleans_up(
 ) -> None:
     repo = tmp_path / "repo"
     models.python_model(repo, "slow", SLOW)
-    daemon = start_daemon(repo)
+    metrics = f"127.0.0.1:{free_port()}"
+    daemon = start_daemon(repo, extra_args=["--metrics-address", metrics])
     daemon.wait_ready()
     workers = daemon.worker_pids()
     assert workers
@@ -104,9 +104,9 @@ def test_sigterm_drains_in_flight_requests_and_cleans_up(
     threads = [threading.Thread(target=call) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.7)  # both requests are now running or queued in the worker
+    wait_for(lambda: pending_requests(metrics) == 2, 30, "both requests in the daemon")
     daemon.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_for(lambda: "stopping: draining in-flight requests" in daemon.log(), 30, "the drain begun")
     late = grpcclient.InferenceServerClient(daemon.address)
     refused: InferenceServerException | None = None
     try:

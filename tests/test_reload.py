@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon, wait_for
+from tests.conftest import RunningDaemon, free_port, pending_requests, wait_for
 
 DIMS = 4
 
@@ -216,7 +216,9 @@ def test_removed_model_finishes_in_flight_requests(
         """,
     )
     models.add_sub(repo, "stays")
-    daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="watch"))
+    metrics = f"127.0.0.1:{free_port()}"
+    config = write_config_file(tmp_path, model_control="watch", metrics_address=metrics)
+    daemon = start_daemon(repo, config=config)
     daemon.wait_ready()
     slow_pid = daemon.started_workers("slow")[-1]
     results: list[object] = []
@@ -235,7 +237,7 @@ def test_removed_model_finishes_in_flight_requests(
     threads = [threading.Thread(target=call) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    wait_for(lambda: pending_requests(metrics) == 2, 30, "both requests in the daemon")
     shutil.move(str(repo / "slow"), str(tmp_path / "slow-removed"))
 
     def gone() -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from tests import models
-from tests.conftest import RunningDaemon, wait_for
+from tests.conftest import RunningDaemon, free_port, pending_requests, wait_for
 from tests.triton_shm import shm
 
 DIMS = 16
@@ -42,8 +41,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         return {{'y': x * 2}}
         """,
     )
-    d = RunningDaemon(repo, tmp_path_factory.mktemp("log") / "daemon.log")
+    metrics = f"127.0.0.1:{free_port()}"
+    d = RunningDaemon(
+        repo, tmp_path_factory.mktemp("log") / "daemon.log", extra_args=["--metrics-address", metrics]
+    )
     d.gate = gate  # type: ignore[attr-defined]
+    d.metrics = metrics  # type: ignore[attr-defined]
     try:
         d.wait_ready()
         yield d
@@ -362,7 +365,8 @@ def test_a_region_shrunk_by_its_owner_fails_the_request_not_the_daemon(
         wait_for(lambda: (gate / "11.started").exists(), 60, "the first request to reach the model")
         second = _gated_call(client, np.array([12, 0, 0, 0], np.float32), ("shrink_out", "out"))
         queued = _gated_call(client, x_in, ("shrink_in", "in"))
-        time.sleep(0.5)  # checked and queued by now
+        # Checked and held by the daemon (one running, one waiting in the worker, one in the queue).
+        wait_for(lambda: pending_requests(daemon.metrics) == 3, 60, "three requests in the daemon")  # type: ignore[attr-defined]
         source.shrink()
         (gate / "11").touch()
         wait_for(lambda: (gate / "12.started").exists(), 60, "the second request to reach the model")
@@ -399,7 +403,8 @@ def test_a_region_unregistered_while_its_request_waits_is_still_read(daemon: Run
         wait_for(lambda: (gate / "21.started").exists(), 60, "the first request to reach the model")
         second = _gated_call(client, np.array([22, 0, 0, 0], np.float32))
         queued = _gated_call(client, x, ("late_in", "in"))
-        time.sleep(0.5)  # checked and queued by now
+        # Checked and held by the daemon (one running, one waiting in the worker, one in the queue).
+        wait_for(lambda: pending_requests(daemon.metrics) == 3, 60, "three requests in the daemon")  # type: ignore[attr-defined]
         client.unregister_system_shared_memory("late_in")
         (gate / "21").touch()
         (gate / "22").touch()
