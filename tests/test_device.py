@@ -22,6 +22,7 @@ from mpsd.worker import device as dev
 from mpsd.worker.device import (
     DeviceInfo,
     DeviceUnavailable,
+    _device_name,
     is_out_of_memory,
     memory_counters,
     probe,
@@ -405,3 +406,34 @@ def test_tensor_views_on_a_region_are_reused_and_their_number_is_bounded() -> No
     finally:
         region.unlink()
         region.close()
+
+
+# --- torch versions: APIs newer than the declared floor (torch 2.4) have fallbacks --------------------------
+# MPS cannot run here: the torch.mps functions the counters call are replaced by stand-ins that return fixed
+# numbers, and the newer APIs are removed, as on the older torch releases that lack them.
+
+
+def test_mps_device_name_without_get_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch.backends.mps, "get_name", raising=False)  # added in torch 2.9
+    assert _device_name(torch.device("mps")) == "Apple GPU (MPS)"
+    monkeypatch.setattr(torch.backends.mps, "get_name", lambda: "Apple M3 Max", raising=False)
+    assert _device_name(torch.device("mps")) == "Apple M3 Max (MPS)"
+
+
+def test_mps_counters_without_recommended_max_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 1000)
+    monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 2000)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 3000, raising=False)
+    with_it = memory_counters(torch.device("mps"))
+    assert (with_it["current_allocated_bytes"], with_it["recommended_max_bytes"]) == (1000, 3000)
+    monkeypatch.delattr(torch.mps, "recommended_max_memory")  # added in torch 2.5
+    without = memory_counters(torch.device("mps"))
+    assert "recommended_max_bytes" not in without
+    assert without["driver_allocated_bytes"] == 2000
+
+
+def test_out_of_memory_recognised_under_its_pre_2_4_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    error = torch.cuda.OutOfMemoryError("CUDA error: out of memory (allocator)")
+    monkeypatch.delattr(torch, "OutOfMemoryError")  # the top-level name arrived in torch 2.4
+    assert is_out_of_memory(error)
+    assert not is_out_of_memory(ValueError("no"))

@@ -198,7 +198,8 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "mps":
-        return f"{torch.backends.mps.get_name()} (MPS)"
+        get_name = getattr(torch.backends.mps, "get_name", None)  # torch 2.9 and later
+        return f"{get_name() if get_name is not None else 'Apple GPU'} (MPS)"
     return platform.processor() or platform.machine() or "cpu"
 
 
@@ -312,9 +313,18 @@ def memory_counters(device: torch.device) -> dict[str, int]:
     elif device.type == "mps":
         counters["current_allocated_bytes"] = int(torch.mps.current_allocated_memory())
         counters["driver_allocated_bytes"] = int(torch.mps.driver_allocated_memory())
-        counters["recommended_max_bytes"] = int(torch.mps.recommended_max_memory())
+        recommended = getattr(torch.mps, "recommended_max_memory", None)  # torch 2.5 and later
+        if recommended is not None:
+            counters["recommended_max_bytes"] = int(recommended())
     counters["rss_bytes"] = int(psutil.Process().memory_info().rss)
     return counters
+
+
+def _oom_type() -> type[BaseException]:
+    """The allocators' out-of-memory error: `torch.OutOfMemoryError` from torch 2.4, the same class under
+    its older name `torch.cuda.OutOfMemoryError` before."""
+    found = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    return found  # type: ignore[no-any-return]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -323,7 +333,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, torch.OutOfMemoryError):
+        if isinstance(current, _oom_type()):
             return True
         if isinstance(current, RuntimeError) and any(m in str(current) for m in _OOM_MARKERS):
             return True
