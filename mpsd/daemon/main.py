@@ -29,7 +29,7 @@ from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
 from mpsd.daemon.sdnotify import SdNotifier
-from mpsd.daemon.supervise.fronts import (
+from mpsd.daemon.supervise.fronts.pool import (
     FrontPool,
     check_port_free,
     front_count,

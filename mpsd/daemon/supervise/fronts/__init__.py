@@ -1,0 +1,1 @@
+"""Front processes: more cores for gRPC, one place where requests meet (see `pool`)."""
