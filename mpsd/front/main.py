@@ -22,7 +22,7 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
-from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
+from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
 from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
@@ -47,7 +47,8 @@ def relayed_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[s
 class CoreLink:
     """The front's end of the socketpair: sends ModelInfer calls and resolves them with the core's reply.
 
-    Large requests go through the arena the core created for this front (`arena.py`) while it has room.
+    Large requests go through the arena the core created for this front (`mpsd/ipc/front_arena.py`) while
+    it has room.
     """
 
     def __init__(self) -> None:
@@ -63,7 +64,7 @@ class CoreLink:
         self._arena: Region | None = None
         self._allocator: Allocator | None = None
         self.on_auth: Callable[[dict[str, Any]], None] = lambda _: None
-        self._chunks: dict[int, tuple[int, int]] = {}  # call id -> (start, size) of its chunk, until answered
+        self._chunks: dict[int, Chunk] = {}  # each call's chunk, until it is answered
 
     def attach_arena(self, name: str, size: int) -> None:
         self._arena = Region.attach(name, size)
@@ -79,14 +80,15 @@ class CoreLink:
         if kind in (Kind.REPLY, Kind.REPLY_SHM):
             chunk = self._chunks.pop(call_id, None)
             if kind == Kind.REPLY_SHM:
-                length = REPLY_REF.unpack(payload)[0] if len(payload) == REPLY_REF.size else -1
-                if chunk is None or self._arena is None or not 0 <= length <= chunk[1]:
-                    # cannot happen unless the two ends disagree
+                reply = None
+                if chunk is not None and self._arena is not None:
+                    reply = read_reply(self._arena, chunk, payload)
+                if reply is None:  # cannot happen unless the two ends disagree
                     number, payload = _INTERNAL, b"the daemon core answered outside the call's chunk"
                 else:
-                    payload = bytes(self._arena.buf[chunk[0] : chunk[0] + length])
+                    payload = reply
             if chunk is not None and self._allocator is not None:
-                self._allocator.free(chunk[0])
+                self._allocator.free(chunk.start)
             waiter = self._pending.pop(call_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result((int(number), payload))
@@ -128,14 +130,11 @@ class CoreLink:
 
     def _infer_frame(self, call_id: int, remaining: float, request: bytes) -> tuple[Buffer, ...]:
         """The request into the arena when it is large and there is room, else in the frame itself."""
-        size = len(request)
-        if size >= ARENA_MIN and self._allocator is not None and self._arena is not None:
-            capacity = chunk_size(size)
-            start = self._allocator.allocate(capacity)
-            if start is not None:
-                self._arena.buf[start : start + size] = request
-                self._chunks[call_id] = (start, capacity)
-                return frame(Kind.INFER_SHM, call_id, remaining, INFER_REF.pack(start, size, capacity))
+        if self._allocator is not None and self._arena is not None:
+            written = write_request(self._arena, self._allocator, request)
+            if written is not None:
+                self._chunks[call_id], ref = written
+                return frame(Kind.INFER_SHM, call_id, remaining, ref)
         return frame(Kind.INFER, call_id, remaining, request)
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from mpsd.errors import MpsdError
-from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF
+from mpsd.errors import Internal, MpsdError
+from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
 from mpsd.ipc.front_wire import (
@@ -23,7 +23,6 @@ from mpsd.ipc.front_wire import (
     Kind,
     frame,
     frame_of,
-    nbytes,
 )
 from mpsd.ipc.shm import Region
 from mpsd.net.status import grpc_status
@@ -39,14 +38,6 @@ _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 
 class FrontFailed(Exception):
     """A front process could not start (its reason, or how it exited)."""
-
-
-def _arena_ref(payload: bytes | bytearray) -> tuple[int, int, int]:
-    """(start, length, capacity) of an INFER_SHM frame; a malformed one reads as out of bounds."""
-    if len(payload) != INFER_REF.size:
-        return 0, 1, 0
-    start, length, capacity = INFER_REF.unpack(payload)
-    return int(start), int(length), int(capacity)
 
 
 @dataclass
@@ -87,15 +78,14 @@ class FrontLink:
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
         if kind in (Kind.INFER, Kind.INFER_SHM):
             deadline = time.monotonic() + number if number >= 0 else None
-            chunk: tuple[int, int] | None = None
+            chunk: Chunk | None = None
             request: bytes | bytearray | memoryview = payload
             if kind == Kind.INFER_SHM:
-                start, length, capacity = _arena_ref(payload)
-                if self.arena is None or length > capacity or start + capacity > self.arena.size:
-                    reason = f"arena reference out of bounds: {start}+{length} (chunk {capacity})"
-                    self.send(frame(Kind.REPLY, call_id, _INTERNAL, reason.encode()))
+                try:
+                    request, chunk = referenced_request(self.arena, payload)
+                except Internal as exc:
+                    self.send(frame(Kind.REPLY, call_id, _INTERNAL, exc.message.encode()))
                     return
-                chunk, request = (start, capacity), self.arena.buf[start : start + length]
             self.calls[call_id] = asyncio.get_running_loop().create_task(
                 self._serve(call_id, request, deadline, chunk)
             )
@@ -120,7 +110,7 @@ class FrontLink:
         call_id: int,
         payload: bytes | bytearray | memoryview,
         deadline: float | None,
-        chunk: tuple[int, int] | None,
+        chunk: Chunk | None,
     ) -> None:
         """Run one call and answer it, a cancelled one too (the front expects an answer to every call)."""
         cancelled = False
@@ -144,22 +134,13 @@ class FrontLink:
             self.counts.arena_requests += chunk is not None
         self.send(reply)
 
-    def _reply(
-        self, call_id: int, parts: Sequence[Buffer], chunk: tuple[int, int] | None
-    ) -> tuple[Buffer, ...]:
+    def _reply(self, call_id: int, parts: Sequence[Buffer], chunk: Chunk | None) -> tuple[Buffer, ...]:
         """A large response goes into the call's chunk when it fits, the rest in the frame."""
-        if chunk is None or self.arena is None:
+        ref = write_reply(self.arena, chunk, parts) if chunk is not None and self.arena is not None else None
+        if ref is None:
             return frame_of(Kind.REPLY, call_id, 0, parts)
-        total = sum(nbytes(p) for p in parts)
-        if total < ARENA_MIN or total > chunk[1]:
-            return frame_of(Kind.REPLY, call_id, 0, parts)
-        buf, pos = self.arena.buf, chunk[0]
-        for piece in parts:
-            view = memoryview(piece).cast("B")
-            buf[pos : pos + view.nbytes] = view
-            pos += view.nbytes
         self.counts.arena_replies += 1
-        return frame(Kind.REPLY_SHM, call_id, 0, REPLY_REF.pack(total))
+        return frame(Kind.REPLY_SHM, call_id, 0, ref)
 
     def _lost(self, exc: Exception | None) -> None:
         for task in list(self.calls.values()):
