@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ import structlog
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
 from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
+from mpsd.ipc.front_protocol import FrontAccess, FrontConfig, FrontReady, MalformedMessage
 from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
@@ -53,7 +53,7 @@ class CoreLink:
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self.settings: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.settings: asyncio.Future[FrontConfig] = loop.create_future()
         self.lost: asyncio.Future[None] = loop.create_future()
         self.writer = FrameWriter()
         # Calls handed to the daemon and not yet answered. Past this many, calls wait here (holding their
@@ -63,7 +63,7 @@ class CoreLink:
         self._ids = itertools.count(1)
         self._arena: Region | None = None
         self._allocator: Allocator | None = None
-        self.on_auth: Callable[[dict[str, Any]], None] = lambda _: None
+        self.on_auth: Callable[[bytes | bytearray], None] = lambda _: None  # an AUTH payload
         self._chunks: dict[int, Chunk] = {}  # each call's chunk, until it is answered
 
     def attach_arena(self, name: str, size: int) -> None:
@@ -93,9 +93,12 @@ class CoreLink:
             if waiter is not None and not waiter.done():
                 waiter.set_result((int(number), payload))
         elif kind == Kind.CONFIG and not self.settings.done():
-            self.settings.set_result(json.loads(payload))
+            try:
+                self.settings.set_result(FrontConfig.decode(payload))
+            except MalformedMessage as exc:
+                self.settings.set_exception(exc)
         elif kind == Kind.AUTH:
-            self.on_auth(json.loads(payload))
+            self.on_auth(payload)
         elif kind == Kind.LOG_LEVEL:
             level = bytes(payload).decode()
             if level in LEVELS:
@@ -246,40 +249,43 @@ async def serve(sock: socket.socket) -> int:
     await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if not link.settings.done():
         return 1  # the daemon went away before it said what to serve
-    settings = link.settings.result()
-    config = DaemonConfig.model_validate(settings["config"])
+    try:
+        settings = link.settings.result()
+    except MalformedMessage as exc:
+        return await _failed(link, exc)
+    config = DaemonConfig.model_validate(settings.config)
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
-    configure(settings.get("log_level", config.log_level), "json")
-    structlog.contextvars.bind_contextvars(front=settings["index"])
+    configure(settings.log_level, "json")
+    structlog.contextvars.bind_contextvars(front=settings.index)
     address = parse_address(config.grpc_address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    channel = grpc.aio.insecure_channel(settings["core_target"], options=sizes)
+    channel = grpc.aio.insecure_channel(settings.core_target, options=sizes)
     try:
-        if settings.get("arena"):
-            link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
+        if settings.arena is not None:
+            link.attach_arena(settings.arena.name, settings.arena.size)
         mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
 
-        def access_policy(access: dict[str, Any]) -> tuple[AccessPolicy, int]:
+        def access_policy(access: FrontAccess) -> tuple[AccessPolicy, int]:
             """The policy for the auth settings and tokens the daemon sent (CONFIG or AUTH); their count."""
-            tokens = import_tokens(access["tokens"])
-            auth = AuthConfig.model_validate(access["auth"])
+            tokens = import_tokens(access.tokens)
+            auth = AuthConfig.model_validate(access.auth)
             return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
 
         server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
-        relay = Relay(link, channel, access_policy(settings)[0])
+        relay = Relay(link, channel, access_policy(settings.access)[0])
         server.add_generic_rpc_handlers([relay])
 
-        tls = settings.get("tls")
+        tls = settings.access.tls
         certificates = Certificates(TlsMaterial.load(tls)) if tls is not None else None
 
-        def on_auth(settings: dict[str, Any]) -> None:
+        def on_auth(payload: bytes | bytearray) -> None:
             """New tokens and certificate from the daemon (SIGHUP), as it read them."""
             try:
-                policy, tokens = access_policy(settings)
-                tls = settings.get("tls")
-                if certificates is not None and tls is not None:
-                    certificates.replace(TlsMaterial.load(tls))
+                access = FrontAccess.decode(payload)
+                policy, tokens = access_policy(access)
+                if certificates is not None and access.tls is not None:
+                    certificates.replace(TlsMaterial.load(access.tls))
             except Exception as exc:  # a frame the two ends disagree on: keep serving with the old ones
                 log.error("access settings not reloaded; the previous ones stay in force", reason=str(exc))
                 return
@@ -292,11 +298,8 @@ async def serve(sock: socket.socket) -> int:
         bind(server, address, certificates)
         await server.start()
     except Exception as exc:
-        link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))
-        await asyncio.sleep(0.1)  # let the frame leave before the process ends
-        return 1
-    ready = {"pid": os.getpid(), "event_loop": eventloop.loop_name()}
-    link.send(frame(Kind.READY, payload=json.dumps(ready).encode()))
+        return await _failed(link, exc)
+    link.send(frame(Kind.READY, payload=FrontReady(os.getpid(), eventloop.loop_name()).encode()))
 
     stop = asyncio.Event()
     hurry = asyncio.Event()
@@ -319,6 +322,13 @@ async def serve(sock: socket.socket) -> int:
         await server.stop(0)
     await channel.close()
     return 0
+
+
+async def _failed(link: CoreLink, exc: Exception) -> int:
+    """Tell the daemon why this front cannot serve; the exit code."""
+    link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))
+    await asyncio.sleep(0.1)  # let the frame leave before the process ends
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import structlog
 
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
+from mpsd.ipc.front_protocol import FrontReady, MalformedMessage
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
 from mpsd.ipc.front_wire import (
@@ -57,7 +57,7 @@ class FrontLink:
     infer: InferBytes
     on_lost: Callable[[FrontLink], None]
     transport: asyncio.Transport | None = None
-    ready: asyncio.Future[dict[str, object]] = field(
+    ready: asyncio.Future[FrontReady] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
@@ -99,7 +99,10 @@ class FrontLink:
             if task is not None:
                 task.cancel()
         elif kind == Kind.READY and not self.ready.done():
-            self.ready.set_result(json.loads(payload))
+            try:
+                self.ready.set_result(FrontReady.decode(payload))
+            except MalformedMessage as exc:
+                self.ready.set_exception(FrontFailed(exc.message))
         elif kind == Kind.FAILED and not self.ready.done():
             self.ready.set_exception(FrontFailed(bytes(payload).decode("utf-8", "replace")))
         else:

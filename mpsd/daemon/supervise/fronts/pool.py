@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
@@ -21,6 +19,7 @@ from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLin
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
 from mpsd.ipc.front_arena import ARENA_BYTES
+from mpsd.ipc.front_protocol import ArenaRegion, FrontAccess, FrontConfig
 from mpsd.ipc.front_wire import SOCKET_BUFFER, Buffer, Kind, frame, widen_buffers
 from mpsd.ipc.shm import Region
 from mpsd.net.auth import export_tokens
@@ -163,15 +162,15 @@ class FrontPool:
             link.attach(transport)
             sent_auth, sent_tokens, sent_tls = self._config.auth, self._tokens, self._tls
             sent_level = logs.level_name()
-            settings = {
-                "index": index,
-                "log_level": sent_level,  # now: LogSettings or SIGHUP may have changed it
-                "core_target": self._core_target,
-                "config": self._config.model_dump(mode="json"),
-                "arena": {"name": arena.name, "size": arena.size} if arena is not None else None,
-                **self._access(),
-            }
-            link.send(frame(Kind.CONFIG, payload=json.dumps(settings).encode()))
+            settings = FrontConfig(
+                index,
+                sent_level,  # now: LogSettings or SIGHUP may have changed it
+                self._core_target,
+                self._config.model_dump(mode="json"),
+                ArenaRegion(arena.name, arena.size) if arena is not None else None,
+                self._access(),
+            )
+            link.send(frame(Kind.CONFIG, payload=settings.encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
             # A SIGHUP or LogSettings while it started reached only the fronts already listening.
             changed = (self._config.auth, self._tokens, self._tls) != (sent_auth, sent_tokens, sent_tls)
@@ -201,7 +200,7 @@ class FrontPool:
             front=index,
             pid=process.pid,
             address=self._config.grpc_address,
-            event_loop=link.ready.result().get("event_loop"),
+            event_loop=link.ready.result().event_loop,
         )
         return front
 
@@ -263,16 +262,16 @@ class FrontPool:
         for front in self.fronts.values():
             front.link.send(self._auth_frame())
 
-    def _access(self) -> dict[str, Any]:
+    def _access(self) -> FrontAccess:
         """What SIGHUP can change, as a front reads it at start (CONFIG) and on a reload (AUTH)."""
-        return {
-            "auth": self._config.auth.model_dump(mode="json"),
-            "tokens": export_tokens(self._tokens),
-            "tls": self._tls.export() if self._tls is not None else None,
-        }
+        return FrontAccess(
+            self._config.auth.model_dump(mode="json"),
+            tuple(export_tokens(self._tokens)),
+            self._tls.export() if self._tls is not None else None,
+        )
 
     def _auth_frame(self) -> tuple[Buffer, ...]:
-        return frame(Kind.AUTH, payload=json.dumps(self._access()).encode())
+        return frame(Kind.AUTH, payload=self._access().encode())
 
     def _send_level(self, level: str) -> None:
         """A front filters its own events, so it must follow the daemon's level."""
