@@ -30,6 +30,7 @@ from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, build_policy, import_tokens, refusal
 from mpsd.net.certificates import Certificates, TlsMaterial
 from mpsd.net.listen import bind, parse_address
+from mpsd.net.methods import served_methods
 
 log = structlog.get_logger("mpsd.front")
 
@@ -139,21 +140,6 @@ class CoreLink:
                 self._chunks[call_id], ref = written
                 return frame(Kind.INFER_SHM, call_id, remaining, ref)
         return frame(Kind.INFER, call_id, remaining, request)
-
-
-def served_methods() -> dict[str, tuple[bool, bool]]:
-    """Every method the daemon serves: full name -> (client streaming, server streaming)."""
-    from grpc_health.v1 import health_pb2
-    from grpc_reflection.v1alpha import reflection_pb2
-
-    from mpsd.proto import admin_pb2, grpc_service_pb2
-
-    shapes = {}
-    for module in (grpc_service_pb2, admin_pb2, health_pb2, reflection_pb2):
-        for service in module.DESCRIPTOR.services_by_name.values():
-            for m in service.methods:
-                shapes[f"/{service.full_name}/{m.name}"] = (m.client_streaming, m.server_streaming)
-    return shapes
 
 
 class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
