@@ -1,4 +1,8 @@
-"""The core's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
+"""The core's end of one front's socketpair: runs the ModelInfer calls the front hands over.
+
+It runs them through the `infer` it is given (the inference servicer's, on serialized bytes), so the
+link knows frames, the arena and flow control, and nothing of models.
+"""
 
 from __future__ import annotations
 
