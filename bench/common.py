@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 import yaml
 
-from mpsd.daemon.supervise.fronts import is_front_command
+from mpsd.daemon.supervise.fronts.pool import is_front_command
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 

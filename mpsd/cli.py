@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
             config.log_level = args.log_level
         if args.front_processes is not None:
             config.front_processes = args.front_processes
-        from mpsd.daemon.supervise.fronts import front_count
+        from mpsd.daemon.supervise.fronts.policy import front_count
 
         front_count(config)  # a setting the address cannot serve is a configuration error
         from mpsd.net import eventloop

@@ -139,7 +139,7 @@ class RunningDaemon:
     def worker_pids(self) -> list[int]:
         import psutil
 
-        from mpsd.daemon.supervise.fronts import is_front_command
+        from mpsd.daemon.supervise.fronts.pool import is_front_command
 
         def is_front(child: psutil.Process) -> bool:
             try:

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.daemon.core.request import InferRequest, InputTensor
-from mpsd.daemon.supervise.fronts import FrontLink
+from mpsd.daemon.supervise.fronts.link import FrontLink
 from mpsd.daemon.supervise.worker_process import assemble
 from mpsd.front.main import CoreLink
 from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK, Allocator, chunk_size
@@ -286,7 +286,7 @@ def test_arenas_are_allocated_up_front_and_fronts_go_without_when_dev_shm_is_ful
     import os
 
     from mpsd.config.daemon_config import DaemonConfig
-    from mpsd.daemon.supervise import fronts
+    from mpsd.daemon.supervise.fronts import pool as fronts
 
     region = Region.create(1 << 20, reserve=True)
     try:

@@ -34,7 +34,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from mpsd.daemon.supervise.fronts import is_front_command
+from mpsd.daemon.supervise.fronts.pool import is_front_command
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, serving, wait_for
@@ -627,7 +627,7 @@ def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_a
 )
 def test_how_many_fronts(setting: object, address: str, cpus: int, platform: str, expected: int) -> None:
     from mpsd.config.daemon_config import DaemonConfig
-    from mpsd.daemon.supervise.fronts import front_count
+    from mpsd.daemon.supervise.fronts.policy import front_count
 
     config = DaemonConfig(front_processes=setting, grpc_address=address)  # type: ignore[arg-type]
     assert front_count(config, cpu_count=cpus, platform=platform) == expected
@@ -637,7 +637,7 @@ def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip
     tmp_path: Path,
 ) -> None:
     from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
-    from mpsd.daemon.supervise.fronts import front_count
+    from mpsd.daemon.supervise.fronts.policy import front_count
     from mpsd.errors import ConfigError
 
     with pytest.raises(ConfigError, match="only on Linux"):
@@ -668,7 +668,7 @@ def test_socket_directories_of_dead_daemons_are_removed(monkeypatch: pytest.Monk
     import shutil
     import tempfile
 
-    from mpsd.daemon.supervise import fronts
+    from mpsd.daemon.supervise.fronts import sockets
 
     tmp_path = Path(tempfile.mkdtemp(prefix="mpsdt-", dir="/tmp"))  # short: it holds socket paths
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -679,10 +679,10 @@ def test_socket_directories_of_dead_daemons_are_removed(monkeypatch: pytest.Monk
     (stale / "core.sock").touch()
     alive = tmp_path / f"mpsd-core-{os.getppid()}-def"  # our parent is running
     alive.mkdir()
-    mine = fronts.make_core_dir()
+    mine = sockets.make_core_dir()
     assert mine.parent == tmp_path and oct(mine.stat().st_mode & 0o777) == "0o700"
     try:
-        assert fronts.remove_stale_core_dirs() == [stale.name]
+        assert sockets.remove_stale_core_dirs() == [stale.name]
         assert not stale.exists() and alive.exists() and mine.exists()
     finally:
         shutil.rmtree(tmp_path)

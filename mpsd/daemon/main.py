@@ -29,13 +29,9 @@ from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
 from mpsd.daemon.sdnotify import SdNotifier
-from mpsd.daemon.supervise.fronts import (
-    FrontPool,
-    check_port_free,
-    front_count,
-    make_core_dir,
-    remove_stale_core_dirs,
-)
+from mpsd.daemon.supervise.fronts.policy import check_port_free, front_count
+from mpsd.daemon.supervise.fronts.pool import FrontPool
+from mpsd.daemon.supervise.fronts.sockets import make_core_dir, remove_stale_core_dirs
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm

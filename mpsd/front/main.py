@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,8 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
-from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, Allocator, chunk_size
+from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
+from mpsd.ipc.front_protocol import FrontAccess, FrontConfig, FrontReady, MalformedMessage
 from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
@@ -30,6 +30,7 @@ from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, build_policy, import_tokens, refusal
 from mpsd.net.certificates import Certificates, TlsMaterial
 from mpsd.net.listen import bind, parse_address
+from mpsd.net.methods import served_methods
 
 log = structlog.get_logger("mpsd.front")
 
@@ -47,12 +48,13 @@ def relayed_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[s
 class CoreLink:
     """The front's end of the socketpair: sends ModelInfer calls and resolves them with the core's reply.
 
-    Large requests go through the arena the core created for this front (`arena.py`) while it has room.
+    Large requests go through the arena the core created for this front (`mpsd/ipc/front_arena.py`) while
+    it has room.
     """
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self.settings: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self.settings: asyncio.Future[FrontConfig] = loop.create_future()
         self.lost: asyncio.Future[None] = loop.create_future()
         self.writer = FrameWriter()
         # Calls handed to the daemon and not yet answered. Past this many, calls wait here (holding their
@@ -62,8 +64,8 @@ class CoreLink:
         self._ids = itertools.count(1)
         self._arena: Region | None = None
         self._allocator: Allocator | None = None
-        self.on_auth: Callable[[dict[str, Any]], None] = lambda _: None
-        self._chunks: dict[int, tuple[int, int]] = {}  # call id -> (start, size) of its chunk, until answered
+        self.on_auth: Callable[[bytes | bytearray], None] = lambda _: None  # an AUTH payload
+        self._chunks: dict[int, Chunk] = {}  # each call's chunk, until it is answered
 
     def attach_arena(self, name: str, size: int) -> None:
         self._arena = Region.attach(name, size)
@@ -79,21 +81,25 @@ class CoreLink:
         if kind in (Kind.REPLY, Kind.REPLY_SHM):
             chunk = self._chunks.pop(call_id, None)
             if kind == Kind.REPLY_SHM:
-                length = REPLY_REF.unpack(payload)[0] if len(payload) == REPLY_REF.size else -1
-                if chunk is None or self._arena is None or not 0 <= length <= chunk[1]:
-                    # cannot happen unless the two ends disagree
+                reply = None
+                if chunk is not None and self._arena is not None:
+                    reply = read_reply(self._arena, chunk, payload)
+                if reply is None:  # cannot happen unless the two ends disagree
                     number, payload = _INTERNAL, b"the daemon core answered outside the call's chunk"
                 else:
-                    payload = bytes(self._arena.buf[chunk[0] : chunk[0] + length])
+                    payload = reply
             if chunk is not None and self._allocator is not None:
-                self._allocator.free(chunk[0])
+                self._allocator.free(chunk.start)
             waiter = self._pending.pop(call_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result((int(number), payload))
         elif kind == Kind.CONFIG and not self.settings.done():
-            self.settings.set_result(json.loads(payload))
+            try:
+                self.settings.set_result(FrontConfig.decode(payload))
+            except MalformedMessage as exc:
+                self.settings.set_exception(exc)
         elif kind == Kind.AUTH:
-            self.on_auth(json.loads(payload))
+            self.on_auth(payload)
         elif kind == Kind.LOG_LEVEL:
             level = bytes(payload).decode()
             if level in LEVELS:
@@ -128,30 +134,12 @@ class CoreLink:
 
     def _infer_frame(self, call_id: int, remaining: float, request: bytes) -> tuple[Buffer, ...]:
         """The request into the arena when it is large and there is room, else in the frame itself."""
-        size = len(request)
-        if size >= ARENA_MIN and self._allocator is not None and self._arena is not None:
-            capacity = chunk_size(size)
-            start = self._allocator.allocate(capacity)
-            if start is not None:
-                self._arena.buf[start : start + size] = request
-                self._chunks[call_id] = (start, capacity)
-                return frame(Kind.INFER_SHM, call_id, remaining, INFER_REF.pack(start, size, capacity))
+        if self._allocator is not None and self._arena is not None:
+            written = write_request(self._arena, self._allocator, request)
+            if written is not None:
+                self._chunks[call_id], ref = written
+                return frame(Kind.INFER_SHM, call_id, remaining, ref)
         return frame(Kind.INFER, call_id, remaining, request)
-
-
-def served_methods() -> dict[str, tuple[bool, bool]]:
-    """Every method the daemon serves: full name -> (client streaming, server streaming)."""
-    from grpc_health.v1 import health_pb2
-    from grpc_reflection.v1alpha import reflection_pb2
-
-    from mpsd.proto import admin_pb2, grpc_service_pb2
-
-    shapes = {}
-    for module in (grpc_service_pb2, admin_pb2, health_pb2, reflection_pb2):
-        for service in module.DESCRIPTOR.services_by_name.values():
-            for m in service.methods:
-                shapes[f"/{service.full_name}/{m.name}"] = (m.client_streaming, m.server_streaming)
-    return shapes
 
 
 class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
@@ -247,40 +235,43 @@ async def serve(sock: socket.socket) -> int:
     await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if not link.settings.done():
         return 1  # the daemon went away before it said what to serve
-    settings = link.settings.result()
-    config = DaemonConfig.model_validate(settings["config"])
+    try:
+        settings = link.settings.result()
+    except MalformedMessage as exc:
+        return await _failed(link, exc)
+    config = DaemonConfig.model_validate(settings.config)
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
-    configure(settings.get("log_level", config.log_level), "json")
-    structlog.contextvars.bind_contextvars(front=settings["index"])
+    configure(settings.log_level, "json")
+    structlog.contextvars.bind_contextvars(front=settings.index)
     address = parse_address(config.grpc_address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    channel = grpc.aio.insecure_channel(settings["core_target"], options=sizes)
+    channel = grpc.aio.insecure_channel(settings.core_target, options=sizes)
     try:
-        if settings.get("arena"):
-            link.attach_arena(settings["arena"]["name"], settings["arena"]["size"])
+        if settings.arena is not None:
+            link.attach_arena(settings.arena.name, settings.arena.size)
         mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
 
-        def access_policy(access: dict[str, Any]) -> tuple[AccessPolicy, int]:
+        def access_policy(access: FrontAccess) -> tuple[AccessPolicy, int]:
             """The policy for the auth settings and tokens the daemon sent (CONFIG or AUTH); their count."""
-            tokens = import_tokens(access["tokens"])
-            auth = AuthConfig.model_validate(access["auth"])
+            tokens = import_tokens(access.tokens)
+            auth = AuthConfig.model_validate(access.auth)
             return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
 
         server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
-        relay = Relay(link, channel, access_policy(settings)[0])
+        relay = Relay(link, channel, access_policy(settings.access)[0])
         server.add_generic_rpc_handlers([relay])
 
-        tls = settings.get("tls")
+        tls = settings.access.tls
         certificates = Certificates(TlsMaterial.load(tls)) if tls is not None else None
 
-        def on_auth(settings: dict[str, Any]) -> None:
+        def on_auth(payload: bytes | bytearray) -> None:
             """New tokens and certificate from the daemon (SIGHUP), as it read them."""
             try:
-                policy, tokens = access_policy(settings)
-                tls = settings.get("tls")
-                if certificates is not None and tls is not None:
-                    certificates.replace(TlsMaterial.load(tls))
+                access = FrontAccess.decode(payload)
+                policy, tokens = access_policy(access)
+                if certificates is not None and access.tls is not None:
+                    certificates.replace(TlsMaterial.load(access.tls))
             except Exception as exc:  # a frame the two ends disagree on: keep serving with the old ones
                 log.error("access settings not reloaded; the previous ones stay in force", reason=str(exc))
                 return
@@ -293,11 +284,8 @@ async def serve(sock: socket.socket) -> int:
         bind(server, address, certificates)
         await server.start()
     except Exception as exc:
-        link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))
-        await asyncio.sleep(0.1)  # let the frame leave before the process ends
-        return 1
-    ready = {"pid": os.getpid(), "event_loop": eventloop.loop_name()}
-    link.send(frame(Kind.READY, payload=json.dumps(ready).encode()))
+        return await _failed(link, exc)
+    link.send(frame(Kind.READY, payload=FrontReady(os.getpid(), eventloop.loop_name()).encode()))
 
     stop = asyncio.Event()
     hurry = asyncio.Event()
@@ -320,6 +308,13 @@ async def serve(sock: socket.socket) -> int:
         await server.stop(0)
     await channel.close()
     return 0
+
+
+async def _failed(link: CoreLink, exc: Exception) -> int:
+    """Tell the daemon why this front cannot serve; the exit code."""
+    link.send(frame(Kind.FAILED, payload=f"{type(exc).__name__}: {exc}".encode()))
+    await asyncio.sleep(0.1)  # let the frame leave before the process ends
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,12 +6,21 @@ the core created for it and sends only where it is; the core reads the tensor by
 a large reply into the same chunk when it fits. The front owns the chunks: it frees one only when the
 core has answered the call, even a cancelled one, so the core never touches a chunk that is in use for
 another call. Small calls, and large ones when the arena is full, go through the socket as before.
+
+Everything about the arena is here, for both ends: the layout of the references in the frames, the
+allocator the front uses, and the reads and writes of a chunk, with their bounds checks.
 """
 
 from __future__ import annotations
 
 import bisect
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpsd.errors import Internal
+from mpsd.ipc.front_wire import Buffer, nbytes
+from mpsd.ipc.shm import Region
 
 # Per front, allocated in full when the front starts: a page written where /dev/shm has no room left would
 # be a SIGBUS. 16 MiB holds about 25 calls of 600 KB in flight at once; more wait for room or take the
@@ -33,6 +42,43 @@ REPLY_REF = struct.Struct("!Q")
 def chunk_size(request_bytes: int) -> int:
     """The chunk a request takes: itself, the reply's slack, rounded up to the alignment."""
     return -(-(request_bytes + REPLY_SLACK) // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The part of the arena one call holds until it is answered."""
+
+    start: int
+    capacity: int
+
+
+# ---- the core's end: read a request in place, write a reply into its chunk -----------------------------
+
+
+def referenced_request(arena: Region | None, ref: bytes | bytearray) -> tuple[memoryview, Chunk]:
+    """The request an INFER_SHM frame points at, as a view of the arena (no copy), and its call's chunk.
+
+    Internal (the answer to the call) when the reference is malformed or reaches past the arena: the core
+    never reads, nor later writes, outside it whatever a front sends.
+    """
+    start, length, capacity = INFER_REF.unpack(ref) if len(ref) == INFER_REF.size else (0, 1, 0)
+    if arena is None or length > capacity or start + capacity > arena.size:
+        raise Internal(f"arena reference out of bounds: {start}+{length} (chunk {capacity})")
+    return arena.buf[start : start + length], Chunk(start, capacity)
+
+
+def write_reply(arena: Region, chunk: Chunk, parts: Sequence[Buffer]) -> bytes | None:
+    """A large reply (`parts` back to back) written into its call's chunk: the REPLY_SHM payload. None
+    when it is small or does not fit; it then goes in the frame."""
+    total = sum(nbytes(p) for p in parts)
+    if total < ARENA_MIN or total > chunk.capacity:
+        return None
+    buf, pos = arena.buf, chunk.start
+    for piece in parts:
+        view = memoryview(piece).cast("B")
+        buf[pos : pos + view.nbytes] = view
+        pos += view.nbytes
+    return REPLY_REF.pack(total)
 
 
 class Allocator:
@@ -82,3 +128,30 @@ class Allocator:
 
     def free_blocks(self) -> list[tuple[int, int]]:
         return [(s, self._sizes[s]) for s in self._starts]
+
+
+# ---- the front's end: a large request into a chunk of its own, the reply out of it ---------------------
+
+
+def write_request(arena: Region, allocator: Allocator, request: bytes) -> tuple[Chunk, bytes] | None:
+    """A large request written into a free chunk: the chunk (the front's until the call is answered) and
+    the INFER_SHM payload. None when the request is small or no chunk that large is free: it then goes in
+    the frame."""
+    size = len(request)
+    if size < ARENA_MIN:
+        return None
+    capacity = chunk_size(size)
+    start = allocator.allocate(capacity)
+    if start is None:
+        return None
+    arena.buf[start : start + size] = request
+    return Chunk(start, capacity), INFER_REF.pack(start, size, capacity)
+
+
+def read_reply(arena: Region, chunk: Chunk, ref: bytes | bytearray) -> bytes | None:
+    """The reply a REPLY_SHM frame says is at the start of the call's chunk, copied out (the chunk is
+    freed next); None when the reference is malformed or reaches past the chunk."""
+    length = REPLY_REF.unpack(ref)[0] if len(ref) == REPLY_REF.size else -1
+    if not 0 <= length <= chunk.capacity:
+        return None
+    return bytes(arena.buf[chunk.start : chunk.start + length])

@@ -21,7 +21,7 @@ from mpsd.proto import admin_pb2 as pb
 from mpsd.proto import admin_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from mpsd.daemon.supervise.fronts import FrontInfo
+    from mpsd.daemon.supervise.fronts.pool import FrontInfo
 
 log = structlog.get_logger("mpsd.daemon.api.admin")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MpsdAdmin"].full_name

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import ModelState, Registry
-from mpsd.daemon.supervise.fronts import FrontPool
+from mpsd.daemon.supervise.fronts.pool import FrontPool
 
 log = structlog.get_logger("mpsd.daemon.api.metrics")
 

@@ -1,0 +1,159 @@
+"""The core's end of one front's socketpair: runs the ModelInfer calls the front hands over.
+
+It runs them through the `infer` it is given (the inference servicer's, on serialized bytes), so the
+link knows frames, the arena and flow control, and nothing of models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from mpsd.errors import Internal, MpsdError
+from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
+from mpsd.ipc.front_protocol import FrontReady, MalformedMessage
+
+# A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
+from mpsd.ipc.front_wire import (
+    MAX_IN_FLIGHT,
+    Buffer,
+    FrameProtocol,
+    FrameWriter,
+    Kind,
+    frame,
+    frame_of,
+)
+from mpsd.ipc.shm import Region
+from mpsd.net.status import grpc_status
+
+log = structlog.get_logger("mpsd.daemon.supervise.fronts")
+
+# ModelInfer on request bytes; the response comes back as pieces to be sent back to back.
+InferBytes = Callable[[bytes | bytearray | memoryview, float | None], Awaitable[Sequence[Buffer]]]
+
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_CANCELLED = grpc.StatusCode.CANCELLED.value[0]
+
+
+class FrontFailed(Exception):
+    """A front process could not start (its reason, or how it exited)."""
+
+
+@dataclass
+class FrontCounts:
+    """What one front slot has handed to the core, over its processes' restarts."""
+
+    served: int = 0  # ModelInfer calls answered
+    arena_requests: int = 0  # of which the request came through the arena
+    arena_replies: int = 0  # and the reply went back through it
+
+
+@dataclass
+class FrontLink:
+    """The core's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
+
+    index: int
+    infer: InferBytes
+    on_lost: Callable[[FrontLink], None]
+    transport: asyncio.Transport | None = None
+    ready: asyncio.Future[FrontReady] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    counts: FrontCounts = field(default_factory=FrontCounts)
+    writer: FrameWriter = field(default_factory=FrameWriter)
+    arena: Region | None = None  # requests' views keep it mapped after the front is gone
+    _paused: bool = False
+
+    def protocol(self) -> FrameProtocol:
+        return FrameProtocol(self._on_frame, self._lost)
+
+    def attach(self, transport: asyncio.Transport) -> None:
+        self.transport = self.writer.transport = transport
+
+    def send(self, parts: tuple[Buffer, ...]) -> None:
+        self.writer.send(parts)
+
+    def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
+        if kind in (Kind.INFER, Kind.INFER_SHM):
+            deadline = time.monotonic() + number if number >= 0 else None
+            chunk: Chunk | None = None
+            request: bytes | bytearray | memoryview = payload
+            if kind == Kind.INFER_SHM:
+                try:
+                    request, chunk = referenced_request(self.arena, payload)
+                except Internal as exc:
+                    self.send(frame(Kind.REPLY, call_id, _INTERNAL, exc.message.encode()))
+                    return
+            self.calls[call_id] = asyncio.get_running_loop().create_task(
+                self._serve(call_id, request, deadline, chunk)
+            )
+            if len(self.calls) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
+                self._paused = True
+                self.transport.pause_reading()
+        elif kind == Kind.CANCEL:
+            # Cancelling the task cancels the request's future at once: a batch formed before then copies
+            # nothing from it (`worker_process.assemble`), so the answer below may free its arena chunk.
+            task = self.calls.pop(call_id, None)
+            if task is not None:
+                task.cancel()
+        elif kind == Kind.READY and not self.ready.done():
+            try:
+                self.ready.set_result(FrontReady.decode(payload))
+            except MalformedMessage as exc:
+                self.ready.set_exception(FrontFailed(exc.message))
+        elif kind == Kind.FAILED and not self.ready.done():
+            self.ready.set_exception(FrontFailed(bytes(payload).decode("utf-8", "replace")))
+        else:
+            log.warning("unexpected frame from a front", front=self.index, kind=kind)
+
+    async def _serve(
+        self,
+        call_id: int,
+        payload: bytes | bytearray | memoryview,
+        deadline: float | None,
+        chunk: Chunk | None,
+    ) -> None:
+        """Run one call and answer it, a cancelled one too (the front expects an answer to every call)."""
+        cancelled = False
+        try:
+            reply = self._reply(call_id, await self.infer(payload, deadline), chunk)
+        except asyncio.CancelledError:
+            reply = frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled")
+            cancelled = True
+        except MpsdError as exc:
+            reply = frame(Kind.REPLY, call_id, grpc_status(exc).value[0], exc.message.encode())
+        except Exception as exc:
+            log.exception("unexpected error in a forwarded request", front=self.index)
+            reply = frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
+        finally:
+            self.calls.pop(call_id, None)
+            if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
+        if not cancelled:
+            self.counts.served += 1
+            self.counts.arena_requests += chunk is not None
+        self.send(reply)
+
+    def _reply(self, call_id: int, parts: Sequence[Buffer], chunk: Chunk | None) -> tuple[Buffer, ...]:
+        """A large response goes into the call's chunk when it fits, the rest in the frame."""
+        ref = write_reply(self.arena, chunk, parts) if chunk is not None and self.arena is not None else None
+        if ref is None:
+            return frame_of(Kind.REPLY, call_id, 0, parts)
+        self.counts.arena_replies += 1
+        return frame(Kind.REPLY_SHM, call_id, 0, ref)
+
+    def _lost(self, exc: Exception | None) -> None:
+        for task in list(self.calls.values()):
+            task.cancel()
+        self.calls.clear()
+        self.arena = None  # unmapped once the last request's views of it are gone
+        if not self.ready.done():  # (a cancelled wait counts as done)
+            self.ready.set_exception(FrontFailed("it closed its connection before it was listening"))
+        self.on_lost(self)
