@@ -14,8 +14,8 @@ from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.stats import VersionStats
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
-from mpsd.daemon.supervise.worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
-from mpsd.errors import ErrorCode, MpsdError, Unavailable
+from mpsd.daemon.supervise.worker_process import WorkerLaunch, WorkerProcess
+from mpsd.errors import ErrorCode, LoadError, MpsdError, Unavailable, WorkerDied
 
 log = structlog.get_logger("mpsd.daemon.model")
 

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from mpsd.daemon.supervise.worker_process import LoadError, WorkerLaunch, WorkerProcess
+from mpsd.daemon.supervise.worker_process import WorkerLaunch, WorkerProcess
+from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SLOTS
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from mpsd.daemon.core.request import InferRequest, OutputTensor, Timings
 from mpsd.daemon.supervise.child_output import output_lines
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
-from mpsd.errors import Internal, MpsdError, Unavailable, error_from_code
+from mpsd.errors import Internal, LoadError, MpsdError, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 from mpsd.ipc.shm import Region
@@ -33,14 +33,6 @@ from mpsd.ipc.shm import Region
 log = structlog.get_logger("mpsd.daemon.worker")
 
 ALIGN = 64
-
-
-class LoadError(Exception):
-    """The worker could not load or warm up its model; the message is the reason shown to operators."""
-
-
-class WorkerDied(Unavailable):
-    """The worker process ended while a request was in flight."""
 
 
 class _Abandoned(Exception):
@@ -636,4 +628,4 @@ class WorkerProcess:
         self._release_regions()
 
 
-__all__ = ["LoadError", "MpsdError", "WorkerDied", "WorkerLaunch", "WorkerProcess", "describe_exit"]
+__all__ = ["WorkerLaunch", "WorkerProcess", "describe_exit"]
