@@ -9,7 +9,7 @@ import time
 import structlog
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.batching import Pending, RequestQueue, fail_all
+from mpsd.daemon.core.batching.queue import Pending, RequestQueue, fail_all
 from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.stats import VersionStats
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings

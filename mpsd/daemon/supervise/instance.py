@@ -16,7 +16,7 @@ from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SLOTS
 
 if TYPE_CHECKING:
-    from mpsd.daemon.core.batching import Pending
+    from mpsd.daemon.core.batching.queue import Pending
     from mpsd.daemon.core.model_version import ModelVersion
 
 log = structlog.get_logger("mpsd.daemon.supervisor")
