@@ -9,6 +9,7 @@ import time
 import structlog
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core.batching.marshal import BatchTensors
 from mpsd.daemon.core.batching.queue import Pending, RequestQueue, fail_all
 from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.stats import VersionStats
@@ -131,9 +132,9 @@ class ModelVersion:
         try:
             deadlines = [item.deadline for item in batch]
             latest = None if None in deadlines else max(d for d in deadlines if d is not None)
-            outputs = await worker.infer_batch(
-                [item.request for item in batch], timings, [item.future for item in batch], latest
-            )
+            waiting = [item.future for item in batch]
+            tensors = BatchTensors([item.request for item in batch], waiting)
+            outputs = await worker.infer_batch(tensors, timings, waiting, latest)
         except MpsdError as exc:
             fail_all(batch, exc)
             skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited

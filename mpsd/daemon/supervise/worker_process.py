@@ -17,22 +17,55 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from mpsd.daemon.core.request import InferRequest, OutputTensor, Timings
 from mpsd.daemon.supervise.child_output import output_lines
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
-from mpsd.errors import Internal, LoadError, MpsdError, WorkerDied, error_from_code
+from mpsd.errors import Internal, LoadError, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
-from mpsd.ipc.shm import Region
 
 log = structlog.get_logger("mpsd.daemon.worker")
 
-ALIGN = 64
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Tensors(Protocol[T_co]):
+    """One execution's tensors, laid out, written and read by the caller (`core.batching.marshal`): the
+    worker's handle provides the slot's regions and calls these while it holds the slot."""
+
+    @property
+    def refs(self) -> tuple[p.TensorRef, ...]:
+        """Each input's place in the input region, as `lay_out` set it."""
+        ...
+
+    def lay_out(self) -> int:
+        """Place the inputs; returns the input region's size they need (control block included)."""
+        ...
+
+    def write(self, buf: memoryview) -> None:
+        """Copy the inputs into the input region."""
+        ...
+
+    def outputs(self) -> tuple[str, ...]:
+        """The outputs to compute."""
+        ...
+
+    def read(self, refs: Sequence[p.TensorRef], buf: memoryview) -> T_co:
+        """The results, copied out of the output region where the worker's `refs` say they are."""
+        ...
+
+
+class PhaseTimes(Protocol):
+    """Where an execution's time went, in nanoseconds (`core.request.Timings`)."""
+
+    worker_wait_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
 
 
 class _Abandoned(Exception):
@@ -104,42 +137,6 @@ def _watch(
             timer.cancel()
 
     return unwatch
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def assemble(
-    buf: memoryview,
-    refs: Sequence[p.TensorRef],
-    requests: Sequence[InferRequest],
-    waiting: Sequence[asyncio.Future[Any]],
-) -> None:
-    """Write the batch's inputs in place: each input's requests back to back from its ref's offset, one copy
-    per request's bytes.
-
-    A request whose caller is gone (cancelled after the batch was formed) keeps its rows but lends no bytes:
-    they may be in a front's arena chunk that is already in use for another call. Bytes in a client's shared
-    memory are read here; a request whose bytes cannot be read any more fails alone (its rows stay as they
-    were), when it has a caller to tell.
-    """
-    for i, ref in enumerate(refs):
-        pos = ref.offset
-        for k, r in enumerate(requests):
-            data = r.inputs[i].data
-            n = len(data)
-            if not (waiting and waiting[k].done()):
-                if isinstance(data, (bytes, bytearray, memoryview)):
-                    buf[pos : pos + n] = data
-                else:
-                    try:
-                        data.read_into(buf[pos : pos + n])
-                    except MpsdError as exc:
-                        if not waiting:
-                            raise
-                        waiting[k].set_exception(exc)
-            pos += n
 
 
 class WorkerProcess:
@@ -435,13 +432,13 @@ class WorkerProcess:
 
     async def infer_batch(
         self,
-        requests: Sequence[InferRequest],
-        timings: Timings,
+        tensors: Tensors[T_co],
+        timings: PhaseTimes,
         waiting: Sequence[asyncio.Future[Any]] = (),
         deadline: float | None = None,
-    ) -> list[tuple[OutputTensor, ...]]:
-        """Run requests as one execution: their inputs are concatenated along the batch dimension straight
-        into shared memory, and each request gets its own rows of every output it asked for.
+    ) -> T_co:
+        """Run one execution: `tensors` writes its inputs straight into the slot's shared memory and reads
+        its results out of it; `timings` gets the phases (the daemon's own writing and reading included).
 
         Takes one of the worker's slots for the execution; with both in use it waits for one to free up.
         Once every future in `waiting` is done (the callers went away) or `deadline` (time.monotonic(), the
@@ -450,7 +447,7 @@ class WorkerProcess:
         slot = await self._take_slot()
         kept = False  # the worker still uses the slot after this call ends: it is freed when it answers
         try:
-            return await self._run_in_slot(slot, requests, timings, waiting, deadline)
+            return await self._run_in_slot(slot, tensors, timings, waiting, deadline)
         except _Abandoned as abandoned:
             kept = True
             abandoned.pending.add_done_callback(lambda _: self._give_slot(slot))
@@ -462,36 +459,28 @@ class WorkerProcess:
     async def _run_in_slot(
         self,
         slot: int,
-        requests: Sequence[InferRequest],
-        timings: Timings,
+        tensors: Tensors[T_co],
+        timings: PhaseTimes,
         waiting: Sequence[asyncio.Future[Any]],
         deadline: float | None,
-    ) -> list[tuple[OutputTensor, ...]]:
+    ) -> T_co:
         model = self.launch.model
         if self.died.is_set() or self._stopping or self._transport is None:
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        total_rows = sum(r.batch_size for r in requests)
-        first = requests[0].inputs
-        refs = []
-        offset = p.CONTROL_BYTES
-        for i, t in enumerate(first):
-            n = sum(len(r.inputs[i].data) for r in requests)
-            shape = (total_rows, *t.shape[1:]) if len(requests) > 1 else t.shape
-            refs.append(p.TensorRef(t.name, t.datatype, shape, offset, n))
-            offset = _align(offset + n)
+        size = tensors.lay_out()
         regions = self.slots[slot]
-        in_region = regions.input_for(offset)
+        in_region = regions.input_for(size)
         buf = in_region.buf
         buf[0] = 0  # wanted (see `_watch`)
-        assemble(buf, refs, requests, waiting)
+        tensors.write(buf)
         out = regions.output_region()
-        wanted = list(dict.fromkeys(name for r in requests for name in r.outputs))
+        wanted = tensors.outputs()
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
         in_ref, out_ref = region_ref(in_region), region_ref(out)
-        msg = p.Infer(req_id, tuple(refs), tuple(wanted), in_ref, out_ref, slot, time.monotonic_ns())
+        msg = p.Infer(req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns())
         pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
         self._inflight[req_id] = (pending, slot)
         self._transport.write(encode(msg))
@@ -515,56 +504,12 @@ class WorkerProcess:
         regions.mapped_by_worker()
         out = regions.output_region()  # the worker may have asked for a larger one meanwhile
         r0 = loop.time()
-        results = self._split(requests, reply.outputs, out, total_rows)
+        results = tensors.read(reply.outputs, out.buf)
         read_ns = int((loop.time() - r0) * 1e9)
         timings.worker_wait_ns = reply.waited_ns
         timings.compute_input_ns = write_ns + reply.compute_input_ns
         timings.compute_infer_ns = reply.compute_infer_ns
         timings.compute_output_ns = reply.compute_output_ns + read_ns
-        return results
-
-    def _split(
-        self, requests: Sequence[InferRequest], refs: Sequence[p.TensorRef], out: Region, total_rows: int
-    ) -> list[tuple[OutputTensor, ...]]:
-        """Each request's rows of each output it asked for, copied once out of shared memory."""
-        by_name = {ref.name: ref for ref in refs}
-        if len(requests) == 1:
-            only = requests[0]
-            return [
-                tuple(
-                    OutputTensor(
-                        ref.name,
-                        ref.datatype,
-                        ref.shape,
-                        bytes(out.buf[ref.offset : ref.offset + ref.nbytes]),
-                    )
-                    for ref in (by_name[name] for name in only.outputs)
-                )
-            ]
-        for ref in refs:
-            if not ref.shape or ref.shape[0] != total_rows:
-                raise Internal(
-                    f"output '{ref.name}': a batch of {total_rows} rows gave shape {list(ref.shape)}; "
-                    "the first dimension must be the batch"
-                )
-        results = []
-        row = 0
-        for r in requests:
-            tensors = []
-            for name in r.outputs:
-                ref = by_name[name]
-                row_bytes = ref.nbytes // total_rows
-                start = ref.offset + row * row_bytes
-                tensors.append(
-                    OutputTensor(
-                        name,
-                        ref.datatype,
-                        (r.batch_size, *ref.shape[1:]),
-                        bytes(out.buf[start : start + r.batch_size * row_bytes]),
-                    )
-                )
-            results.append(tuple(tensors))
-            row += r.batch_size
         return results
 
     async def _wait_reply(self, req_id: int, pending: asyncio.Future[object]) -> object:
