@@ -15,7 +15,7 @@ from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.stats import VersionStats
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
-from mpsd.daemon.supervise.worker_process import WorkerLaunch, WorkerProcess
+from mpsd.daemon.supervise.worker.channel import WorkerLaunch, WorkerProcess
 from mpsd.errors import ErrorCode, LoadError, MpsdError, Unavailable, WorkerDied
 
 log = structlog.get_logger("mpsd.daemon.model")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from mpsd.daemon.supervise.worker_process import WorkerLaunch, WorkerProcess
+from mpsd.daemon.supervise.worker.channel import WorkerLaunch, WorkerProcess
 from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SLOTS
 

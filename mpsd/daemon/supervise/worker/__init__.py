@@ -1,0 +1,1 @@
+"""The daemon's handle on one worker process."""
