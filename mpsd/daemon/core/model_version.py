@@ -15,7 +15,8 @@ from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.stats import VersionStats
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
-from mpsd.daemon.supervise.worker.channel import WorkerLaunch, WorkerProcess
+from mpsd.daemon.supervise.worker.handle import WorkerProcess
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import ErrorCode, LoadError, MpsdError, Unavailable, WorkerDied
 
 log = structlog.get_logger("mpsd.daemon.model")

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from mpsd.daemon.supervise.worker.channel import WorkerLaunch, WorkerProcess
+from mpsd.daemon.supervise.worker.handle import WorkerProcess
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SLOTS
 

@@ -1,41 +1,35 @@
-"""The daemon's handle on one worker process: spawn, IPC, shared memory, death detection.
+"""The execution channel to one worker: the frames on its socket and the executions in flight on it.
 
 At most `SLOTS` executions at a time per worker, each with its own input and output regions: the next
-batch can wait in the worker's socket while the current one runs.
+batch can wait in the worker's socket while the current one runs. The caller lays out, writes and reads
+the tensors (`Tensors`); the channel provides the slot's shared memory, sends the execution, waits for
+the answer (or the request timeout), and marks an execution nobody waits for any more abandoned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
-import os
-import signal
 import socket
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-import structlog
-
-from mpsd.daemon.supervise.child_output import output_lines
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
-from mpsd.errors import Internal, LoadError, WorkerDied, error_from_code
+from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.errors import Internal, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 
-log = structlog.get_logger("mpsd.daemon.worker")
-
+T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 
 class Tensors(Protocol[T_co]):
     """One execution's tensors, laid out, written and read by the caller (`core.batching.marshal`): the
-    worker's handle provides the slot's regions and calls these while it holds the slot."""
+    channel provides the slot's regions and calls these while it holds the slot."""
 
     @property
     def refs(self) -> tuple[p.TensorRef, ...]:
@@ -76,37 +70,6 @@ class _Abandoned(Exception):
         self.cause = cause
 
 
-def describe_exit(returncode: int | None) -> str:
-    """`exit code 3` / `killed by signal 9 (SIGKILL)`, as operators read it."""
-    if returncode is None:
-        return "ended (status unknown)"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "unknown"
-        return f"killed by signal {-returncode} ({name})"
-    return f"exit code {returncode}"
-
-
-@dataclass(frozen=True)
-class WorkerLaunch:
-    """Everything needed to start one worker for one instance of one model version."""
-
-    model: p.ModelSpec
-    instance: int
-    kind: str
-    memory_fraction: float | None
-    env: Mapping[str, str]
-    max_device_memory_bytes: int | None = None
-    max_rss_bytes: int | None = None
-    gpu: int | None = None  # pinned: its index among the daemon's GPUs (the worker sees only it, as cuda:0)
-
-    @property
-    def label(self) -> str:
-        return f"{self.model.name}/{self.model.version}#{self.instance}"
-
-
 def _watch(
     control: memoryview,
     waiting: Sequence[asyncio.Future[Any]],
@@ -139,28 +102,21 @@ def _watch(
     return unwatch
 
 
-class WorkerProcess:
+class Channel:
+    """`hung(reason)` is called when an execution gets no answer within `request_timeout_s` (0: no limit);
+    every message counts as a sign of life for `liveness`, and memory snapshots go to it."""
+
     def __init__(
-        self, launch: WorkerLaunch, request_timeout_s: float = 0.0, heartbeat_timeout_s: float = 10.0
+        self, model: p.ModelSpec, liveness: Liveness, request_timeout_s: float, hung: Callable[[str], None]
     ) -> None:
-        self.launch = launch
+        self.model = model
+        self.liveness = liveness
         self.request_timeout_s = request_timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.kill_reason = ""
-        self.last_seen = 0.0
-        self.over_ceiling = asyncio.Event()
-        self.ceiling_reason = ""
-        self._baseline_checked = False
-        self.pid: int | None = None
-        self.returncode: int | None = None
-        self.ready: p.Ready | None = None
-        self.memory: dict[str, int] = {}
-        self.died = asyncio.Event()
-        self._proc: asyncio.subprocess.Process | None = None
+        self.refusing = False  # the worker is stopping or gone: no execution is sent any more
+        self._hung = hung
         self._transport: asyncio.Transport | None = None
-        self._beats: socket.socket | None = None  # heartbeats from the worker, a datagram each
-        self._load_reply: asyncio.Future[object] | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._reply: asyncio.Future[object] | None = None
+        self._closed: Callable[[], None] = lambda: None
         self._req_ids = itertools.count(1)
         # Up to p.SLOTS executions in flight, each with its own regions: the next batch waits in the
         # worker's socket while the current one runs.
@@ -168,255 +124,73 @@ class WorkerProcess:
         self._free_slots = list(range(p.SLOTS))[::-1]
         self._slot_freed = asyncio.Event()
         self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
-        self._stopping = False
 
-    @property
-    def exit_description(self) -> str:
-        return describe_exit(self.returncode)
+    def expect_reply(self) -> asyncio.Future[object]:
+        """The next message from the worker, whatever it is (the answer to Init); fails with ConnectionError
+        if the worker closes the channel first."""
+        self._reply = asyncio.get_running_loop().create_future()
+        return self._reply
 
-    async def start(self, timeout_s: float) -> p.Ready:
-        """Spawn (exec, never fork), send Init, wait for Ready; raises LoadError with the reason."""
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        # Heartbeats have a channel of their own: the worker's main thread is then the only writer of its
-        # socket and sends without a lock; a datagram is one beat, whole or not at all.
-        beats, child_beats = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "mpsd.worker",
-                "--fd",
-                str(child_sock.fileno()),
-                "--beat-fd",
-                str(child_beats.fileno()),
-                "--parent-pid",
-                str(os.getpid()),
-                pass_fds=(child_sock.fileno(), child_beats.fileno()),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=dict(self.launch.env),
-            )
-        except BaseException:
-            beats.close()
-            raise
-        finally:
-            child_sock.close()
-            child_beats.close()
-        self.pid = self._proc.pid
+    async def connect(self, sock: socket.socket, closed: Callable[[], None]) -> None:
+        """Take over the daemon's end of the worker's socket; `closed` is called once the worker's end
+        closes."""
+        self._closed = closed
         loop = asyncio.get_running_loop()
-        beats.setblocking(False)
-        self._beats = beats
-        loop.add_reader(beats.fileno(), self._on_beat)
-        self._load_reply = loop.create_future()
         transport, _ = await loop.create_unix_connection(
-            lambda: FrameProtocol(self._on_message, self._on_closed), sock=parent_sock
+            lambda: FrameProtocol(self._on_message, self._on_closed), sock=sock
         )
         self._transport = transport
-        log.info("worker started", worker=self.launch.label, pid=self.pid, kind=self.launch.kind)
-        assert self._proc.stdout is not None and self._proc.stderr is not None
-        self._tasks.append(asyncio.create_task(self._pump_output(self._proc.stdout, "stdout")))
-        self._tasks.append(asyncio.create_task(self._pump_output(self._proc.stderr, "stderr")))
-        beat = max(0.1, min(1.0, self.heartbeat_timeout_s / 5)) if self.heartbeat_timeout_s else 1.0
-        init = p.Init(
-            self.launch.model,
-            self.launch.instance,
-            self.launch.kind,
-            self.launch.memory_fraction,
-            heartbeat_interval_s=beat,
-            snapshot_after_request=bool(self.launch.max_device_memory_bytes or self.launch.max_rss_bytes),
-        )
-        self._transport.write(encode(init))
-        try:
-            reply = await asyncio.wait_for(asyncio.shield(self._load_reply), timeout_s)
-        except (ConnectionError, TimeoutError) as exc:
-            timed_out = isinstance(exc, TimeoutError)
-            await self.kill()
-            if timed_out:
-                raise LoadError(f"worker did not become ready within {timeout_s:g} s") from None
-            raise LoadError(f"worker {self.exit_description} while loading") from None
-        if isinstance(reply, p.LoadFailed):
-            await self._wait_exit(5.0)
-            raise LoadError(reply.reason)
-        if not isinstance(reply, p.Ready):
-            await self.kill()
-            raise LoadError(f"protocol error: unexpected {type(reply).__name__} during load")
-        if self.launch.gpu is not None and reply.device.get("kind") == "cuda":
-            # Reported as the GPU's index among the daemon's, the numbering `gpus` and metrics use.
-            reply = dataclasses.replace(reply, device={**reply.device, "index": self.launch.gpu})
-        self.ready = reply
-        device = reply.device
-        skipped = device.get("skipped")
-        extra: dict[str, object] = {"skipped_devices": skipped} if skipped else {}  # KIND_AUTO: why not a GPU
-        if self.launch.model.cuda_graph_batch_sizes:  # asked for: say what was recorded, or why none
-            off = f"off: not on a CUDA device ({device.get('kind')})"
-            extra["cuda_graphs"] = list(reply.cuda_graphs) or off
-            extra["cuda_graphs_ms"] = round(reply.cuda_graphs_ms, 1)
-        log.info(
-            "worker ready",
-            **extra,
-            worker=self.launch.label,
-            pid=self.pid,
-            kind=self.launch.kind,
-            device=device.get("kind"),
-            device_index=device.get("index"),
-            device_name=device.get("name"),
-            memory_fraction=device.get("memory_fraction"),
-            load_ms=round(reply.load_ms, 1),
-            warmup_ms=round(reply.warmup_ms, 1),
-        )
-        self.last_seen = loop.time()
-        if self.heartbeat_timeout_s:
-            self._tasks.append(asyncio.create_task(self._watch_heartbeat()))
-        return reply
 
-    async def _pump_output(self, stream: asyncio.StreamReader, name: str) -> None:
-        """Every line a worker prints becomes a log event tagged with its model and pid."""
-        level = log.info if name == "stdout" else log.warning
-
-        def too_long() -> None:
-            log.warning("worker output line too long; dropped", worker=self.launch.label, pid=self.pid)
-
-        async for text in output_lines(stream, too_long):
-            level(
-                text,
-                source=f"worker.{name}",
-                worker=self.launch.label,
-                model=self.launch.model.name,
-                version=self.launch.model.version,
-                pid=self.pid,
-            )
-
-    def _on_beat(self) -> None:
-        """Heartbeats waiting on the beat channel: each says the worker process is still running."""
-        try:
-            while self._beats is not None:
-                if not self._beats.recv(16):
-                    self._close_beats()  # the worker's end is closed: it is gone, _on_closed follows
-                    return
-        except BlockingIOError:
-            pass
-        except OSError:
-            self._close_beats()
-            return
-        self.last_seen = asyncio.get_running_loop().time()
-
-    def _close_beats(self) -> None:
-        if self._beats is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._beats.fileno())
-            self._beats.close()
-            self._beats = None
+    def send(self, msg: object) -> None:
+        assert self._transport is not None
+        self._transport.write(encode(msg))
 
     def _on_message(self, msg: object) -> None:
         """Every message from the worker, handled as it arrives (in the socket's read callback)."""
-        self.last_seen = asyncio.get_running_loop().time()
-        if self._load_reply is not None:  # loading: the first other message is the answer to Init
-            if not self._load_reply.done():
-                self._load_reply.set_result(msg)
-            self._load_reply = None
+        self.liveness.last_seen = asyncio.get_running_loop().time()
+        if self._reply is not None:  # loading: the first other message is the answer to Init
+            if not self._reply.done():
+                self._reply.set_result(msg)
+            self._reply = None
         elif isinstance(msg, p.NeedOutput):
             entry = self._inflight.get(msg.req_id)
             if entry is not None:
                 self._grow_output(entry[1], msg.nbytes)
         elif isinstance(msg, p.MemorySnapshot):
-            self.memory = msg.memory
-            self._check_ceilings(msg.memory)
-            log.debug("worker memory", worker=self.launch.label, pid=self.pid, **msg.memory)
+            self.liveness.snapshot(msg.memory)
         elif isinstance(msg, (p.InferDone, p.InferFailed)):
             entry = self._inflight.pop(msg.req_id, None)
             if entry is not None and not entry[0].done():
                 entry[0].set_result(msg)
 
     def _on_closed(self, exc: Exception | None) -> None:
-        self._close_beats()
-        if self._load_reply is not None and not self._load_reply.done():
-            self._load_reply.set_exception(ConnectionError("the worker closed its channel"))
-        self._tasks.append(asyncio.create_task(self._after_close()))
+        if self._reply is not None and not self._reply.done():
+            self._reply.set_exception(ConnectionError("the worker closed its channel"))
+        self._closed()
 
-    async def _after_close(self) -> None:
-        """The channel is gone: wait for the process, fail the request in flight, report the death."""
-        await self._wait_exit(None)
+    def fail(self, message: str) -> None:
+        """The worker is gone: every execution in flight fails with WorkerDied(message), and no other is
+        sent."""
+        self.refusing = True
         inflight = list(self._inflight.values())
         self._inflight.clear()
-        why = f" ({self.kill_reason})" if self.kill_reason else ""
         for pending, _ in inflight:
             if not pending.done():
-                pending.set_exception(
-                    WorkerDied(
-                        f"model '{self.launch.model.name}' version {self.launch.model.version}: worker "
-                        f"pid {self.pid} {self.exit_description}{why} while running the request"
-                    )
-                )
-        if not self._stopping and self.ready is not None:
-            log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
-        self._release_regions()
-        self.died.set()
+                pending.set_exception(WorkerDied(message))
 
-    def _check_ceilings(self, memory: dict[str, int]) -> None:
-        """Flag the worker for replacement once its memory passes a configured ceiling (MPS and CUDA caches
-        grow when input shapes vary). A ceiling below the freshly loaded model's own footprint is reported
-        once and then ignored, so a worker is never replaced in a loop."""
-        limits = (
-            (
-                "device memory",
-                self.launch.max_device_memory_bytes,
-                memory.get("allocated_bytes", memory.get("current_allocated_bytes")),
-            ),
-            ("RSS", self.launch.max_rss_bytes, memory.get("rss_bytes")),
-        )
-        over = [
-            (what, limit, used) for what, limit, used in limits if limit and used is not None and used > limit
-        ]
-        if not self._baseline_checked:
-            self._baseline_checked = True
-            if over:
-                what, limit, used = over[0]
-                log.warning(
-                    "memory ceiling is below the loaded model's footprint; not recycling this worker",
-                    worker=self.launch.label,
-                    pid=self.pid,
-                    measure=what,
-                    ceiling=limit,
-                    used=used,
-                )
-                self.launch = dataclasses.replace(
-                    self.launch, max_device_memory_bytes=None, max_rss_bytes=None
-                )
-            return
-        if over and not self.over_ceiling.is_set():
-            what, limit, used = over[0]
-            self.ceiling_reason = f"{what} {used} bytes above the ceiling of {limit}"
-            self.over_ceiling.set()
-
-    async def _watch_heartbeat(self) -> None:
-        """A worker silent for longer than the heartbeat timeout is stopped or wedged: kill it."""
-        loop = asyncio.get_running_loop()
-        while not self.died.is_set():
-            await asyncio.sleep(min(1.0, self.heartbeat_timeout_s / 4))
-            silent = loop.time() - self.last_seen
-            if silent > self.heartbeat_timeout_s and not self.died.is_set() and not self._stopping:
-                self.kill_reason = f"no heartbeat for {silent:.1f} s"
-                log.error("worker hung", worker=self.launch.label, pid=self.pid, reason=self.kill_reason)
-                if self._proc is not None and self._proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        self._proc.kill()
-                return
-
-    async def _wait_exit(self, timeout_s: float | None) -> None:
-        if self._proc is None:
-            return
-        try:
-            self.returncode = await asyncio.wait_for(self._proc.wait(), timeout_s)
-        except TimeoutError:
-            await self.kill()
+    def close(self) -> None:
+        """Close the socket and unmap the slots' regions."""
+        if self._transport is not None:
+            self._transport.close()
+        self.release()
 
     def _grow_output(self, slot: int, nbytes: int) -> None:
         region = self.slots[slot].grow_output(nbytes)
         assert self._transport is not None
         self._transport.write(encode(p.OutputRegion(region)))
 
-    def _release_regions(self) -> None:
+    def release(self) -> None:
+        """Unmap the slots' regions (an execution still running finds them gone)."""
         for regions in self.slots:
             regions.release()
 
@@ -432,11 +206,11 @@ class WorkerProcess:
 
     async def infer_batch(
         self,
-        tensors: Tensors[T_co],
+        tensors: Tensors[T],
         timings: PhaseTimes,
         waiting: Sequence[asyncio.Future[Any]] = (),
         deadline: float | None = None,
-    ) -> T_co:
+    ) -> T:
         """Run one execution: `tensors` writes its inputs straight into the slot's shared memory and reads
         its results out of it; `timings` gets the phases (the daemon's own writing and reading included).
 
@@ -459,13 +233,13 @@ class WorkerProcess:
     async def _run_in_slot(
         self,
         slot: int,
-        tensors: Tensors[T_co],
+        tensors: Tensors[T],
         timings: PhaseTimes,
         waiting: Sequence[asyncio.Future[Any]],
         deadline: float | None,
-    ) -> T_co:
-        model = self.launch.model
-        if self.died.is_set() or self._stopping or self._transport is None:
+    ) -> T:
+        model = self.model
+        if self.refusing or self._transport is None:
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -530,47 +304,5 @@ class WorkerProcess:
         try:
             return await asyncio.wait_for(asyncio.shield(pending), timeout)
         except TimeoutError:
-            self.kill_reason = f"no answer within request_timeout_s={timeout:g}"
-            log.error("worker hung", worker=self.launch.label, pid=self.pid, reason=self.kill_reason)
-            if self._proc is not None and self._proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.kill()
+            self._hung(f"no answer within request_timeout_s={timeout:g}")
             return await asyncio.shield(pending)
-
-    async def stop(self, timeout_s: float) -> None:
-        """Ask the worker to exit; TERM, then KILL if it does not."""
-        self._stopping = True
-        if self._proc is None or self.died.is_set():
-            return
-        if self._transport is not None:
-            with contextlib.suppress(Exception):
-                self._transport.write(encode(p.Shutdown()))
-        for sig, wait in ((None, timeout_s), (signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            if sig is not None and self._proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.send_signal(sig)
-            try:
-                await asyncio.wait_for(asyncio.shield(self.died.wait()), wait)
-                break
-            except TimeoutError:
-                continue
-        self._close()
-        log.info("worker stopped", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
-
-    async def kill(self) -> None:
-        self._stopping = True
-        if self._proc is not None:
-            if self._proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.kill()
-            self.returncode = await self._proc.wait()
-        self._close()
-
-    def _close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-        self._close_beats()
-        self._release_regions()
-
-
-__all__ = ["WorkerLaunch", "WorkerProcess", "describe_exit"]
