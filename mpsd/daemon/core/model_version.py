@@ -21,6 +21,8 @@ from mpsd.errors import ErrorCode, LoadError, MpsdError, Unavailable, WorkerDied
 
 log = structlog.get_logger("mpsd.daemon.model")
 
+VersionInstance = Instance[list[Pending], WorkerProcess]
+
 
 class VersionState(enum.Enum):
     LOADING = "LOADING"
@@ -50,11 +52,28 @@ class ModelVersion:
         self.reason = ""
         self.stats = VersionStats()
         self.queue = RequestQueue(config, f"'{name}' version {version}")
-        self.instances = [Instance(launch, self, settings) for launch in launches]
+        self.instances = [self._instance(launch) for launch in launches]
         self.inflight = 0
         self.load_duration_s: float | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _instance(self, launch: WorkerLaunch) -> VersionInstance:
+        return Instance(
+            launch,
+            self.settings,
+            self._new_worker,
+            self.queue,
+            self.execute,
+            self.instance_down,
+            self._instance_count,
+        )
+
+    def _new_worker(self, launch: WorkerLaunch) -> WorkerProcess:
+        return WorkerProcess(launch, self.settings.request_timeout_s, self.settings.heartbeat_timeout_s)
+
+    def _instance_count(self) -> int:
+        return len(self.instances)
 
     @property
     def label(self) -> str:
@@ -184,9 +203,7 @@ class ModelVersion:
         """Add or remove instances after a count-only change, leaving the running ones untouched."""
         current = {i.launch.instance: i for i in self.instances}
         wanted = {launch.instance: launch for launch in launches}
-        added = [
-            Instance(launch, self, self.settings) for idx, launch in wanted.items() if idx not in current
-        ]
+        added = [self._instance(launch) for idx, launch in wanted.items() if idx not in current]
         results = await asyncio.gather(*(i.start() for i in added), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
