@@ -323,3 +323,23 @@ def test_a_worker_over_its_memory_ceiling_hands_over_to_a_warm_replacement() -> 
         assert new.stopped
 
     run(scenario)
+
+
+def test_a_replacement_that_fails_to_start_leaves_the_old_worker_serving() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        await rig.instance.start()
+        old = rig.made[0]
+        rig.failures = 1
+        old.over_ceiling.set()
+        await until(lambda: len(rig.made) == 2 and rig.made[1].killed)
+        assert rig.instance.worker is old and not old.stopped and rig.instance.recycles == 0
+        rig.batches.put_nowait("b")
+        await until(lambda: len(rig.runs) == 1)
+        assert rig.runs == [("b", old)]
+        old.crash()  # and when it ends, it is restarted as any other
+        await until(lambda: rig.instance.restarts == 1)
+        assert rig.instance.worker is rig.made[2] and rig.sleeps == [0.5]
+        await rig.instance.stop()
+
+    run(scenario)

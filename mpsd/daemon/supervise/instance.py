@@ -157,6 +157,8 @@ class Instance(Generic[B, H]):
                         self._retiring.add(retiring)  # a strong reference until it is done
                         retiring.add_done_callback(self._retiring.discard)
                         continue
+                    # No replacement: the old worker keeps taking batches until it ends.
+                    await asyncio.wait({dispatch, died}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in (dispatch, died, over):
                     task.cancel()
