@@ -141,6 +141,10 @@ class Channel:
         )
         self._transport = transport
 
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
     def send(self, msg: object) -> None:
         assert self._transport is not None
         self._transport.write(encode(msg))

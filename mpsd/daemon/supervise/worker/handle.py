@@ -19,6 +19,8 @@ log = structlog.get_logger("mpsd.daemon.worker")
 
 
 class WorkerProcess:
+    """One worker, from exec to reaping; `died` is set once it has ended and its requests have failed."""
+
     def __init__(
         self, launch: WorkerLaunch, request_timeout_s: float = 0.0, heartbeat_timeout_s: float = 10.0
     ) -> None:
@@ -151,8 +153,9 @@ class WorkerProcess:
         self._stop_taking_work()
         if not self.process.started or self.died.is_set():
             return
-        with contextlib.suppress(Exception):
-            self.channel.send(p.Shutdown())
+        if self.channel.connected:
+            with contextlib.suppress(Exception):
+                self.channel.send(p.Shutdown())
         await self.process.stop(self.died, timeout_s)
         self._close()
         log.info("worker stopped", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
