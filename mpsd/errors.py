@@ -111,6 +111,18 @@ class ConfigError(MpsdError):
     max_message_bytes = None  # written by the operator, read by the operator: keep every problem
 
 
+class WorkerDied(Unavailable):
+    """The worker process ended while a request was in flight (or before it could be sent)."""
+
+
+class LoadError(MpsdError):
+    """A model (version, instance) could not be loaded or warmed up; the message is the reason shown to
+    operators (logs, the repository index) and, wrapped, to the client that asked for the load."""
+
+    code = ErrorCode.INTERNAL
+    max_message_bytes = None  # the worker's own reason (a traceback's last line, a path): kept whole
+
+
 def error_from_code(code: str, message: str) -> MpsdError:
     """Rebuild an error that crossed the IPC boundary as (code name, message)."""
     try:

@@ -19,9 +19,9 @@ import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpsd.daemon.core.batching.marshal import assemble
 from mpsd.daemon.core.request import InferRequest, InputTensor
 from mpsd.daemon.supervise.fronts.link import FrontLink
-from mpsd.daemon.supervise.worker_process import assemble
 from mpsd.front.main import CoreLink
 from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK, Allocator, chunk_size
 from mpsd.ipc.front_wire import HEADER, Kind

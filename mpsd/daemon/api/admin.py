@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from mpsd.daemon.api.inference import rpc
+from mpsd.daemon.core.model_version import ModelVersion, VersionInstance
 from mpsd.daemon.core.registry import Registry
-from mpsd.daemon.supervise.instance import Instance
 from mpsd.errors import InvalidArgument
 from mpsd.logs.events import BUS, Event, EventBus, EventFilter
 from mpsd.proto import admin_pb2 as pb
@@ -44,7 +44,7 @@ def event_message(event: Event, dropped: int = 0, replayed: bool = False) -> Any
     )
 
 
-def worker_message(instance: Instance, now: float) -> Any:
+def worker_message(mv: ModelVersion, instance: VersionInstance, now: float) -> Any:
     launch = instance.launch
     worker = instance.worker
     msg = pb.Worker(
@@ -53,7 +53,7 @@ def worker_message(instance: Instance, now: float) -> Any:
         instance=launch.instance,
         instance_kind=launch.kind,
         state=instance.state,
-        version_state=instance.version.state.value,
+        version_state=mv.state.value,
         restarts=instance.restarts,
         last_exit=instance.last_exit or "",
         last_error=instance.last_error or "",
@@ -115,7 +115,7 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
     async def ListWorkers(self, request: Any, context: Any) -> Any:
         now = time.monotonic()
         workers = [
-            worker_message(instance, now)
+            worker_message(mv, instance, now)
             for name in sorted(self.registry.entries)
             if not request.model or name == request.model
             for mv in self.registry.versions(name)

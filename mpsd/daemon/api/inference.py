@@ -18,8 +18,7 @@ from mpsd.daemon.api.client_shm import ClientShmRegistry
 from mpsd.daemon.api.parse import check_name, parse_infer_request
 from mpsd.daemon.api.wire_split import raw_output_parts, split_raw_contents
 from mpsd.daemon.core.registry import Registry
-from mpsd.daemon.supervise.worker_process import LoadError
-from mpsd.errors import FailedPrecondition, InvalidArgument, MpsdError, NotFound, Unimplemented
+from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, Unimplemented
 from mpsd.net.status import grpc_status
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc

@@ -9,15 +9,19 @@ import time
 import structlog
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.batching import Pending, RequestQueue, fail_all
+from mpsd.daemon.core.batching.marshal import BatchTensors
+from mpsd.daemon.core.batching.queue import Pending, RequestQueue, fail_all
 from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.stats import VersionStats
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
-from mpsd.daemon.supervise.worker_process import LoadError, WorkerDied, WorkerLaunch, WorkerProcess
-from mpsd.errors import ErrorCode, MpsdError, Unavailable
+from mpsd.daemon.supervise.worker.handle import WorkerProcess
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
+from mpsd.errors import ErrorCode, LoadError, MpsdError, Unavailable, WorkerDied
 
 log = structlog.get_logger("mpsd.daemon.model")
+
+VersionInstance = Instance[list[Pending], WorkerProcess]
 
 
 class VersionState(enum.Enum):
@@ -48,11 +52,28 @@ class ModelVersion:
         self.reason = ""
         self.stats = VersionStats()
         self.queue = RequestQueue(config, f"'{name}' version {version}")
-        self.instances = [Instance(launch, self, settings) for launch in launches]
+        self.instances = [self._instance(launch) for launch in launches]
         self.inflight = 0
         self.load_duration_s: float | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _instance(self, launch: WorkerLaunch) -> VersionInstance:
+        return Instance(
+            launch,
+            self.settings,
+            self._new_worker,
+            self.queue,
+            self.execute,
+            self.instance_down,
+            self._instance_count,
+        )
+
+    def _new_worker(self, launch: WorkerLaunch) -> WorkerProcess:
+        return WorkerProcess(launch, self.settings.request_timeout_s, self.settings.heartbeat_timeout_s)
+
+    def _instance_count(self) -> int:
+        return len(self.instances)
 
     @property
     def label(self) -> str:
@@ -131,9 +152,9 @@ class ModelVersion:
         try:
             deadlines = [item.deadline for item in batch]
             latest = None if None in deadlines else max(d for d in deadlines if d is not None)
-            outputs = await worker.infer_batch(
-                [item.request for item in batch], timings, [item.future for item in batch], latest
-            )
+            waiting = [item.future for item in batch]
+            tensors = BatchTensors([item.request for item in batch], waiting)
+            outputs = await worker.infer_batch(tensors, timings, waiting, latest)
         except MpsdError as exc:
             fail_all(batch, exc)
             skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited
@@ -182,9 +203,7 @@ class ModelVersion:
         """Add or remove instances after a count-only change, leaving the running ones untouched."""
         current = {i.launch.instance: i for i in self.instances}
         wanted = {launch.instance: launch for launch in launches}
-        added = [
-            Instance(launch, self, self.settings) for idx, launch in wanted.items() if idx not in current
-        ]
+        added = [self._instance(launch) for idx, launch in wanted.items() if idx not in current]
         results = await asyncio.gather(*(i.start() for i in added), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -20,8 +20,7 @@ from mpsd.daemon.core.model_version import ModelVersion, VersionState
 from mpsd.daemon.core.rollout import ModelEntry, ModelState, Rollout
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.placement import BudgetPolicy
-from mpsd.daemon.supervise.worker_process import LoadError
-from mpsd.errors import InvalidArgument, NotFound, Unavailable
+from mpsd.errors import InvalidArgument, LoadError, NotFound, Unavailable
 
 log = structlog.get_logger("mpsd.daemon.core.registry")
 

@@ -26,8 +26,7 @@ from mpsd.daemon.supervise.placement import (
     counts_resize_in_place,
     enforce_memory_budget,
 )
-from mpsd.daemon.supervise.worker_process import LoadError
-from mpsd.errors import ConfigError
+from mpsd.errors import ConfigError, LoadError
 
 log = structlog.get_logger("mpsd.daemon.core.registry")
 

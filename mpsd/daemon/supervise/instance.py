@@ -1,26 +1,69 @@
 """Supervision of one model instance: keep one worker alive, restart it with capped exponential back-off,
-and feed it batches from the version's queue."""
+and feed it batches from its version's queue.
+
+The instance knows its version only through what it is handed: a source of batches, what runs a batch on a
+worker, what to call when the instance goes down, and how many instances the version has. Workers come
+from a factory, so supervision is tested on fake handles.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 
-from mpsd.daemon.supervise.worker_process import LoadError, WorkerLaunch, WorkerProcess
+from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
+from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SLOTS
-
-if TYPE_CHECKING:
-    from mpsd.daemon.core.batching import Pending
-    from mpsd.daemon.core.model_version import ModelVersion
 
 log = structlog.get_logger("mpsd.daemon.supervisor")
 
-STABLE_AFTER_S = 30.0
+
+class WorkerHandle(Protocol):
+    """What supervision needs of a worker (`WorkerProcess`)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def died(self) -> asyncio.Event: ...
+
+    @property
+    def over_ceiling(self) -> asyncio.Event: ...
+
+    @property
+    def exit_description(self) -> str: ...
+
+    @property
+    def ceiling_reason(self) -> str: ...
+
+    async def start(self, timeout_s: float) -> object:
+        """Ready to serve, or LoadError."""
+        ...
+
+    async def stop(self, timeout_s: float) -> None: ...
+
+    async def kill(self) -> None: ...
+
+
+B = TypeVar("B")
+H = TypeVar("H", bound=WorkerHandle)
+
+
+class Batches(Protocol[B]):
+    """The version's queue, as an instance pulls from it."""
+
+    async def next_batch(self) -> B: ...
+
+    def requeue(self, batch: B) -> None:
+        """Give a batch back, in front: its instance went away before running it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -34,18 +77,39 @@ class SupervisorSettings:
     heartbeat_timeout_s: float = 10.0
 
 
-class Instance:
-    def __init__(self, launch: WorkerLaunch, version: ModelVersion, settings: SupervisorSettings) -> None:
+class Instance(Generic[B, H]):
+    """`execute(batch, worker)` runs a batch and settles its requests, whatever happens; `instance_down()` is
+    called whenever the worker is lost; `instance_count()` is how many instances the version has now."""
+
+    def __init__(
+        self,
+        launch: WorkerLaunch,
+        settings: SupervisorSettings,
+        new_worker: Callable[[WorkerLaunch], H],
+        batches: Batches[B],
+        execute: Callable[[B, H], Awaitable[None]],
+        instance_down: Callable[[], None],
+        instance_count: Callable[[], int],
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.launch = launch
-        self.version = version
         self.settings = settings
-        self.worker: WorkerProcess | None = None
+        self.worker: H | None = None
         self.state = "starting"
         self.restarts = 0
         self.recycles = 0
         self.last_exit: str | None = None
         self.last_error: str | None = None
         self.started_at = 0.0
+        self._new_worker = new_worker
+        self._batches = batches
+        self._execute_batch = execute
+        self._instance_down = instance_down
+        self._instance_count = instance_count
+        self._sleep = sleep
+        self._clock = clock
+        self._backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s, STABLE_AFTER_S)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._idle = asyncio.Event()  # set while no execution of this instance runs
@@ -63,20 +127,18 @@ class Instance:
         self.state = "ready"
         self._task = asyncio.create_task(self._supervise(), name=f"instance {self.launch.label}")
 
-    async def _spawn(self) -> WorkerProcess:
-        worker = WorkerProcess(
-            self.launch, self.settings.request_timeout_s, self.settings.heartbeat_timeout_s
-        )
+    async def _spawn(self) -> H:
+        worker = self._new_worker(self.launch)
         try:
             await worker.start(self.settings.start_timeout_s)
         except BaseException:
             await worker.kill()
             raise
-        self.started_at = time.monotonic()
+        self.started_at = self._clock()
+        self._backoff.started(self.started_at)
         return worker
 
     async def _supervise(self) -> None:
-        backoff = self.settings.backoff_initial_s
         while not self._stopping:
             worker = self.worker
             assert worker is not None
@@ -95,6 +157,8 @@ class Instance:
                         self._retiring.add(retiring)  # a strong reference until it is done
                         retiring.add_done_callback(self._retiring.discard)
                         continue
+                    # No replacement: the old worker keeps taking batches until it ends.
+                    await asyncio.wait({dispatch, died}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in (dispatch, died, over):
                     task.cancel()
@@ -105,19 +169,18 @@ class Instance:
             await worker.died.wait()
             self.state = "restarting"
             self.last_exit = worker.exit_description
-            self.version.instance_down()
-            if time.monotonic() - self.started_at > STABLE_AFTER_S:
-                backoff = self.settings.backoff_initial_s
+            self._instance_down()
+            self._backoff.ended(self._clock())
             while not self._stopping:
+                delay = self._backoff.delay()
                 log.warning(
                     "restarting worker",
                     worker=self.launch.label,
                     after=self.last_exit,
-                    delay_s=round(backoff, 2),
+                    delay_s=round(delay, 2),
                     restarts=self.restarts,
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.settings.backoff_max_s)
+                await self._sleep(delay)
                 if self._stopping:
                     return
                 try:
@@ -132,7 +195,7 @@ class Instance:
                 log.info("worker ready again", worker=self.launch.label, pid=self.worker.pid)
                 break
 
-    async def _replacement(self, worker: WorkerProcess) -> WorkerProcess | None:
+    async def _replacement(self, worker: H) -> H | None:
         """Start and warm up a new worker while the old one keeps serving."""
         log.warning(
             "worker over its memory ceiling: starting a replacement",
@@ -164,10 +227,10 @@ class Instance:
         """Executions this instance keeps in flight. With one instance the next batch waits in the worker
         while the current one runs, so the worker never idles between them; with several, each takes one
         at a time, so a batch always goes to an idle instance while there is one."""
-        return SLOTS if len(self.version.instances) == 1 else 1
+        return SLOTS if self._instance_count() == 1 else 1
 
-    async def _dispatch(self, worker: WorkerProcess, done_with: asyncio.Event) -> None:
-        queue = self.version.queue
+    async def _dispatch(self, worker: H, done_with: asyncio.Event) -> None:
+        queue = self._batches
         while not self._stopping and not done_with.is_set():
             if len(self._running) >= self._depth():
                 await asyncio.wait(set(self._running), return_when=asyncio.FIRST_COMPLETED)
@@ -181,9 +244,9 @@ class Instance:
             self._running.add(task)  # a strong reference while it runs
             task.add_done_callback(self._finished)
 
-    async def _execute(self, batch: list[Pending], worker: WorkerProcess) -> None:
+    async def _execute(self, batch: B, worker: H) -> None:
         with contextlib.suppress(Exception):  # `execute` settled every request; a death wakes `_supervise`
-            await self.version.execute(batch, worker)
+            await self._execute_batch(batch, worker)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)

@@ -8,7 +8,7 @@ from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.config.repository import ModelSource
 from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.daemon.supervise.placement import InstancePlacement, plan_instances, worker_environment
-from mpsd.daemon.supervise.worker_process import WorkerLaunch
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.ipc.protocol import ModelSpec, TensorSpec, WarmupSample, WarmupTensor
 
 # Variables meant for the daemon alone: a worker that inherited them could talk to systemd as if it were

@@ -1,7 +1,7 @@
 """The shared memory of one execution slot of a worker: an input region and an output region, owned by the
 daemon (a worker has `SLOTS` of them).
 
-Not to be confused with a front process's arena (`front/arena.py`), which holds requests on their way from
+Not to be confused with a front process's arena (`ipc/front_arena.py`), which holds requests on their way from
 a front to the daemon.
 
 Regions are reused from request to request and only replaced (by one twice as large) when a request does

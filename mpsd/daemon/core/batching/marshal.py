@@ -1,0 +1,141 @@
+"""A batch's tensors in a worker's shared memory: its requests' inputs concatenated along the batch
+dimension into the input region, and each request's rows of every output it asked for copied back out.
+
+The worker's handle provides the regions and moves no tensor bytes itself; it calls `BatchTensors` while it
+holds the execution's slot, so the regions cannot change under the copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from mpsd.daemon.core.request import InferRequest, OutputTensor
+from mpsd.errors import Internal, MpsdError
+from mpsd.ipc import protocol as p
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def assemble(
+    buf: memoryview,
+    refs: Sequence[p.TensorRef],
+    requests: Sequence[InferRequest],
+    waiting: Sequence[asyncio.Future[Any]],
+) -> None:
+    """Write the batch's inputs in place: each input's requests back to back from its ref's offset, one copy
+    per request's bytes.
+
+    A request whose caller is gone (cancelled after the batch was formed) keeps its rows but lends no bytes:
+    they may be in a front's arena chunk that is already in use for another call. Bytes in a client's shared
+    memory are read here; a request whose bytes cannot be read any more fails alone (its rows stay as they
+    were), when it has a caller to tell.
+    """
+    for i, ref in enumerate(refs):
+        pos = ref.offset
+        for k, r in enumerate(requests):
+            data = r.inputs[i].data
+            n = len(data)
+            if not (waiting and waiting[k].done()):
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    buf[pos : pos + n] = data
+                else:
+                    try:
+                        data.read_into(buf[pos : pos + n])
+                    except MpsdError as exc:
+                        if not waiting:
+                            raise
+                        waiting[k].set_exception(exc)
+            pos += n
+
+
+def split(
+    requests: Sequence[InferRequest], refs: Sequence[p.TensorRef], buf: memoryview, total_rows: int
+) -> list[tuple[OutputTensor, ...]]:
+    """Each request's rows of each output it asked for, copied once out of the output region."""
+    by_name = {ref.name: ref for ref in refs}
+    if len(requests) == 1:
+        only = requests[0]
+        return [
+            tuple(
+                OutputTensor(
+                    ref.name,
+                    ref.datatype,
+                    ref.shape,
+                    bytes(buf[ref.offset : ref.offset + ref.nbytes]),
+                )
+                for ref in (by_name[name] for name in only.outputs)
+            )
+        ]
+    for ref in refs:
+        if not ref.shape or ref.shape[0] != total_rows:
+            raise Internal(
+                f"output '{ref.name}': a batch of {total_rows} rows gave shape {list(ref.shape)}; "
+                "the first dimension must be the batch"
+            )
+    results = []
+    row = 0
+    for r in requests:
+        tensors = []
+        for name in r.outputs:
+            ref = by_name[name]
+            row_bytes = ref.nbytes // total_rows
+            start = ref.offset + row * row_bytes
+            tensors.append(
+                OutputTensor(
+                    name,
+                    ref.datatype,
+                    (r.batch_size, *ref.shape[1:]),
+                    bytes(buf[start : start + r.batch_size * row_bytes]),
+                )
+            )
+        results.append(tuple(tensors))
+        row += r.batch_size
+    return results
+
+
+class BatchTensors:
+    """One execution's tensors, as the worker's handle asks for them (`Tensors`): where the inputs go, their
+    bytes, the outputs wanted, and each request's share of the outputs.
+
+    `waiting` are the requests' futures (empty: nobody to tell); a request whose future is done lends no
+    bytes, and one whose bytes cannot be read fails through its future.
+    """
+
+    __slots__ = ("refs", "requests", "rows", "waiting")
+
+    def __init__(self, requests: Sequence[InferRequest], waiting: Sequence[asyncio.Future[Any]]) -> None:
+        self.requests = requests
+        self.waiting = waiting
+        self.refs: tuple[p.TensorRef, ...] = ()
+        self.rows = 0
+
+    def lay_out(self) -> int:
+        """Place each input in the input region (after the control block, 64-byte aligned), all requests'
+        rows back to back (`refs`); returns the region size that needs."""
+        requests = self.requests
+        self.rows = total_rows = sum(r.batch_size for r in requests)
+        refs = []
+        offset = p.CONTROL_BYTES
+        for i, t in enumerate(requests[0].inputs):
+            n = sum(len(r.inputs[i].data) for r in requests)
+            shape = (total_rows, *t.shape[1:]) if len(requests) > 1 else t.shape
+            refs.append(p.TensorRef(t.name, t.datatype, shape, offset, n))
+            offset = _align(offset + n)
+        self.refs = tuple(refs)
+        return offset
+
+    def write(self, buf: memoryview) -> None:
+        assemble(buf, self.refs, self.requests, self.waiting)
+
+    def outputs(self) -> tuple[str, ...]:
+        """Every output any request asked for, each once, in the order first asked."""
+        return tuple(dict.fromkeys(name for r in self.requests for name in r.outputs))
+
+    def read(self, refs: Sequence[p.TensorRef], buf: memoryview) -> list[tuple[OutputTensor, ...]]:
+        return split(self.requests, refs, buf, self.rows)

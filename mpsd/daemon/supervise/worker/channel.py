@@ -1,0 +1,312 @@
+"""The execution channel to one worker: the frames on its socket and the executions in flight on it.
+
+At most `SLOTS` executions at a time per worker, each with its own input and output regions: the next
+batch can wait in the worker's socket while the current one runs. The caller lays out, writes and reads
+the tensors (`Tensors`); the channel provides the slot's shared memory, sends the execution, waits for
+the answer (or the request timeout), and marks an execution nobody waits for any more abandoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from mpsd.daemon.supervise.slot_regions import SlotRegions
+from mpsd.daemon.supervise.slot_regions import ref as region_ref
+from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.errors import Internal, WorkerDied, error_from_code
+from mpsd.ipc import protocol as p
+from mpsd.ipc.framing import FrameProtocol, encode
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Tensors(Protocol[T_co]):
+    """One execution's tensors, laid out, written and read by the caller (`core.batching.marshal`): the
+    channel provides the slot's regions and calls these while it holds the slot."""
+
+    @property
+    def refs(self) -> tuple[p.TensorRef, ...]:
+        """Each input's place in the input region, as `lay_out` set it."""
+        ...
+
+    def lay_out(self) -> int:
+        """Place the inputs; returns the input region's size they need (control block included)."""
+        ...
+
+    def write(self, buf: memoryview) -> None:
+        """Copy the inputs into the input region."""
+        ...
+
+    def outputs(self) -> tuple[str, ...]:
+        """The outputs to compute."""
+        ...
+
+    def read(self, refs: Sequence[p.TensorRef], buf: memoryview) -> T_co:
+        """The results, copied out of the output region where the worker's `refs` say they are."""
+        ...
+
+
+class PhaseTimes(Protocol):
+    """Where an execution's time went, in nanoseconds (`core.request.Timings`)."""
+
+    worker_wait_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+class _Abandoned(Exception):
+    """The caller stopped waiting (cancelled) while the worker still runs its execution."""
+
+    def __init__(self, pending: asyncio.Future[object], cause: BaseException) -> None:
+        self.pending = pending
+        self.cause = cause
+
+
+def _watch(
+    control: memoryview,
+    waiting: Sequence[asyncio.Future[Any]],
+    deadline: float | None,
+    loop: asyncio.AbstractEventLoop,
+) -> Callable[[], None]:
+    """Mark the execution abandoned in its control block (byte 0) once every future in `waiting` is done or
+    the deadline passes; returns what stops watching. The worker skips an abandoned execution it has not
+    started, so a request cancelled or expired while the previous batch runs does not run after all."""
+
+    def mark(why: int) -> None:
+        with contextlib.suppress(ValueError):  # the regions were released (the worker died)
+            if control[0] == 0:
+                control[0] = why
+
+    def check(_: object = None) -> None:
+        if waiting and all(f.done() for f in waiting):
+            mark(p.ABANDONED_CANCELLED)
+
+    for future in waiting:
+        future.add_done_callback(check)
+    timer = loop.call_at(deadline, mark, p.ABANDONED_EXPIRED) if deadline is not None else None
+
+    def unwatch() -> None:
+        for future in waiting:
+            future.remove_done_callback(check)
+        if timer is not None:
+            timer.cancel()
+
+    return unwatch
+
+
+class Channel:
+    """`hung(reason)` is called when an execution gets no answer within `request_timeout_s` (0: no limit);
+    every message counts as a sign of life for `liveness`, and memory snapshots go to it."""
+
+    def __init__(
+        self, model: p.ModelSpec, liveness: Liveness, request_timeout_s: float, hung: Callable[[str], None]
+    ) -> None:
+        self.model = model
+        self.liveness = liveness
+        self.request_timeout_s = request_timeout_s
+        self.refusing = False  # the worker is stopping or gone: no execution is sent any more
+        self._hung = hung
+        self._transport: asyncio.Transport | None = None
+        self._reply: asyncio.Future[object] | None = None
+        self._closed: Callable[[], None] = lambda: None
+        self._req_ids = itertools.count(1)
+        # Up to p.SLOTS executions in flight, each with its own regions: the next batch waits in the
+        # worker's socket while the current one runs.
+        self.slots = tuple(SlotRegions() for _ in range(p.SLOTS))
+        self._free_slots = list(range(p.SLOTS))[::-1]
+        self._slot_freed = asyncio.Event()
+        self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
+
+    def expect_reply(self) -> asyncio.Future[object]:
+        """The next message from the worker, whatever it is (the answer to Init); fails with ConnectionError
+        if the worker closes the channel first."""
+        self._reply = asyncio.get_running_loop().create_future()
+        return self._reply
+
+    async def connect(self, sock: socket.socket, closed: Callable[[], None]) -> None:
+        """Take over the daemon's end of the worker's socket; `closed` is called once the worker's end
+        closes."""
+        self._closed = closed
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_unix_connection(
+            lambda: FrameProtocol(self._on_message, self._on_closed), sock=sock
+        )
+        self._transport = transport
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
+    def send(self, msg: object) -> None:
+        assert self._transport is not None
+        self._transport.write(encode(msg))
+
+    def _on_message(self, msg: object) -> None:
+        """Every message from the worker, handled as it arrives (in the socket's read callback)."""
+        self.liveness.last_seen = asyncio.get_running_loop().time()
+        if self._reply is not None:  # loading: the first other message is the answer to Init
+            if not self._reply.done():
+                self._reply.set_result(msg)
+            self._reply = None
+        elif isinstance(msg, p.NeedOutput):
+            entry = self._inflight.get(msg.req_id)
+            if entry is not None:
+                self._grow_output(entry[1], msg.nbytes)
+        elif isinstance(msg, p.MemorySnapshot):
+            self.liveness.snapshot(msg.memory)
+        elif isinstance(msg, (p.InferDone, p.InferFailed)):
+            entry = self._inflight.pop(msg.req_id, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_result(msg)
+
+    def _on_closed(self, exc: Exception | None) -> None:
+        if self._reply is not None and not self._reply.done():
+            self._reply.set_exception(ConnectionError("the worker closed its channel"))
+        self._closed()
+
+    def fail(self, message: str) -> None:
+        """The worker is gone: every execution in flight fails with WorkerDied(message), and no other is
+        sent."""
+        self.refusing = True
+        inflight = list(self._inflight.values())
+        self._inflight.clear()
+        for pending, _ in inflight:
+            if not pending.done():
+                pending.set_exception(WorkerDied(message))
+
+    def close(self) -> None:
+        """Close the socket and unmap the slots' regions."""
+        if self._transport is not None:
+            self._transport.close()
+        self.release()
+
+    def _grow_output(self, slot: int, nbytes: int) -> None:
+        region = self.slots[slot].grow_output(nbytes)
+        assert self._transport is not None
+        self._transport.write(encode(p.OutputRegion(region)))
+
+    def release(self) -> None:
+        """Unmap the slots' regions (an execution still running finds them gone)."""
+        for regions in self.slots:
+            regions.release()
+
+    async def _take_slot(self) -> int:
+        while not self._free_slots:
+            self._slot_freed.clear()
+            await self._slot_freed.wait()
+        return self._free_slots.pop()
+
+    def _give_slot(self, slot: int) -> None:
+        self._free_slots.append(slot)
+        self._slot_freed.set()
+
+    async def infer_batch(
+        self,
+        tensors: Tensors[T],
+        timings: PhaseTimes,
+        waiting: Sequence[asyncio.Future[Any]] = (),
+        deadline: float | None = None,
+    ) -> T:
+        """Run one execution: `tensors` writes its inputs straight into the slot's shared memory and reads
+        its results out of it; `timings` gets the phases (the daemon's own writing and reading included).
+
+        Takes one of the worker's slots for the execution; with both in use it waits for one to free up.
+        Once every future in `waiting` is done (the callers went away) or `deadline` (time.monotonic(), the
+        latest of the requests') has passed, an execution the worker has not started yet is skipped.
+        """
+        slot = await self._take_slot()
+        kept = False  # the worker still uses the slot after this call ends: it is freed when it answers
+        try:
+            return await self._run_in_slot(slot, tensors, timings, waiting, deadline)
+        except _Abandoned as abandoned:
+            kept = True
+            abandoned.pending.add_done_callback(lambda _: self._give_slot(slot))
+            raise abandoned.cause from None
+        finally:
+            if not kept:
+                self._give_slot(slot)
+
+    async def _run_in_slot(
+        self,
+        slot: int,
+        tensors: Tensors[T],
+        timings: PhaseTimes,
+        waiting: Sequence[asyncio.Future[Any]],
+        deadline: float | None,
+    ) -> T:
+        model = self.model
+        if self.refusing or self._transport is None:
+            raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        size = tensors.lay_out()
+        regions = self.slots[slot]
+        in_region = regions.input_for(size)
+        buf = in_region.buf
+        buf[0] = 0  # wanted (see `_watch`)
+        tensors.write(buf)
+        out = regions.output_region()
+        wanted = tensors.outputs()
+        write_ns = int((loop.time() - t0) * 1e9)
+        req_id = next(self._req_ids)
+        in_ref, out_ref = region_ref(in_region), region_ref(out)
+        msg = p.Infer(req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns())
+        pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
+        self._inflight[req_id] = (pending, slot)
+        self._transport.write(encode(msg))
+        unwatch = _watch(buf, waiting, deadline, loop)
+        try:
+            reply = await self._wait_reply(req_id, pending)
+        except BaseException as exc:
+            if not pending.done():
+                if buf[0] == 0:  # nobody will take the answer: the worker may skip it if not started
+                    buf[0] = p.ABANDONED_CANCELLED
+                raise _Abandoned(pending, exc) from None
+            raise
+        finally:
+            unwatch()
+        if isinstance(reply, p.InferFailed):
+            raise error_from_code(reply.code, reply.message)
+        if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
+            raise Internal(f"protocol error: unexpected reply {type(reply).__name__} from worker")
+        if regions.output is None:  # released: the worker died right after answering
+            raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
+        regions.mapped_by_worker()
+        out = regions.output_region()  # the worker may have asked for a larger one meanwhile
+        r0 = loop.time()
+        results = tensors.read(reply.outputs, out.buf)
+        read_ns = int((loop.time() - r0) * 1e9)
+        timings.worker_wait_ns = reply.waited_ns
+        timings.compute_input_ns = write_ns + reply.compute_input_ns
+        timings.compute_infer_ns = reply.compute_infer_ns
+        timings.compute_output_ns = reply.compute_output_ns + read_ns
+        return results
+
+    async def _wait_reply(self, req_id: int, pending: asyncio.Future[object]) -> object:
+        """The worker's answer; past the request timeout the worker counts as hung and is killed.
+
+        The timeout counts from when the execution is the oldest in flight: one sent while another runs
+        waits for that first. Shielded: a caller that is cancelled leaves the execution running, and its
+        slot stays taken until the worker answers.
+        """
+        timeout = self.request_timeout_s
+        if not timeout:
+            return await asyncio.shield(pending)
+        for older_id in [i for i in self._inflight if i < req_id]:
+            entry = self._inflight.get(older_id)
+            if entry is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(entry[0])
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), timeout)
+        except TimeoutError:
+            self._hung(f"no answer within request_timeout_s={timeout:g}")
+            return await asyncio.shield(pending)

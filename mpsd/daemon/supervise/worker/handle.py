@@ -1,0 +1,170 @@
+"""The daemon's handle on one worker: its process, its liveness and its execution channel behind the one
+interface an instance uses (start, infer_batch, stop, kill, died, over_ceiling)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import structlog
+
+from mpsd.daemon.supervise.worker.channel import Channel
+from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.daemon.supervise.worker.process import Process, WorkerLaunch, describe_exit
+from mpsd.errors import LoadError
+from mpsd.ipc import protocol as p
+
+log = structlog.get_logger("mpsd.daemon.worker")
+
+
+class WorkerProcess:
+    """One worker, from exec to reaping; `died` is set once it has ended and its requests have failed."""
+
+    def __init__(
+        self, launch: WorkerLaunch, request_timeout_s: float = 0.0, heartbeat_timeout_s: float = 10.0
+    ) -> None:
+        self.launch = launch
+        self.kill_reason = ""
+        self.ready: p.Ready | None = None
+        self.died = asyncio.Event()
+        self.process = Process(launch)
+        self.liveness = Liveness(launch, heartbeat_timeout_s, self._hung)
+        self.channel = Channel(launch.model, self.liveness, request_timeout_s, self._hung)
+        self.infer_batch = self.channel.infer_batch  # the hot path goes to the channel without a hop
+        self.over_ceiling = self.liveness.over_ceiling
+        self._stopping = False
+        self._after: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    @property
+    def exit_description(self) -> str:
+        return describe_exit(self.process.returncode)
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """The worker's latest memory snapshot."""
+        return self.liveness.memory
+
+    @property
+    def ceiling_reason(self) -> str:
+        return self.liveness.ceiling_reason
+
+    async def start(self, timeout_s: float) -> p.Ready:
+        """Spawn (exec, never fork), send Init, wait for Ready; raises LoadError with the reason."""
+        sock, beats = await self.process.spawn()
+        self.liveness.listen(beats, self.pid)
+        load_reply = self.channel.expect_reply()
+        await self.channel.connect(sock, self._on_closed)
+        log.info("worker started", worker=self.launch.label, pid=self.pid, kind=self.launch.kind)
+        self.process.pump_output()
+        init = p.Init(
+            self.launch.model,
+            self.launch.instance,
+            self.launch.kind,
+            self.launch.memory_fraction,
+            heartbeat_interval_s=self.liveness.interval_s,
+            snapshot_after_request=self.liveness.snapshots_wanted,
+        )
+        self.channel.send(init)
+        try:
+            reply = await asyncio.wait_for(asyncio.shield(load_reply), timeout_s)
+        except (ConnectionError, TimeoutError) as exc:
+            timed_out = isinstance(exc, TimeoutError)
+            await self.kill()
+            if timed_out:
+                raise LoadError(f"worker did not become ready within {timeout_s:g} s") from None
+            raise LoadError(f"worker {self.exit_description} while loading") from None
+        if isinstance(reply, p.LoadFailed):
+            await self._wait_exit(5.0)
+            raise LoadError(reply.reason)
+        if not isinstance(reply, p.Ready):
+            await self.kill()
+            raise LoadError(f"protocol error: unexpected {type(reply).__name__} during load")
+        if self.launch.gpu is not None and reply.device.get("kind") == "cuda":
+            # Reported as the GPU's index among the daemon's, the numbering `gpus` and metrics use.
+            reply = dataclasses.replace(reply, device={**reply.device, "index": self.launch.gpu})
+        self.ready = reply
+        device = reply.device
+        skipped = device.get("skipped")
+        extra: dict[str, object] = {"skipped_devices": skipped} if skipped else {}  # KIND_AUTO: why not a GPU
+        if self.launch.model.cuda_graph_batch_sizes:  # asked for: say what was recorded, or why none
+            off = f"off: not on a CUDA device ({device.get('kind')})"
+            extra["cuda_graphs"] = list(reply.cuda_graphs) or off
+            extra["cuda_graphs_ms"] = round(reply.cuda_graphs_ms, 1)
+        log.info(
+            "worker ready",
+            **extra,
+            worker=self.launch.label,
+            pid=self.pid,
+            kind=self.launch.kind,
+            device=device.get("kind"),
+            device_index=device.get("index"),
+            device_name=device.get("name"),
+            memory_fraction=device.get("memory_fraction"),
+            load_ms=round(reply.load_ms, 1),
+            warmup_ms=round(reply.warmup_ms, 1),
+        )
+        self.liveness.watch(self.died)
+        return reply
+
+    def _hung(self, reason: str) -> None:
+        """No heartbeat, or no answer in time: the worker is stopped or wedged; kill it."""
+        self.kill_reason = reason
+        log.error("worker hung", worker=self.launch.label, pid=self.pid, reason=reason)
+        self.process.kill_now()
+
+    def _on_closed(self) -> None:
+        self.liveness.close()
+        self._after = asyncio.create_task(self._after_close())
+
+    async def _after_close(self) -> None:
+        """The channel is gone: wait for the process, fail the requests in flight, report the death."""
+        await self._wait_exit(None)
+        why = f" ({self.kill_reason})" if self.kill_reason else ""
+        model = self.launch.model
+        self.channel.fail(
+            f"model '{model.name}' version {model.version}: worker "
+            f"pid {self.pid} {self.exit_description}{why} while running the request"
+        )
+        if not self._stopping and self.ready is not None:
+            log.error("worker died", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
+        self.channel.release()
+        self.died.set()
+
+    async def _wait_exit(self, timeout_s: float | None) -> None:
+        if not await self.process.wait_exit(timeout_s):
+            await self.kill()
+
+    def _stop_taking_work(self) -> None:
+        self._stopping = True
+        self.channel.refusing = True
+        self.liveness.off()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Ask the worker to exit; TERM, then KILL if it does not."""
+        self._stop_taking_work()
+        if not self.process.started or self.died.is_set():
+            return
+        if self.channel.connected:
+            with contextlib.suppress(Exception):
+                self.channel.send(p.Shutdown())
+        await self.process.stop(self.died, timeout_s)
+        self._close()
+        log.info("worker stopped", worker=self.launch.label, pid=self.pid, exit=self.exit_description)
+
+    async def kill(self) -> None:
+        self._stop_taking_work()
+        await self.process.kill()
+        self._close()
+
+    def _close(self) -> None:
+        self.channel.close()
+        self.liveness.close()
