@@ -98,7 +98,7 @@ class FrontLink:
                 self.transport.pause_reading()
         elif kind == Kind.CANCEL:
             # Cancelling the task cancels the request's future at once: a batch formed before then copies
-            # nothing from it (`core/batching/marshal.assemble`), so the answer below may free its arena chunk.
+            # nothing from it (`marshal.assemble`), so the answer below may free its arena chunk.
             task = self.calls.pop(call_id, None)
             if task is not None:
                 task.cancel()

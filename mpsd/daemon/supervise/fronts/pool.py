@@ -7,7 +7,8 @@ import contextlib
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -18,6 +19,7 @@ from mpsd.config.security import AuthConfig, Token
 from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
+from mpsd.daemon.supervise.restart import Backoff
 from mpsd.ipc.front_arena import ARENA_BYTES
 from mpsd.ipc.front_protocol import ArenaRegion, FrontAccess, FrontConfig
 from mpsd.ipc.front_wire import SOCKET_BUFFER, Buffer, Kind, frame, widen_buffers
@@ -35,7 +37,6 @@ def is_front_command(argv: Sequence[str]) -> bool:
 
 
 START_TIMEOUT_S = 30.0
-RESTART_DELAY_S = 1.0
 
 
 def _level_frame(level: str) -> tuple[Buffer, ...]:
@@ -86,6 +87,11 @@ class FrontPool:
         self._stop_listening: Callable[[], None] = lambda: None
         self._told_buffer_cap = False
         self._told_no_arena = False
+        # Restarts follow the workers' policy (restart_backoff_initial_s doubling to restart_backoff_max_s,
+        # forgiven after a stable run); the sleep and the clock are replaceable for tests.
+        self._backoffs: dict[int, Backoff] = {}
+        self._sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+        self._clock: Callable[[], float] = time.monotonic
 
     def served(self) -> dict[int, int]:
         """ModelInfer calls each front slot has handed to the core, over restarts."""
@@ -195,6 +201,7 @@ class FrontPool:
             arena.unlink()  # both ends have it mapped: the memory goes when both unmap it, however they end
         front = Front(index, process, link)
         self.fronts[index] = front
+        self._backoff(index).started(self._clock())
         log.info(
             "front listening",
             front=index,
@@ -224,19 +231,32 @@ class FrontPool:
         if not self._stopping and ready.done() and not ready.cancelled() and not ready.exception():
             log.warning("front process connection lost", front=link.index)
 
+    def _backoff(self, index: int) -> Backoff:
+        if index not in self._backoffs:
+            config = self._config
+            self._backoffs[index] = Backoff(config.restart_backoff_initial_s, config.restart_backoff_max_s)
+        return self._backoffs[index]
+
     async def _supervise(self, index: int) -> None:
-        """Restart a front that died; its clients reconnect and the kernel sends them to the live ones."""
+        """Restart a front that died, with back-off; its clients reconnect and the kernel sends them to the
+        live ones meanwhile."""
+        backoff = self._backoff(index)
         while not self._stopping:
             front = self.fronts[index]
             code = await front.process.wait()
             if self._stopping:
                 return
+            backoff.ended(self._clock())
             log.error("front process exited; restarting it", front=index, pid=front.process.pid, code=code)
             if front.link.transport is not None:
                 front.link.transport.close()
             self.restarts[index] = self.restarts.get(index, 0) + 1
             while not self._stopping:
-                await asyncio.sleep(RESTART_DELAY_S)
+                delay = backoff.delay()
+                log.warning("restarting front", front=index, delay_s=round(delay, 2))
+                await self._sleep(delay)
+                if self._stopping:
+                    return
                 try:
                     await self._spawn(index)
                     break
