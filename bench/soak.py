@@ -72,6 +72,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _is_worker(argv: list[str]) -> bool:
+    """A model worker: as started (`python -m mpsd.worker`) or as it names itself in ps."""
+    return "mpsd.worker" in argv or any(arg.startswith("mpsd: worker ") for arg in argv)
+
+
 def segments(pid: int) -> list[str]:
     """Named shared-memory segments of the daemon `pid` (mpsd names them mpsd-<pid>-<n>)."""
     shm = Path("/dev/shm")
@@ -190,7 +195,7 @@ def main() -> int:
                 reloads += 1
                 next_reload = now + 5
             if now >= next_kill:
-                workers = [c for c in proc.children() if "mpsd.worker" in " ".join(c.cmdline())]
+                workers = [c for c in proc.children() if _is_worker(c.cmdline())]
                 if workers:  # any worker: models with one instance fail requests while it restarts
                     os.kill(random.choice(workers).pid, signal.SIGKILL)
                     kills += 1

@@ -120,6 +120,22 @@ def test_the_fronts_listen_and_the_daemon_does_not_hold_the_port_alone(setup: Se
     assert scrape(setup.metrics_port)["mpsd_front_processes"] == FRONTS
 
 
+def test_every_process_is_named_by_its_role_in_ps(setup: Setup) -> None:
+    """`ps` and Activity Monitor show what each process is: the daemon with its address, each front with
+    its index, each worker with its model, version, instance and device."""
+
+    def title(pid: int) -> str:
+        return " ".join(psutil.Process(pid).cmdline()).strip()
+
+    assert title(setup.daemon.pid) == f"mpsd: daemon {setup.daemon.address}"
+    fronts = sorted(title(pid) for pid in front_pids(setup.daemon))
+    assert fronts == [f"mpsd: front {i}" for i in range(FRONTS)]
+    (worker,) = setup.daemon.started_workers("add_sub")
+    events = [json.loads(line) for line in setup.daemon.log().splitlines() if line.startswith("{")]
+    (ready,) = [e for e in events if e["event"] == "worker ready" and e["pid"] == worker]
+    assert title(worker) == f"mpsd: worker add_sub/1#0 ({ready['device']})"  # cpu here, cuda on a GPU
+
+
 def test_fronts_are_listed_with_the_workers_and_in_mpsd_status(setup: Setup) -> None:
     with grpc.insecure_channel(setup.daemon.address) as channel:
         admin = admin_pb2_grpc.MpsdAdminStub(channel)

@@ -15,6 +15,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from setproctitle import setproctitle
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
 from mpsd.config.security import AuthConfig, Token, read_tokens
@@ -323,4 +324,5 @@ class Daemon:
 
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
     eventloop.check(config.event_loop)  # before anything starts; `mpsd serve` checks it with the config
+    setproctitle(f"mpsd: daemon {config.grpc_address}")  # named in ps by role and address
     return eventloop.run(Daemon(config, config_path).run(), config.event_loop)

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import structlog
+from setproctitle import setproctitle
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
@@ -243,6 +244,7 @@ async def serve(sock: socket.socket) -> int:
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
     configure(settings.log_level, "json")
     structlog.contextvars.bind_contextvars(front=settings.index)
+    setproctitle(f"mpsd: front {settings.index}")  # named in ps by role
     address = parse_address(config.grpc_address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]

@@ -16,6 +16,8 @@ import traceback
 from collections import deque
 from typing import TYPE_CHECKING
 
+from setproctitle import setproctitle
+
 from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
@@ -40,6 +42,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     try:
         dtypes = ["TYPE_" + t.datatype for t in (*spec.inputs, *spec.outputs)]
         device, info = select_device(init.kind, init.memory_fraction, dtypes)
+        setproctitle(f"mpsd: worker {spec.name}/{spec.version}#{init.instance} ({info.kind})")
         limit_host_threads(device)
         torch.set_grad_enabled(False)
         backend = load_backend(spec, device)
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         return p.EXIT_PARENT_GONE
     if not isinstance(init, p.Init):
         return p.EXIT_PROTOCOL_ERROR
+    # Named in ps and Activity Monitor by role and model (the device is added once it is chosen).
+    setproctitle(f"mpsd: worker {init.model.name}/{init.model.version}#{init.instance}")
     start_heartbeat(beats, init.heartbeat_interval_s)
     try:
         runner = _load(sock, init)

@@ -31,9 +31,13 @@ log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 FRONT_MODULE = "mpsd.front"  # what a front process runs: `python -m FRONT_MODULE`
 
 
+FRONT_TITLE = "mpsd: front "  # what a front calls itself once it has its settings (setproctitle)
+
+
 def is_front_command(argv: Sequence[str]) -> bool:
-    """Whether a process's command line is a front process's (tools tell fronts from model workers)."""
-    return FRONT_MODULE in argv
+    """Whether a process's command line is a front process's (tools tell fronts from model workers): as
+    started, or as it names itself in ps."""
+    return FRONT_MODULE in argv or any(arg.startswith(FRONT_TITLE) for arg in argv)
 
 
 START_TIMEOUT_S = 30.0
