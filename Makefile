@@ -49,6 +49,7 @@ lint: install
 	$(BIN)/ruff check mpsd tests bench
 	$(BIN)/ruff format --check mpsd tests bench
 	$(BIN)/mypy mpsd
+	$(BIN)/lint-imports
 
 # Overhead benchmarks (bench/README.md); figures land in bench/results/. BENCH_ARGS=--quick: a smoke run.
 bench: install

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mpsd.ipc.protocol import ModelSpec
-from mpsd.worker.backends import map_outputs
+from mpsd.worker.backends.base import map_outputs
 
 HOW_TO_ALLOW = (
     "loading it unpickles arbitrary Python objects, which can run any code; if you trust the file, set "

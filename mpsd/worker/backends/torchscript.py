@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from mpsd.ipc.protocol import ModelSpec
-from mpsd.worker.backends import map_outputs
+from mpsd.worker.backends.base import map_outputs
 
 
 class TorchScriptBackend:

@@ -1,0 +1,42 @@
+"""What every backend is and shares: the Backend protocol and the mapping of a model's results to the
+configured output names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+
+class Backend(Protocol):
+    """A loaded model: positional inputs in config order in, named outputs out."""
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+def map_outputs(result: object, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Map what a TorchScript/export module returned to configured output names.
+
+    A tensor is the first output; a tuple/list maps by position; a dict maps by name.
+    """
+    if isinstance(result, torch.Tensor):
+        return {names[0]: result}
+    if isinstance(result, (tuple, list)):
+        if len(result) < len(names):
+            raise ValueError(f"model returned {len(result)} values but the config lists {len(names)} outputs")
+        mapped = dict(zip(names, result, strict=False))
+    elif isinstance(result, Mapping):
+        missing = [n for n in names if n not in result]
+        if missing:
+            raise ValueError(
+                f"model returned a dict without output(s) {', '.join(missing)} "
+                f"(it has {', '.join(map(str, result)) or 'none'})"
+            )
+        mapped = {n: result[n] for n in names}
+    else:
+        raise ValueError(f"model returned {type(result).__name__}; expected a tensor, tuple or dict")
+    for n, v in mapped.items():
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"model output '{n}' is a {type(v).__name__}, not a tensor")
+    return mapped
