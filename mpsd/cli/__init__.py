@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_ops_parsers(sub)
 
-    from mpsd.tools.cli import add_tool_parsers
+    from mpsd.cli.tools import add_tool_parsers
 
     add_tool_parsers(sub)
 
