@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
 
     try:
-        from mpsd.service.cli import add_service_parser
+        from mpsd.cli.service import add_service_parser
     except ImportError:
         pass
     else:

@@ -314,3 +314,12 @@ def add_service_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         elif name == "logs":
             parser.add_argument("-n", "--lines", type=int, default=50, help="lines to show (default: 50)")
             parser.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mpsd.service COMMAND ...`: the service commands alone, parsed as `mpsd service COMMAND`."""
+    parser = argparse.ArgumentParser(prog="mpsd")
+    add_service_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["service", *(sys.argv[1:] if argv is None else argv)])
+    result: int = args.func(args)
+    return result
