@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tool_parsers(sub)
 
-    from mpsd.tools.convert import add_convert_parser
+    from mpsd.cli.convert import add_convert_parser
 
     add_convert_parser(sub)
 
