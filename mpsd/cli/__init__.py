@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    from mpsd.ops_cli import add_ops_parsers
+    from mpsd.cli.ops import add_ops_parsers
 
     add_ops_parsers(sub)
 

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 
 from mpsd.tools.client import connect, inference_stub, rpc_failure
-from mpsd.tools.common import ToolError
+from mpsd.tools.common import ToolError, table
 
 NUMPY: dict[str, Any] = {
     "BOOL": np.bool_,
@@ -206,8 +206,6 @@ def _values(array: np.ndarray[Any, Any]) -> str:
 
 
 def render_table(model: str, version: str, outputs: Sequence[Output]) -> str:
-    from mpsd.ops_cli import table
-
     rows = [[o.name, o.datatype, str(list(o.array.shape)), _values(o.array)] for o in outputs]
     return f"{model} version {version}\n" + table(["OUTPUT", "DATATYPE", "SHAPE", "VALUES"], rows)
 
