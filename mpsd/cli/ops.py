@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from mpsd.connect import add_connection_args
+from mpsd.cli.connection import add_connection_args
 from mpsd.tools import ops
 from mpsd.tools.common import EX_UNAVAILABLE
 

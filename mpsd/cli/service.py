@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mpsd.connect import add_credential_args
+from mpsd.cli.connection import add_credential_args
 from mpsd.service.errors import ServiceError
 from mpsd.service.health import HealthTimeout, wait_until_serving
 from mpsd.service.launchctl import LaunchdManager
