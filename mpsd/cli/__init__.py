@@ -1,52 +1,16 @@
-"""The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks."""
+"""The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks.
+
+One module per command group parses its arguments and reports its errors: serve, ops (status, logs, health,
+reload), tools (validate, infer, models, init-model), convert (convert-config) and service. What the commands
+do lives with the code they drive (mpsd.tools, mpsd.service, mpsd.daemon).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import mpsd
-from mpsd.errors import ConfigError
-
-EX_CONFIG = 78
-DEFAULT_CONFIG = Path("config/mpsd.yaml")
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from mpsd.config.daemon_config import load_daemon_config
-    from mpsd.logs import configure
-
-    config_path: Path | None = args.config
-    if config_path is None and DEFAULT_CONFIG.is_file():
-        config_path = DEFAULT_CONFIG
-    try:
-        config = load_daemon_config(config_path)
-        if args.model_repository is not None:
-            config.model_repository = args.model_repository.resolve()
-        if args.grpc_address is not None:
-            config.grpc_address = args.grpc_address
-        if args.metrics_address is not None:
-            config.metrics_address = args.metrics_address
-        if args.log_level is not None:
-            config.log_level = args.log_level
-        if args.front_processes is not None:
-            config.front_processes = args.front_processes
-        from mpsd.daemon.supervise.fronts import front_count
-
-        front_count(config)  # a setting the address cannot serve is a configuration error
-        from mpsd.net import eventloop
-
-        eventloop.check(config.event_loop)
-        if not config.model_repository.is_dir():
-            raise ConfigError(f"model repository {config.model_repository} is not a directory")
-    except ConfigError as exc:
-        print(f"mpsd: configuration error: {exc.message}", file=sys.stderr)
-        return EX_CONFIG
-    configure(config.log_level, config.log_format)
-    from mpsd.daemon.main import serve
-
-    return serve(config, config_path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,40 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser(
-        "serve",
-        help="run the daemon in the foreground",
-        epilog="example: mpsd serve --config config/mpsd.yaml",
-    )
-    serve.add_argument(
-        "--config", type=Path, help=f"daemon config file (default: {DEFAULT_CONFIG} if present)"
-    )
-    serve.add_argument("--model-repository", type=Path, help="directory with one folder per model")
-    serve.add_argument("--grpc-address", help="host:port to listen on (default 127.0.0.1:8001)")
-    serve.add_argument(
-        "--metrics-address",
-        help='host:port of the Prometheus endpoint (default 127.0.0.1:8002); "" or "off" disables it',
-    )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument(
-        "--front-processes",
-        type=lambda v: v if v == "auto" else int(v),
-        help="gRPC front processes sharing the port (Linux; 0: none; default: the config's, auto)",
-    )
-    serve.set_defaults(func=_serve)
-
+    from mpsd.cli.convert import add_convert_parser
     from mpsd.cli.ops import add_ops_parsers
-
-    add_ops_parsers(sub)
-
+    from mpsd.cli.serve import add_serve_parser
     from mpsd.cli.tools import add_tool_parsers
 
+    add_serve_parser(sub)
+    add_ops_parsers(sub)
     add_tool_parsers(sub)
-
-    from mpsd.cli.convert import add_convert_parser
-
     add_convert_parser(sub)
-
     try:
         from mpsd.cli.service import add_service_parser
     except ImportError:
