@@ -15,10 +15,9 @@ from typing import Any
 import grpc
 
 from mpsd.cli.connection import add_connection_args
+from mpsd.logs.levels import CHOICES
 from mpsd.tools import ops
 from mpsd.tools.common import EX_UNAVAILABLE
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -91,7 +90,7 @@ def add_ops_parsers(sub: Any) -> None:
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
     logs.add_argument("--model", help="only events about this model")
     logs.add_argument(
-        "--level", choices=LOG_LEVELS, help="lowest level shown (default: info; every level with --kind)"
+        "--level", choices=CHOICES, help="lowest level shown (default: info; every level with --kind)"
     )
     logs.add_argument(
         "--kind",

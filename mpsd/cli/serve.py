@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsd.errors import ConfigError
+from mpsd.logs.levels import CHOICES
 
 EX_CONFIG = 78
 DEFAULT_CONFIG = Path("config/mpsd.yaml")
@@ -65,7 +66,7 @@ def add_serve_parser(subparsers: Any) -> None:
         "--metrics-address",
         help='host:port of the Prometheus endpoint (default 127.0.0.1:8002); "" or "off" disables it',
     )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", choices=CHOICES)
     serve.add_argument(
         "--front-processes",
         type=lambda v: v if v == "auto" else int(v),

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mpsd.config.repository import describe_yaml_error, format_validation_error
 from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
 from mpsd.errors import ConfigError
+from mpsd.logs.levels import LogLevel
 
 
 class DaemonConfig(BaseModel):
@@ -28,7 +29,7 @@ class DaemonConfig(BaseModel):
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: JSON lines unless stderr is a terminal."
     )

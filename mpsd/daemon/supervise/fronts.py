@@ -581,7 +581,7 @@ async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) ->
 
 
 LOG_LINE_LIMIT = 1 << 20  # a front's log line (a JSON event, a traceback on one line) up to 1 MiB
-FRONT_LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
+FRONT_LOG_LEVELS = frozenset(logs.SEVERITIES)
 
 
 async def _end(process: asyncio.subprocess.Process, timeout_s: float) -> None:
