@@ -12,8 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
+from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED, config_to_wire
 
+# The config spelling of each of mpsd.ipc.dtypes.DATATYPES (a Literal, so that the schema lists them).
 DataType = Literal[
     "TYPE_BOOL",
     "TYPE_UINT8",
@@ -60,7 +61,7 @@ class TensorConfig(_Strict):
     def _explain_unsupported(cls, value: object) -> object:
         if isinstance(value, str):
             # Triton's config spells the string type TYPE_STRING (BYTES on the wire).
-            wire = "BYTES" if value == "TYPE_STRING" else value.removeprefix("TYPE_")
+            wire = "BYTES" if value == "TYPE_STRING" else config_to_wire(value)
             if wire in UNSUPPORTED:
                 raise ValueError(UNSUPPORTED[wire])
         return value
@@ -75,7 +76,7 @@ class TensorConfig(_Strict):
 
     @property
     def wire_datatype(self) -> str:
-        return self.data_type.removeprefix("TYPE_")
+        return config_to_wire(self.data_type)
 
     @property
     def itemsize(self) -> int:
