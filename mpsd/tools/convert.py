@@ -14,13 +14,13 @@ import yaml
 
 def _source_file(path: Path) -> Path:
     """A config file, or the model directory holding exactly one."""
-    from mpsd.config.repository import config_path
+    from mpsd.config.repository import config_path, config_problem
 
     if not path.is_dir():
         return path
     found, conflict = config_path(path)
     if conflict is not None:
-        raise ValueError(conflict)
+        raise config_problem(conflict)
     return found
 
 

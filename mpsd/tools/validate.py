@@ -321,7 +321,7 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
         return report, None
     cfg_path, conflict = config_path(model_dir)
     if conflict is not None:
-        add(Problem(name, str(model_dir), "", conflict.removeprefix(f"{model_dir}: "), "remove one of them"))
+        add(Problem(name, str(model_dir), "", conflict.problem, "remove one of them"))
         return report, None
     source = load_model_source(model_dir, allow_symlinks)
     report.warnings = list(source.warnings)
