@@ -81,7 +81,7 @@ def _set(model_dir: Path, path: list[str | int], value: object) -> None:
 
 
 def broken_repository(repo: Path) -> None:
-    """One valid model and five broken ones, one kind of mistake each."""
+    """One valid model and six broken ones, one kind of mistake each."""
     models.add_sub(repo, "good")
     bad_yaml = models.add_sub(repo, "bad_yaml")
     unclosed = "backend: torchscript\ninput:\n  - {name: x, dims: [4]\noutput: []\n"
@@ -91,6 +91,7 @@ def broken_repository(repo: Path) -> None:
     (missing / "1" / "model.pt").unlink()
     _set(models.add_sub(repo, "zero_dims"), ["input", 1, "dims"], [0])
     _set(models.add_sub(repo, "wrong_output"), ["output", 1, "dims"], [8])  # the model returns 16
+    _set(models.add_sub(repo, "wrong_type"), ["output", 0, "data_type"], "TYPE_FP64")  # it returns FP32
 
 
 # model -> (file the problem is reported in, field)
@@ -100,7 +101,10 @@ STATIC_PROBLEMS = {
     "missing_file": ("missing_file/1/model.pt", "backend"),
     "zero_dims": ("zero_dims/config.yaml", "input[1].dims"),
 }
-LOAD_PROBLEMS = {"wrong_output": ("wrong_output/config.yaml", "output[1].dims")}
+LOAD_PROBLEMS = {
+    "wrong_output": ("wrong_output/config.yaml", "output[1].dims"),
+    "wrong_type": ("wrong_type/config.yaml", "output[0].data_type"),
+}
 
 
 def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path) -> None:
@@ -120,6 +124,7 @@ def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path)
     assert "did you mean 'max_batch_size'?" in text
     assert "invalid YAML" in text and "bad_yaml/config.yaml:4:" in text
     assert "wrong_output" not in text, "output dims can only be checked by loading the model"
+    assert "wrong_type" not in text, "output datatypes can only be checked by loading the model"
     assert text.count("    hint: ") == len(STATIC_PROBLEMS)
 
     # With --load the warm-up finds the fifth; --json carries the same facts for tools.
@@ -133,9 +138,12 @@ def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path)
     assert all(p["hint"] for p in report["problems"])
     wrong = next(p for p in report["problems"] if p["model"] == "wrong_output")
     assert "config dims [8]" in wrong["problem"] and wrong["hint"].startswith("set dims: [16]")
+    wrong_type = next(p for p in report["problems"] if p["model"] == "wrong_type")
+    assert "model returned FP32, config says FP64" in wrong_type["problem"]
+    assert wrong_type["hint"].startswith("set data_type: TYPE_FP32") and wrong_type["line"] is not None
     by_name = {m["name"]: m for m in report["models"]}
     assert by_name["good"]["ok"] and by_name["good"]["loaded"] is True
-    assert by_name["wrong_output"]["loaded"] is False
+    assert by_name["wrong_output"]["loaded"] is False and by_name["wrong_type"]["loaded"] is False
     assert "loading" in result.stderr  # progress goes to stderr, never into the JSON
 
 

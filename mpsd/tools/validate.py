@@ -35,8 +35,9 @@ from mpsd.config.repository import (
     load_model_source,
 )
 from mpsd.errors import ConfigError
+from mpsd.ipc.dtypes import wire_to_config
 from mpsd.tools.common import ToolError
-from mpsd.tools.trial import WARMUP_PREFIX, TrialError, load_and_warm_up
+from mpsd.tools.trial import TrialError, load_and_warm_up
 
 DOCS = "docs/configuration.md"
 BACKEND_BY_SUFFIX = {".pt": "torchscript", ".pt2": "torch_export", ".py": "python"}
@@ -388,9 +389,6 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
 
 # ---- loading -------------------------------------------------------------------------------------------
 
-_SHAPE = re.compile(r"^output '(?P<name>.*)': model returned shape \[(?P<shape>[^\]]*)\], config dims")
-_DTYPE = re.compile(r"^output '(?P<name>.*)': model returned (?P<got>\w+), config says (?P<want>\w+)$")
-
 LOAD_HINTS = {
     "torchscript": "model.pt must be written by torch.jit.save (a scripted or traced module), not torch.save",
     "torch_export": "model.pt2 must be written by torch.export.save from the same major PyTorch version",
@@ -426,15 +424,13 @@ def _trial_problems(source: ModelSource, version: int, error: TrialError) -> lis
             )
         ]
     problems = []
-    for part in WARMUP_PREFIX.sub("", error.message).split("; "):
-        shape, dtype = _SHAPE.match(part), _DTYPE.match(part)
-        match = shape or dtype
-        index = _index_of(config.output, match.group("name")) if match else None
-        if match is None or index is None:
-            problems.append(Problem(source.name, cfg_file, "output", part, f"see {DOCS}"))
+    for mismatch in error.mismatches:
+        index = _index_of(config.output, mismatch.output)
+        if index is None:
+            problems.append(Problem(source.name, cfg_file, "output", mismatch.message, f"see {DOCS}"))
             continue
-        if shape is not None:
-            got = [int(d) for d in shape.group("shape").split(",") if d.strip()]
+        if mismatch.shape is not None:
+            got = list(mismatch.shape)
             dims = got[1:] if config.max_batch_size > 0 else got
             loc: tuple[int | str, ...] = ("output", index, "dims")
             hint = f"set dims: {dims}"
@@ -442,8 +438,10 @@ def _trial_problems(source: ModelSource, version: int, error: TrialError) -> lis
                 hint += " (the batch dimension is left out)"
         else:
             loc = ("output", index, "data_type")
-            hint = f"set data_type: TYPE_{match.group('got')}, or change the model"
-        problems.append(Problem(source.name, cfg_file, field_path(loc), part, hint, line_of(text, loc)))
+            hint = f"set data_type: {wire_to_config(str(mismatch.datatype))}, or change the model"
+        problems.append(
+            Problem(source.name, cfg_file, field_path(loc), mismatch.message, hint, line_of(text, loc))
+        )
     return problems
 
 
