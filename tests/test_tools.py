@@ -147,6 +147,59 @@ def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path)
     assert "loading" in result.stderr  # progress goes to stderr, never into the JSON
 
 
+TRITON_ADD_SUB = """
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+"""
+
+
+def test_validate_shows_the_daemons_own_findings_whole_and_at_their_field(tmp_path: Path) -> None:
+    """What the daemon's readers, placement rules and repository scan find is one problem each, at the
+    field it is about, even where its text holds '; ' or ': '."""
+    repo = tmp_path / "repo"
+    for name, text in {
+        "triton_dup": TRITON_ADD_SUB.replace('name: "INPUT1"', 'name: "INPUT0"'),
+        "triton_onnx": TRITON_ADD_SUB.replace("pytorch_libtorch", "onnxruntime_onnx"),
+    }.items():
+        model = models.add_sub(repo, name)
+        (model / "config.yaml").unlink()
+        (model / "config.pbtxt").write_text(text)
+    _set(models.add_sub(repo, "fallback"), ["parameters"], {"mps_fallback": "maybe"})
+    linked = models.add_sub(repo, "linked") / "1" / "model.pt"
+    linked.rename(tmp_path / "model.pt")
+    linked.symlink_to(tmp_path / "model.pt")
+
+    result = mpsd("validate", str(repo), "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = json.loads(result.stdout)["problems"]
+    found = {p["model"]: p for p in problems}
+    assert len(problems) == len(found) == 4, problems
+    dup, onnx = found["triton_dup"], found["triton_onnx"]
+    assert (dup["file"], dup["field"]) == (str(repo / "triton_dup" / "config.pbtxt"), "input")
+    assert dup["problem"] == "input names must be unique; repeated: INPUT0"
+    assert dup["hint"].startswith("a list of")
+    assert onnx["field"] == "platform" and onnx["problem"].endswith(
+        'platform "pytorch_libtorch" or backend "pytorch"'
+    )
+    fallback = found["fallback"]
+    assert (fallback["field"], fallback["problem"]) == (
+        "parameters.mps_fallback",
+        'expected "true" or "false", got \'maybe\'',
+    )
+    assert fallback["line"] is not None
+    link = found["linked"]
+    assert (link["file"], link["field"]) == (str(linked), "")
+    assert link["problem"].endswith("; set allow_symlinks: true in the daemon config to allow it")
+
+
 def test_validate_passes_the_example_repository(example_repo: Path) -> None:
     result = mpsd("validate", str(example_repo), "--load")
     assert result.returncode == 0, result.stdout + result.stderr

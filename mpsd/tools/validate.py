@@ -23,18 +23,19 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from mpsd.config.model_config import DEFAULT_FILENAMES, Backend, DataType, Kind, ModelConfig
+from mpsd.config.model_config import DEFAULT_FILENAMES, Backend, DataType, Kind, ModelConfig, error_loc
 from mpsd.config.repository import (
     CONFIG_FILE,
     MODEL_NAME_RE,
     PBTXT_FILE,
     ModelSource,
     config_path,
-    describe_yaml_error,
+    error_text,
     is_ignored_name,
     load_model_source,
+    yaml_issue,
 )
-from mpsd.errors import ConfigError
+from mpsd.errors import ConfigError, Issue
 from mpsd.ipc.dtypes import wire_to_config
 from mpsd.tools.common import ToolError
 from mpsd.tools.trial import TrialError, load_and_warm_up
@@ -196,17 +197,11 @@ def hint_for(err: ErrorDetails, loc: Sequence[int | str]) -> str:
 def _schema_problems(model: str, cfg_path: Path, text: str, exc: ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
-        loc = tuple(err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if not loc:  # a whole-config rule; its message starts with the field it is about
-            first = re.split(r"[\s:]", msg, maxsplit=1)[0]
-            loc = (first,) if first in ModelConfig.model_fields else ()
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        elif err["type"] == "missing":
-            msg = "required field is missing"
+        loc = error_loc(err)  # a rule across fields is placed at the field it is about
         problems.append(
-            Problem(model, str(cfg_path), field_path(loc), msg, hint_for(err, loc), line_of(text, loc))
+            Problem(
+                model, str(cfg_path), field_path(loc), error_text(err), hint_for(err, loc), line_of(text, loc)
+            )
         )
     return problems
 
@@ -235,33 +230,33 @@ def _missing_file_hint(config: ModelConfig, version_dir: Path) -> str:
     return f"copy the model file to {version_dir / expected} (backend {config.backend} reads {expected})"
 
 
-def _placement_problem(name: str, cfg_path: Path, text: str, exc: ConfigError) -> Problem:
-    """ConfigError messages read `[model 'x': ]field: problem`; split them back into field and problem."""
-    message = re.sub(r"^model '[^']*': ", "", exc.message)
+def _issue_problem(name: str, issue: Issue, text: str = "", file: str = "") -> Problem:
+    """One problem the daemon's own checks found, from the issue they raised (`file` where it has none)."""
+    hint = FIELD_HINTS.get(_last_name(issue.loc), f"see {DOCS}")
+    line = line_of(text, issue.loc) if text else None
+    return Problem(name, issue.file or file, field_path(issue.loc), issue.problem, hint, line)
+
+
+def _placement_problems(name: str, cfg_path: Path, text: str, exc: ConfigError) -> list[Problem]:
+    issues = exc.issues or (_placement_issue(exc.message),)
+    return [_issue_problem(name, issue, text, str(cfg_path)) for issue in issues]
+
+
+def _placement_issue(message: str) -> Issue:
+    """The issue of a placement ConfigError raised without one: its message reads `[model 'x': ]field:
+    problem`, taken apart here until mpsd.daemon.supervise.placement attaches the issue itself."""
+    message = re.sub(r"^model '[^']*': ", "", message)
     match = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", message, re.DOTALL)
     path, problem = (match.group(1), match.group(2)) if match else ("", message)
-    loc: list[int | str] = []
-    for part in re.findall(r"[A-Za-z_]\w*|\[\d+\]", path):
-        loc.append(int(part[1:-1]) if part.startswith("[") else part)
-    hint = FIELD_HINTS.get(_last_name(loc), f"see {DOCS}")
-    return Problem(name, str(cfg_path), path, problem, hint, line_of(text, loc))
+    loc = [int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"[A-Za-z_]\w*|\[\d+\]", path)]
+    return Issue("", tuple(loc), problem)
 
 
-_DAEMON_PART = re.compile(r"^(?P<file>[^:]+): (?:field '(?P<field>[^']*)': )?(?P<problem>.*)$", re.DOTALL)
-
-
-def _daemon_problems(name: str, message: str) -> list[Problem]:
-    """The daemon's own one-line reason, split back into problems (`file: field 'x': problem; ...`)."""
-    problems = []
-    for part in message.split("; "):
-        match = _DAEMON_PART.match(part)
-        if match is None:
-            problems.append(Problem(name, "", "", part, f"see {DOCS}"))
-            continue
-        field_name = re.sub(r"\.(\d+)", r"[\1]", match.group("field") or "")  # input.0.dims -> input[0].dims
-        hint = FIELD_HINTS.get(re.sub(r"\[\d+\]", "", field_name).split(".")[-1], f"see {DOCS}")
-        problems.append(Problem(name, match.group("file"), field_name, match.group("problem"), hint))
-    return problems
+def _source_problems(name: str, source: ModelSource) -> list[Problem]:
+    """The daemon's own verdict on a model directory, one problem per issue it found."""
+    if not source.issues:  # no reason as data: show the reason as it is
+        return [Problem(name, "", "", source.error or "invalid config", f"see {DOCS}")]
+    return [_issue_problem(name, issue) for issue in source.issues]
 
 
 def _read_yaml_config(name: str, cfg_path: Path, report: ModelReport) -> tuple[ModelConfig, str] | None:
@@ -292,7 +287,7 @@ def _read_yaml_config(name: str, cfg_path: Path, report: ModelReport) -> tuple[M
                 name,
                 str(cfg_path),
                 "",
-                describe_yaml_error(cfg_path, exc).removeprefix(f"{cfg_path}: "),
+                yaml_issue(cfg_path, exc).problem,
                 "fix the YAML syntax there (unclosed brackets and tabs used for indentation are common)",
                 mark.line + 1 if mark is not None else None,
             )
@@ -329,7 +324,7 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
     text = ""
     if cfg_path.name == PBTXT_FILE:  # Triton's format: the daemon's reader gives the verdict
         if source.config is None:
-            report.problems.extend(_daemon_problems(name, source.error or "invalid config"))
+            report.problems.extend(_source_problems(name, source))
             return report, None
         config = source.config
     else:
@@ -351,7 +346,7 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
     try:
         plan_instances(config)
     except ConfigError as exc:
-        add(_placement_problem(name, cfg_path, text, exc))
+        report.problems.extend(_placement_problems(name, cfg_path, text, exc))
 
     available = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name))
     selected = config.version_policy.select(available)
@@ -383,7 +378,7 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
                 )
             )
     if source.error is not None and not report.problems:  # the daemon's own verdict always counts
-        report.problems.extend(_daemon_problems(name, source.error))
+        report.problems.extend(_source_problems(name, source))
     return report, (source if source.ok and report.ok else None)
 
 
