@@ -1,4 +1,7 @@
-"""How the command-line tools reach a running daemon: address, TLS and token, the same for every command."""
+"""How the command-line tools reach a running daemon: address, TLS and token, the same for every command.
+
+The options that fill these in are mpsd.cli.connection's; the service installer's health probe uses this too.
+"""
 
 from __future__ import annotations
 
@@ -14,28 +17,6 @@ DEFAULT_ADDRESS = "127.0.0.1:8001"
 TOKEN_ENV = "MPSD_TOKEN"
 # No client-side size limits: the daemon enforces its own.
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
-
-
-def add_connection_args(parser: argparse.ArgumentParser, timeout: float) -> None:
-    parser.add_argument(
-        "--address",
-        default=DEFAULT_ADDRESS,
-        help=f"the daemon's gRPC host:port or unix:///path (default {DEFAULT_ADDRESS})",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=timeout, help=f"seconds to wait for the daemon (default {timeout:g})"
-    )
-    add_credential_args(parser)
-
-
-def add_credential_args(parser: argparse.ArgumentParser) -> None:
-    """TLS and token options, for every tool that calls the daemon (the service installer's probe too)."""
-    parser.add_argument("--tls-ca", type=Path, help="CA certificate to verify a TLS daemon with")
-    parser.add_argument("--tls-cert", type=Path, help="client certificate, for a daemon that requires one")
-    parser.add_argument("--tls-key", type=Path, help="the client certificate's key")
-    parser.add_argument(
-        "--token-file", type=Path, help=f"file holding a bearer token (else ${TOKEN_ENV} if set)"
-    )
 
 
 class _BearerToken(grpc.AuthMetadataPlugin):  # type: ignore[misc]

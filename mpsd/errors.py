@@ -8,6 +8,8 @@ taxonomy must not depend on grpc.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 class ErrorCode(enum.Enum):
@@ -104,11 +106,37 @@ class Unauthenticated(MpsdError):
     code = ErrorCode.UNAUTHENTICATED
 
 
+@dataclass(frozen=True)
+class Issue:
+    """One configuration problem as data, for tools that show each on its own (`mpsd validate`): the file
+    ("" where the raiser does not know it), the field's path in it (`("input", 0, "dims")`; () for the file
+    as a whole) and what is wrong."""
+
+    file: str
+    loc: tuple[str | int, ...]
+    problem: str
+
+    def __str__(self) -> str:
+        """`file: field 'input.0.dims': problem`, the way the daemon's reasons name a field."""
+        where = f"field '{'.'.join(str(p) for p in self.loc)}': " if self.loc else ""
+        return f"{self.file}: {where}{self.problem}" if self.file else f"{where}{self.problem}"
+
+
 class ConfigError(MpsdError):
-    """A repository or daemon configuration problem; the message names the file, the field and the problem."""
+    """A repository or daemon configuration problem; the message names the file, the field and the problem,
+    and `issues`, where the raiser fills them in, hold the same as data (one per problem)."""
 
     code = ErrorCode.INVALID_ARGUMENT
     max_message_bytes = None  # written by the operator, read by the operator: keep every problem
+
+    def __init__(self, message: str, code: ErrorCode | None = None, *, issues: Iterable[Issue] = ()) -> None:
+        super().__init__(message, code)
+        self.issues = tuple(issues)
+
+
+class ModelConfigError(ConfigError, ValueError):
+    """A model's config that cannot be used. Also a ValueError, which the config readers have always raised
+    and their callers catch."""
 
 
 class WorkerDied(Unavailable):

@@ -7,6 +7,7 @@ is told how many events it lost.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -115,6 +116,36 @@ def test_log_settings_are_all_or_nothing() -> None:
         assert apply_log_settings({"log_verbose_level": 2})["log_info"] is True
     finally:
         set_level("info")
+
+
+def _choices(parser: argparse.ArgumentParser, command: str, option: str) -> tuple[str, ...]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    action = next(a for a in sub.choices[command]._actions if option in a.option_strings)
+    return tuple(action.choices or ())
+
+
+def test_every_chosen_level_is_known_to_config_output_stream_and_command_line() -> None:
+    """One table: a level the config accepts is one `serve --log-level`, `logs --level`, the output threshold
+    and the event stream accept too, and the other way round."""
+    from pydantic import ValidationError
+
+    from mpsd.cli import build_parser
+    from mpsd.config.daemon_config import DaemonConfig
+    from mpsd.logs.levels import CHOICES, SEVERITIES
+
+    parser = build_parser()
+    assert _choices(parser, "serve", "--log-level") == CHOICES
+    assert _choices(parser, "logs", "--level") == CHOICES
+    try:
+        for level in CHOICES:
+            assert DaemonConfig(log_level=level).log_level == level
+            set_level(level)
+            assert EventFilter(level=level).level == level
+    finally:
+        set_level("info")
+    for outside in sorted(set(SEVERITIES) - set(CHOICES)):  # critical: an event's severity, not a choice
+        with pytest.raises(ValidationError):
+            DaemonConfig(log_level=outside)  # type: ignore[arg-type]
 
 
 # ---- against a real daemon ---------------------------------------------------------------------------

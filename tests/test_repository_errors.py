@@ -12,6 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from mpsd.config.repository import load_model_source, parse_model_config, scan_repository
+from mpsd.errors import ModelConfigError
 from tests import models
 from tests.conftest import RunningDaemon
 
@@ -164,6 +165,52 @@ def test_parse_model_config_messages(document: str, words: tuple[str, ...]) -> N
     assert message.startswith("m/config.yaml: ")
     for word in words:
         assert word in message, f"{word!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(
+    ("document", "loc", "problem"),
+    [
+        (_doc(extra="max_batchsize: 4\n"), ("max_batchsize",), "unknown field"),
+        (_doc(in_dims="[0]"), ("input", 0, "dims"), "dimension 0 is not allowed"),
+        (_doc(extra="name: other\n"), ("name",), "'other' does not match the model directory 'm'"),
+        # rules across fields: pydantic places them at the top, the issue at the field the rule is about
+        (_doc(extra="dynamic_batching: {}\n"), ("dynamic_batching",), "needs max_batch_size > 0"),
+        ("input: []\noutput: [{name: OUT, data_type: TYPE_FP32, dims: [4]}]\n", ("input",), "at least one"),
+        ("input:\n  - name: [x\n", (), "invalid YAML at line "),
+        ("", (), "file is empty"),
+    ],
+    ids=["unknown_key", "zero_dim", "name_mismatch", "rule", "empty_list", "yaml", "empty"],
+)
+def test_parse_errors_carry_file_field_and_problem_as_data(
+    document: str, loc: tuple[str | int, ...], problem: str
+) -> None:
+    """What `mpsd validate` reads instead of taking the message apart again."""
+    with pytest.raises(ModelConfigError) as exc:
+        parse_model_config(Path("m/config.yaml"), document, "m")
+    [issue] = exc.value.issues
+    assert (issue.file, issue.loc) == ("m/config.yaml", loc)
+    assert problem in issue.problem and issue.problem in exc.value.message
+
+
+def test_a_broken_model_source_carries_its_reason_as_data(repo: Path) -> None:
+    for name in sorted(set(BROKEN) - {"wrong_dims"}):
+        source = load_model_source(repo / name)
+        assert source.issues, name
+        for issue in source.issues:
+            assert issue.file.startswith(str(repo / name)) and issue.problem in (source.error or "")
+
+
+def test_a_symlink_out_of_the_repository_is_one_issue(tmp_path: Path) -> None:
+    repo, outside = tmp_path / "repo", tmp_path / "outside"
+    models.write_config(repo / "m", _valid_config())
+    models.save_torchscript(models.Identity(), outside / "model.pt")
+    (repo / "m" / "1").mkdir()
+    (repo / "m" / "1" / "model.pt").symlink_to(outside / "model.pt")
+    source = load_model_source(repo / "m")
+    [issue] = source.issues
+    assert issue.file == str(repo / "m" / "1" / "model.pt") and issue.loc == ()
+    assert issue.problem.endswith("; set allow_symlinks: true in the daemon config to allow it")
+    assert source.error == str(issue)
 
 
 def test_version_directories_must_be_plain_numbers(tmp_path: Path) -> None:

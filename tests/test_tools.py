@@ -81,7 +81,7 @@ def _set(model_dir: Path, path: list[str | int], value: object) -> None:
 
 
 def broken_repository(repo: Path) -> None:
-    """One valid model and five broken ones, one kind of mistake each."""
+    """One valid model and six broken ones, one kind of mistake each."""
     models.add_sub(repo, "good")
     bad_yaml = models.add_sub(repo, "bad_yaml")
     unclosed = "backend: torchscript\ninput:\n  - {name: x, dims: [4]\noutput: []\n"
@@ -91,6 +91,7 @@ def broken_repository(repo: Path) -> None:
     (missing / "1" / "model.pt").unlink()
     _set(models.add_sub(repo, "zero_dims"), ["input", 1, "dims"], [0])
     _set(models.add_sub(repo, "wrong_output"), ["output", 1, "dims"], [8])  # the model returns 16
+    _set(models.add_sub(repo, "wrong_type"), ["output", 0, "data_type"], "TYPE_FP64")  # it returns FP32
 
 
 # model -> (file the problem is reported in, field)
@@ -100,7 +101,10 @@ STATIC_PROBLEMS = {
     "missing_file": ("missing_file/1/model.pt", "backend"),
     "zero_dims": ("zero_dims/config.yaml", "input[1].dims"),
 }
-LOAD_PROBLEMS = {"wrong_output": ("wrong_output/config.yaml", "output[1].dims")}
+LOAD_PROBLEMS = {
+    "wrong_output": ("wrong_output/config.yaml", "output[1].dims"),
+    "wrong_type": ("wrong_type/config.yaml", "output[0].data_type"),
+}
 
 
 def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path) -> None:
@@ -120,6 +124,7 @@ def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path)
     assert "did you mean 'max_batch_size'?" in text
     assert "invalid YAML" in text and "bad_yaml/config.yaml:4:" in text
     assert "wrong_output" not in text, "output dims can only be checked by loading the model"
+    assert "wrong_type" not in text, "output datatypes can only be checked by loading the model"
     assert text.count("    hint: ") == len(STATIC_PROBLEMS)
 
     # With --load the warm-up finds the fifth; --json carries the same facts for tools.
@@ -133,10 +138,66 @@ def test_validate_reports_every_mistake_with_file_field_and_hint(tmp_path: Path)
     assert all(p["hint"] for p in report["problems"])
     wrong = next(p for p in report["problems"] if p["model"] == "wrong_output")
     assert "config dims [8]" in wrong["problem"] and wrong["hint"].startswith("set dims: [16]")
+    wrong_type = next(p for p in report["problems"] if p["model"] == "wrong_type")
+    assert "model returned FP32, config says FP64" in wrong_type["problem"]
+    assert wrong_type["hint"].startswith("set data_type: TYPE_FP32") and wrong_type["line"] is not None
     by_name = {m["name"]: m for m in report["models"]}
     assert by_name["good"]["ok"] and by_name["good"]["loaded"] is True
-    assert by_name["wrong_output"]["loaded"] is False
+    assert by_name["wrong_output"]["loaded"] is False and by_name["wrong_type"]["loaded"] is False
     assert "loading" in result.stderr  # progress goes to stderr, never into the JSON
+
+
+TRITON_ADD_SUB = """
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+"""
+
+
+def test_validate_shows_the_daemons_own_findings_whole_and_at_their_field(tmp_path: Path) -> None:
+    """What the daemon's readers, placement rules and repository scan find is one problem each, at the
+    field it is about, even where its text holds '; ' or ': '."""
+    repo = tmp_path / "repo"
+    for name, text in {
+        "triton_dup": TRITON_ADD_SUB.replace('name: "INPUT1"', 'name: "INPUT0"'),
+        "triton_onnx": TRITON_ADD_SUB.replace("pytorch_libtorch", "onnxruntime_onnx"),
+    }.items():
+        model = models.add_sub(repo, name)
+        (model / "config.yaml").unlink()
+        (model / "config.pbtxt").write_text(text)
+    _set(models.add_sub(repo, "fallback"), ["parameters"], {"mps_fallback": "maybe"})
+    linked = models.add_sub(repo, "linked") / "1" / "model.pt"
+    linked.rename(tmp_path / "model.pt")
+    linked.symlink_to(tmp_path / "model.pt")
+
+    result = mpsd("validate", str(repo), "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = json.loads(result.stdout)["problems"]
+    found = {p["model"]: p for p in problems}
+    assert len(problems) == len(found) == 4, problems
+    dup, onnx = found["triton_dup"], found["triton_onnx"]
+    assert (dup["file"], dup["field"]) == (str(repo / "triton_dup" / "config.pbtxt"), "input")
+    assert dup["problem"] == "input names must be unique; repeated: INPUT0"
+    assert dup["hint"].startswith("a list of")
+    assert onnx["field"] == "platform" and onnx["problem"].endswith(
+        'platform "pytorch_libtorch" or backend "pytorch"'
+    )
+    fallback = found["fallback"]
+    assert (fallback["field"], fallback["problem"]) == (
+        "parameters.mps_fallback",
+        'expected "true" or "false", got \'maybe\'',
+    )
+    assert fallback["line"] is not None
+    link = found["linked"]
+    assert (link["file"], link["field"]) == (str(linked), "")
+    assert link["problem"].endswith("; set allow_symlinks: true in the daemon config to allow it")
 
 
 def test_validate_passes_the_example_repository(example_repo: Path) -> None:

@@ -8,9 +8,10 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpsd.config.repository import describe_yaml_error, format_validation_error
+from mpsd.config.repository import format_validation_error, validation_issues, yaml_issue
 from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
-from mpsd.errors import ConfigError
+from mpsd.errors import ConfigError, Issue
+from mpsd.logs.levels import LogLevel
 
 
 class DaemonConfig(BaseModel):
@@ -28,7 +29,7 @@ class DaemonConfig(BaseModel):
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: JSON lines unless stderr is a terminal."
     )
@@ -106,15 +107,18 @@ def load_daemon_config(path: Path | None) -> DaemonConfig:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
+        issue = Issue(str(path), (), "config file not found")
+        raise ConfigError(str(issue), issues=(issue,)) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(describe_yaml_error(path, exc)) from None
+        issue = yaml_issue(path, exc)
+        raise ConfigError(str(issue), issues=(issue,)) from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings")
+        issue = Issue(str(path), (), "expected a mapping of settings")
+        raise ConfigError(str(issue), issues=(issue,))
     try:
         cfg = DaemonConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(path, exc)) from None
+        raise ConfigError(format_validation_error(path, exc), issues=validation_issues(path, exc)) from None
     if not cfg.model_repository.is_absolute():
         cfg.model_repository = (path.parent / cfg.model_repository).resolve()
     if cfg.tls is not None:

@@ -11,9 +11,11 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
-from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
+from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED, config_to_wire
 
+# The config spelling of each of mpsd.ipc.dtypes.DATATYPES (a Literal, so that the schema lists them).
 DataType = Literal[
     "TYPE_BOOL",
     "TYPE_UINT8",
@@ -43,6 +45,23 @@ PLATFORMS: dict[str, str] = {
 GRAPH_STEP_MIN = 8
 
 
+class RuleError(ValueError):
+    """A rule across fields is broken; `loc` is the field it is about. pydantic reports such an error at
+    the top level (loc ()) but keeps this exception, so that `error_loc` can still place it."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def error_loc(err: ErrorDetails) -> tuple[str | int, ...]:
+    """Where a validation error is: pydantic's own location, else the field a broken rule names."""
+    if err["loc"]:
+        return tuple(err["loc"])
+    error = err.get("ctx", {}).get("error")
+    return error.loc if isinstance(error, RuleError) else ()
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -60,7 +79,7 @@ class TensorConfig(_Strict):
     def _explain_unsupported(cls, value: object) -> object:
         if isinstance(value, str):
             # Triton's config spells the string type TYPE_STRING (BYTES on the wire).
-            wire = "BYTES" if value == "TYPE_STRING" else value.removeprefix("TYPE_")
+            wire = "BYTES" if value == "TYPE_STRING" else config_to_wire(value)
             if wire in UNSUPPORTED:
                 raise ValueError(UNSUPPORTED[wire])
         return value
@@ -75,7 +94,7 @@ class TensorConfig(_Strict):
 
     @property
     def wire_datatype(self) -> str:
-        return self.data_type.removeprefix("TYPE_")
+        return config_to_wire(self.data_type)
 
     @property
     def itemsize(self) -> int:
@@ -191,7 +210,10 @@ class ModelWarmup(_Strict):
 
 
 def _check_graphs(config: ModelConfig) -> None:
-    """A CUDA graph is recorded at fixed shapes: every input's shape must be known but for the batch."""
+    """A CUDA graph is recorded at fixed shapes: every input's shape must be known but for the batch.
+
+    Its errors are plain ValueErrors, placed at the whole file: each message names the optimization fields.
+    """
     cuda = config.optimization.cuda
     if not cuda.graphs:
         if cuda.graph_spec:
@@ -218,6 +240,9 @@ def _check_graphs(config: ModelConfig) -> None:
         )
 
 
+_WARMUP = ("model_warmup",)
+
+
 def _check_warmup(config: ModelConfig) -> None:
     """Every sample feeds every required input with a shape and type the model accepts."""
     configured = config.input_by_name()
@@ -225,24 +250,25 @@ def _check_warmup(config: ModelConfig) -> None:
         where = f"model_warmup '{sample.name}'"
         unknown = sorted(set(sample.inputs) - set(configured))
         if unknown:
-            raise ValueError(f"{where}: unknown input(s) {', '.join(unknown)}")
+            raise RuleError(_WARMUP, f"{where}: unknown input(s) {', '.join(unknown)}")
         missing = [n for n in configured if n not in sample.inputs]
         if missing:  # optional ones too: mpsd always runs the model with every input
-            raise ValueError(f"{where}: no data for input(s) {', '.join(missing)}")
+            raise RuleError(_WARMUP, f"{where}: no data for input(s) {', '.join(missing)}")
         if config.max_batch_size == 0 and sample.batch_size != 1:
-            raise ValueError(f"{where}: batch_size must be 1 for a model with max_batch_size 0")
+            raise RuleError(_WARMUP, f"{where}: batch_size must be 1 for a model with max_batch_size 0")
         if sample.batch_size > max(config.max_batch_size, 1):
-            raise ValueError(
-                f"{where}: batch_size {sample.batch_size} exceeds max_batch_size {config.max_batch_size}"
+            raise RuleError(
+                _WARMUP,
+                f"{where}: batch_size {sample.batch_size} exceeds max_batch_size {config.max_batch_size}",
             )
         for name, data in sample.inputs.items():
             cfg = configured[name]
             if data.data_type != cfg.data_type:
-                raise ValueError(f"{where}: input '{name}' is {cfg.data_type}, not {data.data_type}")
+                raise RuleError(_WARMUP, f"{where}: input '{name}' is {cfg.data_type}, not {data.data_type}")
             if len(data.dims) != len(cfg.dims) or any(
                 c != -1 and c != d for c, d in zip(cfg.dims, data.dims, strict=True)
             ):
-                raise ValueError(f"{where}: input '{name}' dims {data.dims} do not match {cfg.dims}")
+                raise RuleError(_WARMUP, f"{where}: input '{name}' dims {data.dims} do not match {cfg.dims}")
 
 
 class ModelConfig(_Strict):
@@ -277,13 +303,13 @@ class ModelConfig(_Strict):
             names = [t.name for t in getattr(self, field)]
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
-                raise ValueError(f"{field} names must be unique; repeated: {', '.join(dupes)}")
+                raise RuleError((field,), f"{field} names must be unique; repeated: {', '.join(dupes)}")
         if not self.input:
-            raise ValueError("input: at least one input is required")
+            raise RuleError(("input",), "input: at least one input is required")
         if not self.output:
-            raise ValueError("output: at least one output is required")
+            raise RuleError(("output",), "output: at least one output is required")
         if self.dynamic_batching is not None and self.max_batch_size == 0:
-            raise ValueError("dynamic_batching needs max_batch_size > 0")
+            raise RuleError(("dynamic_batching",), "dynamic_batching needs max_batch_size > 0")
         _check_warmup(self)
         _check_graphs(self)
         return self

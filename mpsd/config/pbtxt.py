@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 from google.protobuf import text_format  # type: ignore[import-untyped]
 
 from mpsd.config.model_config import InstanceGroup, ModelConfig, VersionPolicy
-from mpsd.config.repository import check_config_name, validate_model_config
+from mpsd.config.repository import check_config_name, config_problem, validate_model_config
+from mpsd.errors import Issue, ModelConfigError
 from mpsd.proto import model_config_pb2 as mc
 
 # Triton's platform and backend names that mean a model mpsd serves, and which of its backends that is.
@@ -74,7 +75,7 @@ class _Reader:
         mps = False
         for field, value in _set_fields(msg):
             if field in _FATAL:
-                _fail(field, _FATAL[field])
+                _fail((field,), _FATAL[field])
             elif field in ("name", "default_model_filename", "max_batch_size"):
                 out[field] = value
             elif field in ("platform", "backend"):
@@ -93,7 +94,10 @@ class _Reader:
                 out[field] = [_warmup(i, w) for i, w in enumerate(value)]
             elif field == "model_transaction_policy":
                 if value.decoupled:
-                    _fail("model_transaction_policy.decoupled", "decoupled models are not supported by mpsd")
+                    _fail(
+                        ("model_transaction_policy", "decoupled"),
+                        "decoupled models are not supported by mpsd",
+                    )
             elif field != "parameters":
                 self.ignore(field)
         backend = _backend(msg.platform, msg.backend)
@@ -110,7 +114,7 @@ class _Reader:
     def tensor(self, field: str, i: int, t: Any) -> dict[str, Any]:
         path = f"{field}.{i}"
         if t.data_type == mc.TYPE_INVALID:
-            _fail(f"{path}.data_type", "required field is missing")
+            _fail((field, i, "data_type"), "required field is missing")
         out: dict[str, Any] = {
             "name": t.name,
             "data_type": mc.DataType.Name(t.data_type),
@@ -120,7 +124,7 @@ class _Reader:
             if key in ("name", "data_type", "dims"):
                 continue
             if key in _TENSOR_FATAL:
-                _fail(f"{path}.{key}", _TENSOR_FATAL[key])
+                _fail((field, i, key), _TENSOR_FATAL[key])
             if key == "optional":
                 out["optional"] = True
             else:
@@ -134,7 +138,10 @@ class _Reader:
             if key == "kind":
                 kind = mc.ModelInstanceGroup.Kind.Name(value)
                 if kind == "KIND_MODEL":
-                    _fail(f"{path}.kind", "KIND_MODEL (devices chosen by the model itself) is not supported")
+                    _fail(
+                        ("instance_group", i, "kind"),
+                        "KIND_MODEL (devices chosen by the model itself) is not supported",
+                    )
                 out["kind"] = kind
             elif key == "gpus":
                 out["gpus"] = list(value)
@@ -218,8 +225,12 @@ class _Reader:
             out["parameters"] = plain
 
 
-def _fail(path: str, why: str) -> NoReturn:
-    raise ValueError(f"field '{path}': {why}")
+Loc = tuple[str | int, ...]
+
+
+def _fail(loc: Loc, why: str) -> NoReturn:
+    """Refuse the config; the file is not known here (parse_pbtxt_config adds it)."""
+    raise config_problem(Issue("", loc, why))
 
 
 def _set_fields(msg: Any) -> list[tuple[str, Any]]:
@@ -229,7 +240,7 @@ def _set_fields(msg: Any) -> list[tuple[str, Any]]:
 def _backend(platform: str, backend: str) -> str | None:
     """mpsd's backend for Triton's platform/backend pair; anything but PyTorch fails naming the field."""
     if platform == "ensemble":
-        _fail("platform", _FATAL["ensemble_scheduling"])
+        _fail(("platform",), _FATAL["ensemble_scheduling"])
     chosen: set[str] = set()
     for field, value, known in (("platform", platform, _PLATFORMS), ("backend", backend, _BACKENDS)):
         if not value:
@@ -237,13 +248,13 @@ def _backend(platform: str, backend: str) -> str | None:
         if value not in known:
             note = " (Triton's Python models have a different interface)" if value == "python" else ""
             _fail(
-                field,
+                (field,),
                 f"'{value}' is not served by mpsd{note}; it serves PyTorch models: "
                 'platform "pytorch_libtorch" or backend "pytorch"',
             )
         chosen.add(known[value])
     if len(chosen) > 1:
-        _fail("backend", f"backend '{backend}' contradicts platform '{platform}'")
+        _fail(("backend",), f"backend '{backend}' contradicts platform '{platform}'")
     return chosen.pop() if chosen else None
 
 
@@ -267,12 +278,12 @@ def _warmup(i: int, sample: Any) -> dict[str, Any]:
     inputs: dict[str, Any] = {}
     for name in sorted(sample.inputs):
         data = sample.inputs[name]
-        path = f"model_warmup.{i}.inputs.{name}"
+        loc: Loc = ("model_warmup", i, "inputs", name)
         choice = data.WhichOneof("input_data_type")
         if choice == "input_data_file":
-            _fail(f"{path}.input_data_file", "data files are not supported; use zero_data or random_data")
+            _fail((*loc, "input_data_file"), "data files are not supported; use zero_data or random_data")
         if choice is None:
-            _fail(path, "set zero_data or random_data")
+            _fail(loc, "set zero_data or random_data")
         inputs[name] = {"data_type": mc.DataType.Name(data.data_type), "dims": list(data.dims)}
         inputs[name][choice] = getattr(data, choice)
     out["inputs"] = inputs
@@ -289,33 +300,37 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
     if len(parts) == 3 and parts[0] == "instance_group" and parts[2] in ("kind", "memory_fraction"):
         groups = out.setdefault("instance_group", [{}])
         if not parts[1].isdigit() or int(parts[1]) >= len(groups):
-            _fail(f"parameters.{key}", f"there is no instance_group {parts[1]}")
+            _fail(("parameters", key), f"there is no instance_group {parts[1]}")
         groups[int(parts[1])][parts[2]] = value
         return
     _fail(
-        f"parameters.{key}",
+        ("parameters", key),
         "unknown mpsd parameter (known: allow_pickle, max_device_memory_bytes, max_rss_bytes, "
         "instance_group.N.kind, instance_group.N.memory_fraction)",
     )
 
 
 def pbtxt_to_dict(text: str) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The config.yaml fields equivalent to a config.pbtxt, and the ignored fields; ValueError names the
-    field that cannot be honoured."""
+    """The config.yaml fields equivalent to a config.pbtxt, and the ignored fields; the ModelConfigError (a
+    ValueError) names the field that cannot be honoured."""
     try:
         msg = text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as exc:
-        raise ValueError(f"invalid protobuf text: {exc}") from None
+        raise config_problem(Issue("", (), f"invalid protobuf text: {exc}")) from None
     reader = _Reader()
     return reader.read(msg), tuple(reader.warnings)
 
 
 def parse_pbtxt_config(path: Path, text: str, dir_name: str | None) -> tuple[ModelConfig, tuple[str, ...]]:
-    """Parse and validate a config.pbtxt; ValueError messages name the file and the field."""
+    """Parse and validate a config.pbtxt; ModelConfigError (a ValueError) messages name the file and the
+    field."""
     try:
         raw, warnings = pbtxt_to_dict(text)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    except ModelConfigError as exc:
+        issues = [Issue(str(path), i.loc, i.problem) for i in exc.issues]
+        raise ModelConfigError(f"{path}: {exc.message}", issues=issues) from None
+    except ValueError as exc:  # anything else the protobuf reading refuses
+        raise config_problem(Issue(str(path), (), str(exc))) from None
     config = validate_model_config(path, raw)
     check_config_name(path, config, dir_name)
     return config, warnings

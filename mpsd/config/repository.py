@@ -14,8 +14,10 @@ from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
-from mpsd.config.model_config import ModelConfig
+from mpsd.config.model_config import ModelConfig, error_loc
+from mpsd.errors import Issue, ModelConfigError
 
 CONFIG_FILE = "config.yaml"
 PBTXT_FILE = "config.pbtxt"  # Triton's format, read when there is no config.yaml
@@ -40,17 +42,19 @@ def model_name_problem(name: str) -> str | None:
     return None
 
 
-def escape_problem(path: Path, root: Path, what: str) -> str | None:
+def escape_problem(path: Path, root: Path, what: str) -> Issue | None:
     """Why `path` may not be used: it resolves (through symlinks) to outside `root`. None when inside."""
     try:
         target = path.resolve(strict=True)
     except (OSError, RuntimeError) as exc:  # missing, a symlink loop
-        return f"{path}: cannot resolve {what}: {exc}"
+        return Issue(str(path), (), f"cannot resolve {what}: {exc}")
     if target.is_relative_to(root.resolve()):
         return None
-    return (
-        f"{path}: {what} is a symlink to {target}, outside the model repository; "
-        "set allow_symlinks: true in the daemon config to allow it"
+    return Issue(
+        str(path),
+        (),
+        f"{what} is a symlink to {target}, outside the model repository; "
+        "set allow_symlinks: true in the daemon config to allow it",
     )
 
 
@@ -66,6 +70,7 @@ class ModelSource:
     version_fingerprints: dict[int, str] = field(default_factory=dict)
     config_fingerprint: str = ""
     warnings: tuple[str, ...] = ()  # config fields that are ignored, each named with the reason
+    issues: tuple[Issue, ...] = ()  # `error` as data: file, field and problem of each part
 
     @property
     def ok(self) -> bool:
@@ -79,69 +84,93 @@ class ModelSource:
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def error_text(err: ErrorDetails) -> str:
+    """What one validation error says, in the words the reasons and `mpsd validate` use."""
+    if err["type"] == "extra_forbidden":
+        return "unknown field"
+    if err["type"] == "missing":
+        return "required field is missing"
+    return err["msg"].removeprefix("Value error, ")
+
+
 def format_validation_error(path: Path, exc: ValidationError) -> str:
     """One line per problem, each naming the file and the field."""
     problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown field"
-        elif err["type"] == "missing":
-            msg = "required field is missing"
-        problems.append(f"{path}: field '{loc}': {msg}")
+        problems.append(f"{path}: field '{loc}': {error_text(err)}")
     return "; ".join(problems)
+
+
+def validation_issues(path: Path, exc: ValidationError) -> tuple[Issue, ...]:
+    """The problems of `format_validation_error` as data; a broken rule is placed at the field it names."""
+    return tuple(Issue(str(path), error_loc(err), error_text(err)) for err in exc.errors())
+
+
+def yaml_issue(path: Path, exc: yaml.YAMLError) -> Issue:
+    """The file, where in it, and what the YAML parser disliked."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return Issue(str(path), (), f"invalid YAML{where}: {problem}")
 
 
 def describe_yaml_error(path: Path, exc: yaml.YAMLError) -> str:
     """One line: the file, where in it, and what the parser disliked."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    return f"{path}: invalid YAML{where}: {problem}"
+    return str(yaml_issue(path, exc))
+
+
+def config_problem(issue: Issue) -> ModelConfigError:
+    """The error for one problem of a model config, its message the problem in words."""
+    return ModelConfigError(str(issue), issues=(issue,))
 
 
 def parse_model_config(path: Path, text: str, dir_name: str | None) -> ModelConfig:
-    """Parse and validate a config.yaml; raises ValueError with a message naming file and field."""
+    """Parse and validate a config.yaml; raises ModelConfigError (a ValueError) naming file and field."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(describe_yaml_error(path, exc)) from None
+        raise config_problem(yaml_issue(path, exc)) from None
     if raw is None:
-        raise ValueError(f"{path}: file is empty; it must hold the model's config fields")
+        raise config_problem(Issue(str(path), (), "file is empty; it must hold the model's config fields"))
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of config fields, got {type(raw).__name__}")
+        problem = f"expected a mapping of config fields, got {type(raw).__name__}"
+        raise config_problem(Issue(str(path), (), problem))
     config = validate_model_config(path, raw)
     check_config_name(path, config, dir_name)
     return config
 
 
 def validate_model_config(path: Path, raw: dict[str, object]) -> ModelConfig:
-    """Validate config fields read from `path` (YAML or mapped from pbtxt); ValueError names each field."""
+    """Validate config fields read from `path` (YAML or mapped from pbtxt); the ModelConfigError (a
+    ValueError) names each field."""
     try:
         return ModelConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ValueError(format_validation_error(path, exc)) from None
+        raise ModelConfigError(
+            format_validation_error(path, exc), issues=validation_issues(path, exc)
+        ) from None
 
 
 def check_config_name(path: Path, config: ModelConfig, dir_name: str | None) -> None:
     """A config's name, when given, is its directory's (None: a file converted on its own, no check)."""
     if config.name is not None and dir_name is not None and config.name != dir_name:
-        raise ValueError(
-            f"{path}: field 'name': '{config.name}' does not match the model directory '{dir_name}'"
-        )
+        problem = f"'{config.name}' does not match the model directory '{dir_name}'"
+        raise config_problem(Issue(str(path), ("name",), problem))
 
 
-def config_path(model_dir: Path) -> tuple[Path, str | None]:
+def config_path(model_dir: Path) -> tuple[Path, Issue | None]:
     """The model's config file: config.yaml, else config.pbtxt; both present is an error (which wins
     would be a guess)."""
     yaml_path, pbtxt_path = model_dir / CONFIG_FILE, model_dir / PBTXT_FILE
     if not pbtxt_path.exists():
         return yaml_path, None
     if yaml_path.exists():
-        return yaml_path, (
-            f"{model_dir}: both {CONFIG_FILE} and {PBTXT_FILE} are present; keep one "
-            "(`mpsd convert-config` converts between them)"
+        return yaml_path, Issue(
+            str(model_dir),
+            (),
+            f"both {CONFIG_FILE} and {PBTXT_FILE} are present; keep one "
+            "(`mpsd convert-config` converts between them)",
         )
     return pbtxt_path, None
 
@@ -176,64 +205,58 @@ def _fingerprint_dir(directory: Path) -> str:
     return digest.hexdigest()
 
 
+def _broken(name: str, model_dir: Path, issue: Issue, config_fingerprint: str = "") -> ModelSource:
+    return ModelSource(
+        name, model_dir, error=str(issue), issues=(issue,), config_fingerprint=config_fingerprint
+    )
+
+
 def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSource:
-    """Read one model directory; problems come back in `error`, never as exceptions.
+    """Read one model directory; problems come back in `error` (and `issues`), never as exceptions.
 
     Unless `allow_symlinks`, the model directory, its config, version directories and model files must
     all resolve to inside the repository (the directory holding `model_dir`).
     """
     name = model_dir.name
     if not MODEL_NAME_RE.match(name):
-        return ModelSource(name, model_dir, error=f"{model_dir}: invalid model name '{name}'")
+        return _broken(name, model_dir, Issue(str(model_dir), (), f"invalid model name '{name}'"))
     root = model_dir.parent
     cfg_path, conflict = config_path(model_dir)
     if conflict is not None:
-        return ModelSource(name, model_dir, error=conflict)
+        return _broken(name, model_dir, conflict)
     if not allow_symlinks:
         escape = escape_problem(model_dir, root, "the model directory")
         if escape is None and cfg_path.exists():
             escape = escape_problem(cfg_path, root, cfg_path.name)
         if escape is not None:
-            return ModelSource(name, model_dir, error=escape)
+            return _broken(name, model_dir, escape)
     try:
         text = cfg_path.read_text()
     except FileNotFoundError:
-        return ModelSource(name, model_dir, error=f"{cfg_path}: file is missing")
+        return _broken(name, model_dir, Issue(str(cfg_path), (), "file is missing"))
     except OSError as exc:
-        return ModelSource(name, model_dir, error=f"{cfg_path}: cannot read: {exc.strerror}")
+        return _broken(name, model_dir, Issue(str(cfg_path), (), f"cannot read: {exc.strerror}"))
     except UnicodeDecodeError as exc:
-        return ModelSource(name, model_dir, error=f"{cfg_path}: not UTF-8 text (byte {exc.start})")
+        return _broken(name, model_dir, Issue(str(cfg_path), (), f"not UTF-8 text (byte {exc.start})"))
     cfg_fp = hashlib.sha256(text.encode()).hexdigest()
     try:
         config, warnings = _parse_config_file(cfg_path, text, name)
     except ValueError as exc:
-        return ModelSource(name, model_dir, error=str(exc), config_fingerprint=cfg_fp)
+        issues = exc.issues if isinstance(exc, ModelConfigError) else (Issue(str(cfg_path), (), str(exc)),)
+        return ModelSource(name, model_dir, error=str(exc), issues=issues, config_fingerprint=cfg_fp)
 
     try:
         available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name)]
     except OSError as exc:
-        return ModelSource(
-            name, model_dir, error=f"{model_dir}: cannot list: {exc.strerror}", config_fingerprint=cfg_fp
-        )
+        return _broken(name, model_dir, Issue(str(model_dir), (), f"cannot list: {exc.strerror}"), cfg_fp)
     versions = config.version_policy.select(available)
     if not versions:
-        return ModelSource(
-            name,
-            model_dir,
-            config=None,
-            error=f"{model_dir}: no version directory matches the version policy "
-            f"(found {sorted(available) or 'none'})",
-            config_fingerprint=cfg_fp,
-        )
+        problem = f"no version directory matches the version policy (found {sorted(available) or 'none'})"
+        return _broken(name, model_dir, Issue(str(model_dir), (), problem), cfg_fp)
     filename = config.model_filename
     if filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename:
-        return ModelSource(
-            name,
-            model_dir,
-            error=f"{cfg_path}: field 'default_model_filename': '{filename}' must be a plain file name "
-            "inside the version directory",
-            config_fingerprint=cfg_fp,
-        )
+        problem = f"'{filename}' must be a plain file name inside the version directory"
+        return _broken(name, model_dir, Issue(str(cfg_path), ("default_model_filename",), problem), cfg_fp)
     fingerprints: dict[int, str] = {}
     for v in versions:
         model_file = model_dir / str(v) / filename
@@ -242,11 +265,9 @@ def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSou
                 model_file, root, "the model file"
             )
             if escape is not None:
-                return ModelSource(name, model_dir, error=escape, config_fingerprint=cfg_fp)
+                return _broken(name, model_dir, escape, cfg_fp)
         if not model_file.is_file():
-            return ModelSource(
-                name, model_dir, error=f"{model_file}: model file is missing", config_fingerprint=cfg_fp
-            )
+            return _broken(name, model_dir, Issue(str(model_file), (), "model file is missing"), cfg_fp)
         fingerprints[v] = _fingerprint_dir(model_dir / str(v))
     return ModelSource(
         name,

@@ -14,16 +14,10 @@ from typing import Any
 import structlog
 
 from mpsd.errors import InvalidArgument
-from mpsd.logs.events import LEVELS as EVENT_LEVELS
 from mpsd.logs.events import publish_processor
+from mpsd.logs.levels import SEVERITIES, THRESHOLDS
 
-LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "off": logging.CRITICAL + 10,
-}
+LEVELS = THRESHOLDS  # what the output threshold may be set to (the front process imports this name)
 
 
 class _Output:
@@ -34,7 +28,7 @@ class _Output:
 
 
 def _drop_below_level(logger: object, method_name: str, event_dict: Any) -> Any:
-    if EVENT_LEVELS.get(event_dict.get("level", method_name), logging.INFO) < _Output.level:
+    if SEVERITIES.get(event_dict.get("level", method_name), logging.INFO) < _Output.level:
         raise structlog.DropEvent
     return event_dict
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+from mpsd.logs.levels import SEVERITIES
+
 HISTORY = 2000
 SUBSCRIBER_CAPACITY = 1000
 
@@ -152,8 +153,8 @@ class EventFilter:
     kinds: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.level and self.level not in LEVELS:
-            raise ValueError(f"unknown level '{self.level}' (expected one of {', '.join(LEVELS)})")
+        if self.level and self.level not in SEVERITIES:
+            raise ValueError(f"unknown level '{self.level}' (expected one of {', '.join(SEVERITIES)})")
         unknown = sorted(self.kinds - KINDS)
         if unknown:
             raise ValueError(
@@ -163,7 +164,7 @@ class EventFilter:
     def matches(self, event: Event) -> bool:
         if self.model and event.model != self.model:
             return False
-        if self.level and LEVELS.get(event.level, 0) < LEVELS[self.level]:
+        if self.level and SEVERITIES.get(event.level, 0) < SEVERITIES[self.level]:
             return False
         return not self.kinds or event.kind in self.kinds
 

@@ -1,23 +1,13 @@
-"""`python -m mpsd.service COMMAND ...` behaves like `mpsd service COMMAND ...`.
+"""`python -m mpsd.service COMMAND ...` behaves like `mpsd service COMMAND ...` (see mpsd.cli.service).
 
-It needs only the service package, so the service commands can be run (and tested) on their own.
+It builds only the service commands' parser, so they can be run (and tested) without the other commands.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from mpsd.service.cli import add_service_parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mpsd")
-    add_service_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["service", *(sys.argv[1:] if argv is None else argv)])
-    result: int = args.func(args)
-    return result
-
+from mpsd.cli.service import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,8 +27,8 @@ class HealthTimeout(Exception):
 def check_once(address: str, timeout_s: float, credentials: argparse.Namespace | None = None) -> str:
     """One Health/Check call; returns "SERVING", another status name, or the gRPC error code.
 
-    `credentials` carries the tools' TLS and token options (`connect.add_credential_args`): a daemon with
-    TLS or tokens answers the probe only with them.
+    `credentials` carries the tools' TLS and token options (`mpsd.cli.connection.add_credential_args`): a
+    daemon with TLS or tokens answers the probe only with them.
     """
     options = vars(credentials) if credentials is not None else {}
     channel = open_channel(argparse.Namespace(**{**options, "address": address}))

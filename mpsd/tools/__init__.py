@@ -1,1 +1,2 @@
-"""Operator tools: `validate` and `init-model` work on files, `infer` and `models` ask a daemon."""
+"""What the operator commands do: `validate`, `init-model` and `convert-config` work on files; `infer`,
+`models` and `ops` (status, logs, health, reload) ask a daemon. Their arguments are parsed in mpsd.cli."""

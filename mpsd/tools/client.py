@@ -12,8 +12,7 @@ from typing import Any
 import grpc
 
 from mpsd.connect import DEFAULT_ADDRESS, open_channel
-from mpsd.ops_cli import EX_UNAVAILABLE
-from mpsd.tools.common import ToolError
+from mpsd.tools.common import EX_UNAVAILABLE, ToolError
 
 __all__ = ["DEFAULT_ADDRESS", "EX_UNAVAILABLE", "connect", "inference_stub", "rpc_failure"]
 

@@ -1,10 +1,13 @@
-"""What the tools share: the error they raise for operators and how they find the model repository."""
+"""What the tools share: the error they raise for operators, how they find the model repository, and
+how they print tables."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_CONFIG = Path("config/mpsd.yaml")
+EX_UNAVAILABLE = 69  # sysexits.h: the daemon cannot be reached
 
 
 class ToolError(Exception):
@@ -34,3 +37,13 @@ def default_repository(config: Path | None) -> tuple[Path, bool]:
     except ConfigError as exc:
         raise ToolError(exc.message, "fix the daemon config file, or pass the repository directory") from None
     return settings.model_repository, settings.allow_symlinks
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart, as `mpsd status`, `models` and `infer` print them."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [headers, *rows]
+    ]
+    return "\n".join(lines)

@@ -20,20 +20,12 @@ from typing import Any
 import grpc
 import numpy as np
 
+from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE
 from mpsd.tools.client import connect, inference_stub, rpc_failure
-from mpsd.tools.common import ToolError
+from mpsd.tools.common import ToolError, table
 
-NUMPY: dict[str, Any] = {
-    "BOOL": np.bool_,
-    "UINT8": np.uint8,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-}
+# numpy's dtype per datatype (BF16 has none: it travels as float32 values cut to 16 bits).
+NUMPY: dict[str, Any] = {name: np.dtype(d.numpy).type for name, d in DATATYPES.items() if d.numpy is not None}
 VALUE_HINT = "give NAME=VALUE with a JSON list (`'INPUT0=[1,2,3]'`), a number, or @file.npy"
 
 
@@ -158,7 +150,7 @@ def decode(datatype: str, shape: Sequence[int], data: bytes) -> np.ndarray[Any, 
         return from_bf16_bytes(data, shape)
     if datatype not in NUMPY:
         raise ToolError(f"cannot show an output of datatype {datatype}")
-    expected = math.prod(shape) * np.dtype(NUMPY[datatype]).itemsize
+    expected = math.prod(shape) * ITEMSIZE[datatype]
     if len(data) != expected:
         raise ToolError(f"the daemon sent {len(data)} bytes for shape {list(shape)} of {datatype}")
     return np.frombuffer(data, dtype=np.dtype(NUMPY[datatype]).newbyteorder("<")).reshape(shape)
@@ -206,8 +198,6 @@ def _values(array: np.ndarray[Any, Any]) -> str:
 
 
 def render_table(model: str, version: str, outputs: Sequence[Output]) -> str:
-    from mpsd.ops_cli import table
-
     rows = [[o.name, o.datatype, str(list(o.array.shape)), _values(o.array)] for o in outputs]
     return f"{model} version {version}\n" + table(["OUTPUT", "DATATYPE", "SHAPE", "VALUES"], rows)
 

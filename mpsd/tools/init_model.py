@@ -21,6 +21,7 @@ import yaml
 
 from mpsd.config.model_config import DEFAULT_FILENAMES
 from mpsd.config.repository import CONFIG_FILE, MODEL_NAME_RE, load_model_source
+from mpsd.ipc.dtypes import config_to_wire, wire_to_config
 from mpsd.tools.common import ToolError
 from mpsd.tools.trial import TrialError, load_and_warm_up
 
@@ -77,7 +78,7 @@ def parse_dtype(text: str) -> torch.dtype:
 
     from mpsd.worker.dtypes import FROM_TORCH, TO_TORCH
 
-    wire = text.upper().removeprefix("TYPE_")
+    wire = config_to_wire(text.upper())
     if wire in TO_TORCH:
         return TO_TORCH[wire]
     candidate = getattr(torch, text.lower(), None)
@@ -260,7 +261,7 @@ def infer_outputs(
     for index, (name, tensor) in enumerate(first):
         label = name if name is not None else f"OUTPUT{index}"
         try:
-            data_type = "TYPE_" + datatype_of(tensor)
+            data_type = wire_to_config(datatype_of(tensor))
         except TypeError as exc:
             raise ToolError(
                 f"output {label}: {exc}", "convert it inside forward() to a supported dtype"
@@ -355,7 +356,8 @@ def draft_config(name: str, source: Path, examples: Sequence[str], max_batch_siz
     _progress("running the model on zeros to find its outputs")
     outputs = infer_outputs(module, inputs, max_batch_size, symbolic)
     drafts = [
-        TensorDraft(i.name, "TYPE_" + datatype_of(torch.empty(0, dtype=i.dtype)), i.dims) for i in inputs
+        TensorDraft(i.name, wire_to_config(datatype_of(torch.empty(0, dtype=i.dtype))), i.dims)
+        for i in inputs
     ]
     return config_text(name, backend, source, max_batch_size, drafts, outputs)
 

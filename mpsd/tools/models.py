@@ -8,11 +8,11 @@ import json
 import grpc
 
 from mpsd.tools.client import connect, inference_stub, rpc_failure
+from mpsd.tools.common import table
 
 
 def run(conn: argparse.Namespace, ready_only: bool, json_output: bool, timeout: float) -> int:
     """One row per model version from RepositoryIndex: name, version, state and why it is not ready."""
-    from mpsd.ops_cli import table
     from mpsd.proto import grpc_service_pb2 as pb
 
     with connect(conn) as channel:

@@ -6,22 +6,23 @@ here" means "a worker would load it": the same backend classes, the same warm-up
 
 from __future__ import annotations
 
-import re
+from typing import TYPE_CHECKING
 
 from mpsd.config.repository import ModelSource
 
-# How run_warmup starts the message of outputs that do not match the config ("warm-up: ..." for the default
-# sample, "warm-up 'NAME': ..." for a configured one).
-WARMUP_PREFIX = re.compile(r"^warm-up(?: '[^']*')?: ")
+if TYPE_CHECKING:
+    from mpsd.worker.inference import OutputMismatch
 
 
 class TrialError(Exception):
-    """Loading (`stage` "load") or warming up (`stage` "warm-up") failed; the message is the reason."""
+    """Loading (`stage` "load"), running (`stage` "run") or warming up (`stage` "warm-up") failed; the
+    message is the reason, and after a warm-up `mismatches` are the outputs that do not match the config."""
 
-    def __init__(self, stage: str, message: str) -> None:
+    def __init__(self, stage: str, message: str, mismatches: tuple[OutputMismatch, ...] = ()) -> None:
         super().__init__(message)
         self.stage = stage
         self.message = message
+        self.mismatches = mismatches
 
 
 def load_and_warm_up(source: ModelSource, version: int) -> None:
@@ -30,7 +31,7 @@ def load_and_warm_up(source: ModelSource, version: int) -> None:
 
     from mpsd.daemon.supervise.launch import model_spec
     from mpsd.worker.backends import load_backend
-    from mpsd.worker.inference import run_warmup
+    from mpsd.worker.inference import warmup_mismatch
 
     spec = model_spec(source, version)
     device = torch.device("cpu")
@@ -40,11 +41,8 @@ def load_and_warm_up(source: ModelSource, version: int) -> None:
     except Exception as exc:
         raise TrialError("load", f"{type(exc).__name__}: {exc}") from exc
     try:
-        run_warmup(spec, backend, device)
-    except ValueError as exc:
-        text = str(exc)
-        if WARMUP_PREFIX.match(text):  # outputs that do not match the config, one part each
-            raise TrialError("warm-up", text) from exc
-        raise TrialError("run", f"{type(exc).__name__}: {exc}") from exc
+        mismatch = warmup_mismatch(spec, backend, device)
     except Exception as exc:
         raise TrialError("run", f"{type(exc).__name__}: {exc}") from exc
+    if mismatch is not None:
+        raise TrialError("warm-up", str(mismatch), mismatch.outputs)

@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from mpsd.errors import ConfigError
+from mpsd.ipc.dtypes import config_to_wire
 
 # Substrings of allocator messages that mean "out of memory" even when the exception type was lost, e.g. an
 # OOM raised inside a TorchScript module surfaces as torch.jit.Error, and MPS raises a plain RuntimeError.
@@ -216,7 +217,7 @@ def select_device(
     skipped: dict[str, str] = {}
     device_type = _resolve(kind, skipped)
     if device_type == "mps":
-        fp64 = sorted({d for d in config_dtypes if d.removeprefix("TYPE_") == "FP64"})
+        fp64 = sorted({d for d in config_dtypes if config_to_wire(d) == "FP64"})
         if fp64:
             raise DeviceUnavailable(
                 f"{kind} resolved to MPS, which has no float64 support, but the model declares "

@@ -1,21 +1,15 @@
-"""Protocol datatype names <-> torch dtypes (worker side only; the daemon never imports torch)."""
+"""Protocol datatype names <-> torch dtypes (worker side only; the daemon never imports torch).
+
+The names and dtypes come from the one table, mpsd.ipc.dtypes.DATATYPES.
+"""
 
 from __future__ import annotations
 
 import torch
 
-TO_TORCH: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "BF16": torch.bfloat16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
-}
+from mpsd.ipc.dtypes import DATATYPES
+
+TO_TORCH: dict[str, torch.dtype] = {name: getattr(torch, d.torch) for name, d in DATATYPES.items()}
 FROM_TORCH: dict[torch.dtype, str] = {v: k for k, v in TO_TORCH.items()}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,18 +21,49 @@ from mpsd.worker.device import synchronize
 from mpsd.worker.dtypes import TO_TORCH, datatype_of
 
 
-def check_output(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> str | None:
-    """Why the tensor does not match the configured output, or None when it does."""
+@dataclass(frozen=True)
+class OutputMismatch:
+    """An output that does not match its config, and what the model returned instead: another datatype,
+    or (with the configured one) a shape the dims do not allow."""
+
+    output: str
+    message: str
+    datatype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class WarmupMismatch:
+    """A warm-up sample (`label`: "warm-up" or "warm-up 'NAME'") whose outputs do not match the config."""
+
+    label: str
+    outputs: tuple[OutputMismatch, ...]
+
+    def __str__(self) -> str:
+        return f"{self.label}: " + "; ".join(m.message for m in self.outputs)
+
+
+def output_mismatch(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> OutputMismatch | None:
+    """How the tensor differs from the configured output, or None when it matches."""
     got_type = datatype_of(tensor)
     if got_type != spec.datatype:
-        return f"output '{spec.name}': model returned {got_type}, config says {spec.datatype}"
+        message = f"output '{spec.name}': model returned {got_type}, config says {spec.datatype}"
+        return OutputMismatch(spec.name, message, datatype=got_type)
     expected = ((-1,) if batched else ()) + spec.dims
     shape = tuple(tensor.shape)
     if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape, strict=True)):
-        return f"output '{spec.name}': model returned shape {list(shape)}, config dims {list(spec.dims)}" + (
-            " (plus the batch dimension)" if batched else ""
+        message = (
+            f"output '{spec.name}': model returned shape {list(shape)}, config dims {list(spec.dims)}"
+            + (" (plus the batch dimension)" if batched else "")
         )
+        return OutputMismatch(spec.name, message, shape=shape)
     return None
+
+
+def check_output(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> str | None:
+    """Why the tensor does not match the configured output, or None when it does."""
+    mismatch = output_mismatch(spec, tensor, batched)
+    return None if mismatch is None else mismatch.message
 
 
 def warmup_inputs(spec: ModelSpec, device: torch.device) -> list[torch.Tensor]:
@@ -63,20 +95,29 @@ def _warmup_runs(spec: ModelSpec, device: torch.device) -> Iterator[tuple[str, l
             yield f"warm-up '{sample.name}'", [sample_tensor(t, device) for t in sample.inputs]
 
 
-def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
-    """Run the configured samples (else one request of zeros) before READY, checking every output against
-    the config (dims, datatype)."""
+def warmup_mismatch(spec: ModelSpec, backend: Backend, device: torch.device) -> WarmupMismatch | None:
+    """Run the configured samples (else one request of zeros), checking every output against the config
+    (dims, datatype); the first sample whose outputs do not match, or None."""
     for label, inputs in _warmup_runs(spec, device):
         with torch.inference_mode():
             outputs = backend(inputs)
             synchronize(device)
-        problems = [
-            p
+        mismatches = tuple(
+            m
             for o in spec.outputs
-            if (p := check_output(o, outputs[o.name], spec.max_batch_size > 0)) is not None
-        ]
-        if problems:
-            raise ValueError(f"{label}: " + "; ".join(problems))
+            if (m := output_mismatch(o, outputs[o.name], spec.max_batch_size > 0)) is not None
+        )
+        if mismatches:
+            return WarmupMismatch(label, mismatches)
+    return None
+
+
+def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
+    """Warm the model up before READY; ValueError (`label: output ...; output ...`) when an output does
+    not match the config."""
+    mismatch = warmup_mismatch(spec, backend, device)
+    if mismatch is not None:
+        raise ValueError(str(mismatch))
 
 
 # The set of output (name, dtype, shape) already checked against the config is bounded: a model whose

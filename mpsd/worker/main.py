@@ -20,6 +20,7 @@ from setproctitle import setproctitle
 
 from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
+from mpsd.ipc.dtypes import wire_to_config
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
 from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.parentwatch import watch_parent
@@ -40,7 +41,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     spec = init.model
     t0 = time.perf_counter()
     try:
-        dtypes = ["TYPE_" + t.datatype for t in (*spec.inputs, *spec.outputs)]
+        dtypes = [wire_to_config(t.datatype) for t in (*spec.inputs, *spec.outputs)]
         device, info = select_device(init.kind, init.memory_fraction, dtypes)
         setproctitle(f"mpsd: worker {spec.name}/{spec.version}#{init.instance} ({info.kind})")
         limit_host_threads(device)

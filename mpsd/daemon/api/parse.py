@@ -16,7 +16,7 @@ from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.core.request import Deferred, InferRequest, InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
-from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED
+from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE, UNSUPPORTED
 
 MAX_NAME = 256
 MAX_DIMS = 16
@@ -24,14 +24,9 @@ MAX_ID = 4096
 MAX_TENSOR_BYTES = 2**63 - 1  # what a signed 64-bit byte count (numpy, torch, the IPC) can hold
 # Typed `contents` field and numpy dtype per datatype; FP16/BF16 have no typed field in the protocol.
 TYPED_FIELDS: dict[str, tuple[str, Any]] = {
-    "BOOL": ("bool_contents", np.bool_),
-    "UINT8": ("uint_contents", np.uint8),
-    "INT8": ("int_contents", np.int8),
-    "INT16": ("int_contents", np.int16),
-    "INT32": ("int_contents", np.int32),
-    "INT64": ("int64_contents", np.int64),
-    "FP32": ("fp32_contents", np.float32),
-    "FP64": ("fp64_contents", np.float64),
+    name: (d.contents, np.dtype(d.numpy).type)
+    for name, d in DATATYPES.items()
+    if d.contents is not None and d.numpy is not None
 }
 _ALL_TYPED = (
     "bool_contents",

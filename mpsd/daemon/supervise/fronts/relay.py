@@ -8,11 +8,12 @@ import json
 import structlog
 
 from mpsd.daemon.supervise.child_output import output_lines
+from mpsd.logs.levels import SEVERITIES
 
 log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 
 LOG_LINE_LIMIT = 1 << 20  # a front's log line (a JSON event, a traceback on one line) up to 1 MiB
-FRONT_LOG_LEVELS = frozenset({"debug", "info", "warning", "error", "critical"})
+FRONT_LOG_LEVELS = frozenset(SEVERITIES)
 
 
 async def relay_front_log(stream: asyncio.StreamReader, index: int, pid: int) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mpsd.connect import add_connection_args
+from mpsd.cli.connection import add_connection_args
 from mpsd.tools.common import DEFAULT_CONFIG, ToolError, default_repository
 
 Handler = Callable[[argparse.Namespace], int]

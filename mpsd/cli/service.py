@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from mpsd.connect import add_credential_args
+from mpsd.cli.connection import add_credential_args
 from mpsd.service.errors import ServiceError
 from mpsd.service.health import HealthTimeout, wait_until_serving
 from mpsd.service.launchctl import LaunchdManager
@@ -314,3 +314,12 @@ def add_service_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         elif name == "logs":
             parser.add_argument("-n", "--lines", type=int, default=50, help="lines to show (default: 50)")
             parser.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mpsd.service COMMAND ...`: the service commands alone, parsed as `mpsd service COMMAND`."""
+    parser = argparse.ArgumentParser(prog="mpsd")
+    add_service_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["service", *(sys.argv[1:] if argv is None else argv)])
+    result: int = args.func(args)
+    return result

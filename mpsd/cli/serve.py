@@ -1,13 +1,15 @@
-"""The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks."""
+"""`mpsd serve`: the daemon in the foreground. A configuration it cannot serve stops it before anything
+starts, with one line and exit status 78 (EX_CONFIG)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
-import mpsd
 from mpsd.errors import ConfigError
+from mpsd.logs.levels import CHOICES
 
 EX_CONFIG = 78
 DEFAULT_CONFIG = Path("config/mpsd.yaml")
@@ -49,17 +51,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config, config_path)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mpsd",
-        description="Serve PyTorch models over Triton's gRPC inference protocol.",
-        epilog="example: mpsd serve --model-repository config/models --grpc-address 127.0.0.1:8001",
-    )
-    parser.add_argument("--version", action="version", version=f"mpsd {mpsd.__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser(
+def add_serve_parser(subparsers: Any) -> None:
+    serve = subparsers.add_parser(
         "serve",
         help="run the daemon in the foreground",
         epilog="example: mpsd serve --config config/mpsd.yaml",
@@ -73,46 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-address",
         help='host:port of the Prometheus endpoint (default 127.0.0.1:8002); "" or "off" disables it',
     )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-level", choices=CHOICES)
     serve.add_argument(
         "--front-processes",
         type=lambda v: v if v == "auto" else int(v),
         help="gRPC front processes sharing the port (Linux; 0: none; default: the config's, auto)",
     )
     serve.set_defaults(func=_serve)
-
-    from mpsd.ops_cli import add_ops_parsers
-
-    add_ops_parsers(sub)
-
-    from mpsd.tools.cli import add_tool_parsers
-
-    add_tool_parsers(sub)
-
-    from mpsd.convert_cli import add_convert_parser
-
-    add_convert_parser(sub)
-
-    try:
-        from mpsd.service.cli import add_service_parser
-    except ImportError:
-        pass
-    else:
-        add_service_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        result: int = args.func(args)
-        return result
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:
-        if args.debug:
-            raise
-        print(f"mpsd: {exc}", file=sys.stderr)
-        print("hint: run again with --debug for the full traceback", file=sys.stderr)
-        return 1

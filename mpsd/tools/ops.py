@@ -1,47 +1,21 @@
 """`mpsd status|logs|health|reload`: small gRPC clients of a running daemon.
 
 They ask the daemon rather than read its files, because only the daemon knows what actually runs: a
-model may be on disk and still failing to load, a worker may be restarting. Expected failures (daemon
-not running, unknown model) are one line on stderr and a distinct exit status, never a traceback.
+model may be on disk and still failing to load, a worker may be restarting. A failed call raises
+grpc.RpcError; the command line (mpsd.cli.ops) turns it into one line on stderr and a distinct exit status.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
-from mpsd.connect import add_connection_args, open_channel
-
-EX_UNAVAILABLE = 69  # sysexits.h: the daemon cannot be reached
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-Handler = Callable[[argparse.Namespace], int]
-
-
-def _guarded(handler: Handler) -> Handler:
-    @functools.wraps(handler)
-    def wrapper(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                print(f"mpsd: cannot reach the daemon at {args.address}: {details}", file=sys.stderr)
-                print(
-                    "hint: is it running (`mpsd serve`)? pass --address if it listens elsewhere",
-                    file=sys.stderr,
-                )
-                return EX_UNAVAILABLE
-            print(f"mpsd: {code.name}: {details}", file=sys.stderr)
-            return 1
-
-    return wrapper
+from mpsd.connect import open_channel
+from mpsd.tools.common import table
 
 
 def _admin(channel: grpc.Channel) -> Any:
@@ -109,15 +83,6 @@ def _device_memory(worker: dict[str, Any]) -> str:
     return f"{_bytes(memory[used])} / {_bytes(memory.get(total))}"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
-    lines = [
-        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [headers, *rows]
-    ]
-    return "\n".join(lines)
-
-
 def render_status(data: dict[str, Any]) -> str:
     models = data["models"]
     ready = len({m["name"] for m in models if m["state"] == "READY"})
@@ -161,18 +126,18 @@ def render_status(data: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-@_guarded
-def _status(args: argparse.Namespace) -> int:
+def status(conn: argparse.Namespace, json_output: bool, timeout: float) -> int:
+    """Models (RepositoryIndex), workers and fronts (ListWorkers) as tables, or as one JSON document."""
     from mpsd.proto import admin_pb2
     from mpsd.proto import grpc_service_pb2 as kserve
     from mpsd.proto import grpc_service_pb2_grpc as kserve_grpc
 
-    with open_channel(args) as channel:
+    with open_channel(conn) as channel:
         inference = kserve_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
-        index = inference.RepositoryIndex(kserve.RepositoryIndexRequest(), timeout=args.timeout)
-        workers = _admin(channel).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=args.timeout)
+        index = inference.RepositoryIndex(kserve.RepositoryIndexRequest(), timeout=timeout)
+        workers = _admin(channel).ListWorkers(admin_pb2.ListWorkersRequest(), timeout=timeout)
     data = {
-        "address": args.address,
+        "address": conn.address,
         "models": [
             {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index.models
         ],
@@ -182,7 +147,7 @@ def _status(args: argparse.Namespace) -> int:
             for f in workers.fronts
         ],
     }
-    print(json.dumps(data, indent=2) if args.json else render_status(data))
+    print(json.dumps(data, indent=2) if json_output else render_status(data))
     return 0
 
 
@@ -217,24 +182,33 @@ def format_event(event: Any) -> str:
     return f"{event.time} {event.level:<7} {event.kind:<12}{location} {event.message}{extras}"
 
 
-@_guarded
-def _logs(args: argparse.Namespace) -> int:
+def logs(
+    conn: argparse.Namespace,
+    model: str | None,
+    level: str | None,
+    kinds: list[str] | None,
+    replay: int,
+    follow: bool,
+    json_output: bool,
+    timeout: float,
+) -> int:
+    """Print the daemon's events (the last `replay` first), one per line; with `follow`, until Ctrl-C."""
     from mpsd.proto import admin_pb2
 
     request = admin_pb2.StreamLogsRequest(
-        model=args.model or "",
-        level=args.level or ("" if args.kind else "info"),
-        kinds=args.kind or [],
-        replay=args.replay,
-        follow=args.follow,
+        model=model or "",
+        level=level or ("" if kinds else "info"),
+        kinds=kinds or [],
+        replay=replay,
+        follow=follow,
     )
-    with open_channel(args) as channel:
-        stream = _admin(channel).StreamLogs(request, timeout=None if args.follow else args.timeout)
+    with open_channel(conn) as channel:
+        stream = _admin(channel).StreamLogs(request, timeout=None if follow else timeout)
         try:
             for event in stream:
                 if event.dropped:
                     print(f"... {event.dropped} events dropped (this reader was too slow)", file=sys.stderr)
-                print(json.dumps(event_dict(event)) if args.json else format_event(event), flush=True)
+                print(json.dumps(event_dict(event)) if json_output else format_event(event), flush=True)
         except KeyboardInterrupt:
             stream.cancel()
     return 0
@@ -243,16 +217,15 @@ def _logs(args: argparse.Namespace) -> int:
 # ---- health and reload -----------------------------------------------------------------------------
 
 
-@_guarded
-def _health(args: argparse.Namespace) -> int:
+def health(conn: argparse.Namespace, service: str, timeout: float) -> int:
+    """The standard health check of the daemon ("") or of one model or service: 0 when SERVING."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    service = args.model or ""
     what = f"'{service}'" if service else "daemon"
-    with open_channel(args) as channel:
+    with open_channel(conn) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=args.timeout)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                 raise
@@ -263,66 +236,11 @@ def _health(args: argparse.Namespace) -> int:
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-@_guarded
-def _reload(args: argparse.Namespace) -> int:
+def reload(conn: argparse.Namespace, timeout: float) -> int:
+    """Ask the daemon to reconcile with its repository now and print what it did."""
     from mpsd.proto import admin_pb2
 
-    with open_channel(args) as channel:
-        reply = _admin(channel).Reload(admin_pb2.ReloadRequest(), timeout=args.timeout)
+    with open_channel(conn) as channel:
+        reply = _admin(channel).Reload(admin_pb2.ReloadRequest(), timeout=timeout)
     print(reply.summary)
     return 0
-
-
-# ---- parsers ---------------------------------------------------------------------------------------
-
-
-def _common(parser: argparse.ArgumentParser, timeout: float) -> None:
-    add_connection_args(parser, timeout)
-
-
-def add_ops_parsers(sub: Any) -> None:
-    """Register status, logs, health and reload on the `mpsd` sub-command parser."""
-    status = sub.add_parser(
-        "status",
-        help="models, versions and workers of a running daemon",
-        epilog="example: mpsd status --json",
-    )
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    _common(status, 10.0)
-    status.set_defaults(func=_status)
-
-    logs = sub.add_parser(
-        "logs",
-        help="events from the daemon and its workers",
-        epilog="example: mpsd logs -f --model resnet --level warning",
-    )
-    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
-    logs.add_argument("--model", help="only events about this model")
-    logs.add_argument(
-        "--level", choices=LOG_LEVELS, help="lowest level shown (default: info; every level with --kind)"
-    )
-    logs.add_argument(
-        "--kind",
-        action="append",
-        help="only events of this kind (repeatable): worker, crash, device, memory, load, oom, request, "
-        "reload, stdout, stderr, mps_fallback, daemon",
-    )
-    logs.add_argument("--replay", type=int, default=20, metavar="N", help="past events first (default 20)")
-    logs.add_argument("--json", action="store_true", help="one JSON object per line")
-    _common(logs, 30.0)
-    logs.set_defaults(func=_logs)
-
-    health = sub.add_parser(
-        "health",
-        help="exit 0 when the daemon (or MODEL) is serving",
-        description="Standard gRPC health check. Without MODEL: the daemon is live. "
-        "`inference.GRPCInferenceService` is server readiness (every model ready). "
-        "Exit status: 0 serving, 1 not serving or unknown, 69 daemon unreachable.",
-    )
-    health.add_argument("model", nargs="?", help="a model name (or a gRPC service name)")
-    _common(health, 5.0)
-    health.set_defaults(func=_health)
-
-    reload = sub.add_parser("reload", help="reconcile the daemon with its model repository now")
-    _common(reload, 600.0)
-    reload.set_defaults(func=_reload)

@@ -1,0 +1,119 @@
+"""`mpsd status|logs|health|reload`: arguments and exit statuses; the clients are mpsd.tools.ops.
+
+Expected failures (daemon not running, unknown model) are one line on stderr and a distinct exit status,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from mpsd.cli.connection import add_connection_args
+from mpsd.logs.levels import CHOICES
+from mpsd.tools import ops
+from mpsd.tools.common import EX_UNAVAILABLE
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _guarded(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(f"mpsd: cannot reach the daemon at {args.address}: {details}", file=sys.stderr)
+                print(
+                    "hint: is it running (`mpsd serve`)? pass --address if it listens elsewhere",
+                    file=sys.stderr,
+                )
+                return EX_UNAVAILABLE
+            print(f"mpsd: {code.name}: {details}", file=sys.stderr)
+            return 1
+
+    return wrapper
+
+
+@_guarded
+def _status(args: argparse.Namespace) -> int:
+    return ops.status(args, args.json, args.timeout)
+
+
+@_guarded
+def _logs(args: argparse.Namespace) -> int:
+    return ops.logs(
+        args, args.model, args.level, args.kind, args.replay, args.follow, args.json, args.timeout
+    )
+
+
+@_guarded
+def _health(args: argparse.Namespace) -> int:
+    return ops.health(args, args.model or "", args.timeout)
+
+
+@_guarded
+def _reload(args: argparse.Namespace) -> int:
+    return ops.reload(args, args.timeout)
+
+
+# ---- parsers ---------------------------------------------------------------------------------------
+
+
+def _common(parser: argparse.ArgumentParser, timeout: float) -> None:
+    add_connection_args(parser, timeout)
+
+
+def add_ops_parsers(sub: Any) -> None:
+    """Register status, logs, health and reload on the `mpsd` sub-command parser."""
+    status = sub.add_parser(
+        "status",
+        help="models, versions and workers of a running daemon",
+        epilog="example: mpsd status --json",
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _common(status, 10.0)
+    status.set_defaults(func=_status)
+
+    logs = sub.add_parser(
+        "logs",
+        help="events from the daemon and its workers",
+        epilog="example: mpsd logs -f --model resnet --level warning",
+    )
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new events until Ctrl-C")
+    logs.add_argument("--model", help="only events about this model")
+    logs.add_argument(
+        "--level", choices=CHOICES, help="lowest level shown (default: info; every level with --kind)"
+    )
+    logs.add_argument(
+        "--kind",
+        action="append",
+        help="only events of this kind (repeatable): worker, crash, device, memory, load, oom, request, "
+        "reload, stdout, stderr, mps_fallback, daemon",
+    )
+    logs.add_argument("--replay", type=int, default=20, metavar="N", help="past events first (default 20)")
+    logs.add_argument("--json", action="store_true", help="one JSON object per line")
+    _common(logs, 30.0)
+    logs.set_defaults(func=_logs)
+
+    health = sub.add_parser(
+        "health",
+        help="exit 0 when the daemon (or MODEL) is serving",
+        description="Standard gRPC health check. Without MODEL: the daemon is live. "
+        "`inference.GRPCInferenceService` is server readiness (every model ready). "
+        "Exit status: 0 serving, 1 not serving or unknown, 69 daemon unreachable.",
+    )
+    health.add_argument("model", nargs="?", help="a model name (or a gRPC service name)")
+    _common(health, 5.0)
+    health.set_defaults(func=_health)
+
+    reload = sub.add_parser("reload", help="reconcile the daemon with its model repository now")
+    _common(reload, 600.0)
+    reload.set_defaults(func=_reload)
