@@ -11,7 +11,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from mpsd.config.repository import load_model_source, parse_model_config, scan_repository
+from mpsd.config.model_file import parse_model_config
+from mpsd.config.repository import load_model_source, scan_repository
 from mpsd.errors import ModelConfigError
 from tests import models
 from tests.conftest import RunningDaemon

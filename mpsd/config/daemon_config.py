@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpsd.config.repository import format_validation_error, validation_issues, yaml_issue
+from mpsd.config.model_file import format_validation_error, validation_issues, yaml_issue
 from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
 from mpsd.errors import ConfigError, Issue
 from mpsd.logs.levels import LogLevel

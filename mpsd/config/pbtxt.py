@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from google.protobuf import text_format  # type: ignore[import-untyped]
 
 from mpsd.config.model_config import InstanceGroup, ModelConfig, VersionPolicy
-from mpsd.config.repository import check_config_name, config_problem, validate_model_config
+from mpsd.config.model_file import check_config_name, config_problem, validate_model_config
 from mpsd.errors import Issue, ModelConfigError
 from mpsd.proto import model_config_pb2 as mc
 

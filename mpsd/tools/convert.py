@@ -14,7 +14,8 @@ import yaml
 
 def _source_file(path: Path) -> Path:
     """A config file, or the model directory holding exactly one."""
-    from mpsd.config.repository import config_path, config_problem
+    from mpsd.config.model_file import config_problem
+    from mpsd.config.repository import config_path
 
     if not path.is_dir():
         return path
@@ -26,8 +27,9 @@ def _source_file(path: Path) -> Path:
 
 def convert(path: Path, to: str | None) -> tuple[str, tuple[str, ...]]:
     """The converted text and the warnings about ignored fields; ValueError says what is wrong."""
+    from mpsd.config.model_file import parse_model_config
     from mpsd.config.pbtxt import config_to_pbtxt, parse_pbtxt_config
-    from mpsd.config.repository import PBTXT_FILE, parse_model_config
+    from mpsd.config.repository import PBTXT_FILE
 
     source = _source_file(path)
     try:

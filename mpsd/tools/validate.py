@@ -17,15 +17,14 @@ import yaml
 from pydantic import ValidationError
 
 from mpsd.config.model_config import DEFAULT_FILENAMES, ModelConfig, error_loc
+from mpsd.config.model_file import error_text, yaml_issue
 from mpsd.config.repository import (
     MODEL_NAME_RE,
     PBTXT_FILE,
     ModelSource,
     config_path,
-    error_text,
     is_ignored_name,
     load_model_source,
-    yaml_issue,
 )
 from mpsd.errors import ConfigError, Issue
 from mpsd.tools.common import ToolError
