@@ -87,3 +87,18 @@ def test_daemon_modules_are_small() -> None:
         for path in (ROOT / "mpsd" / "daemon").rglob("*.py")
     }
     assert {name: n for name, n in sizes.items() if n > MAX_DAEMON_MODULE_LINES} == {}
+
+
+def test_the_architecture_page_names_files_that_exist() -> None:
+    """docs/architecture.md's map of the request path names real files: a move that forgets the page fails."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:mpsd/)?[\w/]+\.py)`", text))
+    assert len(named) >= 12, named
+    missing = []
+    for name in sorted(named):
+        candidates = [ROOT / name, ROOT / "mpsd" / name, ROOT / "mpsd" / "daemon" / name]
+        if not any(path.is_file() for path in candidates):
+            missing.append(name)
+    assert missing == []

@@ -10,7 +10,6 @@ only the serving host can tell: whether its devices work and whether all models 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import yaml
@@ -79,18 +78,8 @@ def _issue_problem(name: str, issue: Issue, text: str = "", file: str = "") -> P
 
 
 def _placement_problems(name: str, cfg_path: Path, text: str, exc: ConfigError) -> list[Problem]:
-    issues = exc.issues or (_placement_issue(exc.message),)
+    issues = exc.issues or (Issue("", (), exc.message),)
     return [_issue_problem(name, issue, text, str(cfg_path)) for issue in issues]
-
-
-def _placement_issue(message: str) -> Issue:
-    """The issue of a placement ConfigError raised without one: its message reads `[model 'x': ]field:
-    problem`, taken apart here until mpsd.daemon.supervise.placement attaches the issue itself."""
-    message = re.sub(r"^model '[^']*': ", "", message)
-    match = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", message, re.DOTALL)
-    path, problem = (match.group(1), match.group(2)) if match else ("", message)
-    loc = [int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"[A-Za-z_]\w*|\[\d+\]", path)]
-    return Issue("", tuple(loc), problem)
 
 
 def _source_problems(name: str, source: ModelSource) -> list[Problem]:

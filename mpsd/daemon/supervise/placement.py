@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.errors import ConfigError
+from mpsd.errors import ConfigError, Issue
 
 BudgetPolicy = Literal["refuse", "warn"]
 
@@ -84,9 +84,11 @@ class InstancePlacement:
         return f"{model}#{self.index}"
 
 
-def _problem(config: ModelConfig, field: str, message: str) -> ConfigError:
+def _problem(config: ModelConfig, loc: tuple[str | int, ...], message: str) -> ConfigError:
+    """The error for one field (`loc`, as pydantic locates fields), with the same problem as data."""
+    field = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     prefix = f"model {config.name!r}: " if config.name else ""
-    return ConfigError(f"{prefix}{field}: {message}")
+    return ConfigError(f"{prefix}{field}: {message}", issues=(Issue("", loc, message),))
 
 
 def mps_fallback(config: ModelConfig) -> bool:
@@ -99,7 +101,7 @@ def mps_fallback(config: ModelConfig) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise _problem(config, f"parameters.{MPS_FALLBACK_PARAMETER}", f'expected "true" or "false", got {raw!r}')
+    raise _problem(config, ("parameters", MPS_FALLBACK_PARAMETER), f'expected "true" or "false", got {raw!r}')
 
 
 def intra_op_threads(config: ModelConfig) -> int | None:
@@ -110,7 +112,7 @@ def intra_op_threads(config: ModelConfig) -> int | None:
             continue
         value = raw.strip()
         if not (value.isascii() and value.isdigit()) or int(value) < 1:
-            raise _problem(config, f"parameters.{key}", f"expected a positive whole number, got {raw!r}")
+            raise _problem(config, ("parameters", key), f"expected a positive whole number, got {raw!r}")
         return int(value)
     return None
 
@@ -120,7 +122,7 @@ def _check_fraction(config: ModelConfig, group: int, placement: InstancePlacemen
     fraction = placement.memory_fraction
     if fraction is None:
         return
-    field = f"instance_group[{group}].memory_fraction"
+    field = ("instance_group", group, "memory_fraction")
     device_type = placement.device_type
     where = f"{placement.kind} on {placement.platform} uses {device_type.upper()}"
     if device_type == "cpu":
@@ -175,13 +177,13 @@ def plan_instances(
             if kind in ("KIND_CPU", "KIND_MPS"):
                 raise _problem(
                     config,
-                    f"instance_group[{g}].gpus",
+                    ("instance_group", g, "gpus"),
                     f"lists CUDA GPUs, which {kind} does not use; remove gpus or use KIND_GPU",
                 )
             if platform == "darwin":
                 raise _problem(
                     config,
-                    f"instance_group[{g}].gpus",
+                    ("instance_group", g, "gpus"),
                     "lists CUDA GPUs, but macOS has no CUDA; remove gpus (KIND_GPU uses MPS there)",
                 )
             kind = "KIND_GPU"
