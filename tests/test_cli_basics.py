@@ -115,3 +115,40 @@ def test_bad_config_file_exits_78(text: str | None, words: tuple[str, ...], tmp_
         config.write_text(text)
     result = run([sys.executable, "-m", "mpsd", "serve", "--config", str(config)], tmp_path)
     assert_one_line_error(result, str(config), *words)
+
+
+def test_serve_waits_for_a_fixed_config_with_on_config_error_wait(tmp_path: Path) -> None:
+    """The mode launchd jobs run in (launchd restarts a job whatever its exit status): the error is written
+    once, the daemon stays up without serving, and it starts as soon as the config file is fixed."""
+    repo = tmp_path / "repo"
+    marker = tmp_path / "model-imported"
+    address = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(f"model_repository: {repo}\ngrpc_address: '{address}'\nmetrics_address: ''\n")
+    err = tmp_path / "err.log"
+    with err.open("w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--on-config-error", "wait"],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: "mpsd: waiting for a fix of" in err.read_text(), 60, "the daemon to wait")
+        assert proc.poll() is None, "it exited instead of waiting"
+        lines = err.read_text().splitlines()
+        assert lines[0] == f"mpsd: configuration error: model repository {repo} is not a directory"
+        marker_model(repo, marker)
+        config.write_text(config.read_text() + "# fixed\n")  # a change to the file is what it waits for
+        wait_for(marker.exists, 120, "the worker to import the model once the config is fixed")
+        assert "mpsd: configuration fixed; starting" in err.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

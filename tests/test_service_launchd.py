@@ -8,10 +8,12 @@ real tool and can be told to fail `bootstrap` with error 5. The plist is additio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import plistlib
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,13 +22,17 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
+import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mpsd.service import launchd
 from mpsd.service.errors import ServiceError
 from mpsd.service.launchctl import parse_print, status_from_print
 from mpsd.service.spec import Scope, ServiceSpec, check_privileges, make_spec, make_target
+from tests import models
+from tests.conftest import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "launchd" / "io.mpsd.daemon.plist.in"
@@ -54,6 +60,36 @@ FAKE_LAUNCHCTL = textwrap.dedent(
         n = int(counter.read_text()) + 1 if counter.exists() else 1
         counter.write_text(str(n))
         return n
+
+    def start_job(job):
+        # What launchd does with the job (FAKE_EXEC): run ProgramArguments in WorkingDirectory with
+        # EnvironmentVariables, stdout and stderr into the job's log files.
+        import subprocess
+        for key in ("StandardOutPath", "StandardErrorPath"):
+            Path(job[key]).parent.mkdir(parents=True, exist_ok=True)
+        with open(job["StandardOutPath"], "ab") as out, open(job["StandardErrorPath"], "ab") as err:
+            proc = subprocess.Popen(job["ProgramArguments"], cwd=job["WorkingDirectory"],
+                                    env=job["EnvironmentVariables"], stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True)
+        (state / "pid").write_text(str(proc.pid))
+
+    def stop_job():
+        import signal, time
+        pid_file = state / "pid"
+        if not pid_file.exists():
+            return
+        pid = int(pid_file.read_text())
+        pid_file.unlink()
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(600):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
 
     verb = args[0]
     if verb == "print":
@@ -86,7 +122,7 @@ FAKE_LAUNCHCTL = textwrap.dedent(
         print("\\tenvironment = {")
         print("\\t\\tpid => 1")
         print("\\t}")
-        print("\\tpid = 4242")
+        print("\\tpid = " + ((state / "pid").read_text() if (state / "pid").exists() else "4242"))
         print("\\tlast exit code = " + os.environ.get("FAKE_LAST_EXIT", "(never exited)"))
         print("}")
         sys.exit(0)
@@ -99,17 +135,26 @@ FAKE_LAUNCHCTL = textwrap.dedent(
         with open(plist, "rb") as handle:
             job = plistlib.load(handle)
         flag(domain + "/" + job["Label"]).write_text(plist)
+        if os.environ.get("FAKE_EXEC"):
+            start_job(job)
         sys.exit(0)
     if verb == "bootout":
         f = flag(args[1])
         if not f.exists():
             print("Boot-out failed: 3: No such process", file=sys.stderr)
             sys.exit(3)
+        stop_job()
         linger = int(os.environ.get("FAKE_LINGER", "0"))
         if linger:
             f.write_text("draining %d" % linger)
         else:
             f.unlink()
+        sys.exit(0)
+    if verb == "kickstart" and os.environ.get("FAKE_EXEC"):  # -k: kill the running job, start it again
+        with open(flag(args[-1]).read_text().splitlines()[0], "rb") as handle:
+            job = plistlib.load(handle)
+        stop_job()
+        start_job(job)
         sys.exit(0)
     if verb in ("enable", "disable", "kickstart"):
         sys.exit(0)
@@ -137,6 +182,7 @@ class Env:
         self.config = tmp_path / "etc" / "mpsd.yaml"
         self.config.parent.mkdir()
         self.config.write_text("drain_timeout_s: 30\n")
+        (self.config.parent / "models").mkdir()  # the default model_repository, next to the config
         self.vars = {
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
             "HOME": str(self.home),
@@ -174,8 +220,13 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return Env(tmp_path)
+def env(tmp_path: Path) -> Iterator[Env]:
+    made = Env(tmp_path)
+    yield made
+    pid_file = made.state / "pid"  # a daemon the stand-in started (FAKE_EXEC) and no test stopped
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
 
 
 @pytest.fixture
@@ -272,6 +323,7 @@ def test_user_plist_has_every_key_with_the_right_type(tmp_path: Path) -> None:
     assert args[0] == sys.executable and os.path.isabs(args[0])
     assert args[1:5] == ["-m", "mpsd", "serve", "--config"]
     assert args[5] == str((tmp_path / "cfg" / "mpsd.yaml").resolve())
+    assert args[6:] == ["--on-config-error", "wait"]  # launchd cannot stop restarting on exit 78
     assert job["RunAtLoad"] is True
     assert job["KeepAlive"] == {"SuccessfulExit": False}
     for key in ("ThrottleInterval", "ExitTimeOut"):
@@ -394,6 +446,48 @@ def test_install_polls_grpc_address_from_config(env: Env, serving_address: str) 
     assert f"on 127.0.0.1:{port}" in proc.stderr
 
 
+def test_install_refuses_a_config_the_daemon_would_refuse(env: Env) -> None:
+    """launchd cannot tell a configuration error (exit 78) from a crash and would start the daemon again
+    and again: such a config is refused before anything is written or loaded."""
+    env.config.write_text("model_repository: /nonexistent/models\n")
+    proc = env.cli("install", "--config", str(env.config), "--no-wait")
+    assert proc.returncode == 1
+    assert "configuration error: model repository /nonexistent/models is not a directory" in proc.stderr
+    assert "nothing was installed" in proc.stderr
+    assert not env.plist.exists()
+    assert env.calls() == []
+
+
+def test_install_starts_the_plists_command_line_and_waits_for_that_daemon(env: Env) -> None:
+    """No stand-in server: the stand-in launchctl runs the plist's own ProgramArguments (FAKE_EXEC), so
+    install waits for the real daemon that command line starts; then a config broken while it is
+    installed holds the restarted daemon in its waiting state, which status reports."""
+    repo = env.config.parent / "models"
+    models.add_sub(repo)
+    address = f"127.0.0.1:{free_port()}"
+    good = f"grpc_address: '{address}'\nmetrics_address: ''\ndrain_timeout_s: 5\n"
+    env.config.write_text(good)
+    proc = env.cli("install", "--config", str(env.config), "--wait-timeout", "120", FAKE_EXEC="1")
+    err_log = env.home / "Library" / "Logs" / "mpsd" / f"{LABEL}.err.log"
+    assert proc.returncode == 0, proc.stderr + (err_log.read_text() if err_log.exists() else "")
+    pid = int((env.state / "pid").read_text())
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        # install waited for liveness (health ""); the model is served by that same daemon once loaded
+        wait_for(lambda: client.is_model_ready("add_sub"), 120, "the installed daemon serving add_sub")
+    finally:
+        client.close()
+    assert env.cli("status", FAKE_EXEC="1").returncode == 0
+
+    env.config.write_text(good + "front_processes: nine\n")
+    assert env.cli("restart", "--no-wait", FAKE_EXEC="1").returncode == 0
+    wait_for(lambda: "mpsd: waiting for a fix" in err_log.read_text(), 60, "the restarted daemon to wait")
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    status = env.cli("status", FAKE_EXEC="1")
+    assert status.returncode == 3
+    assert "not serving: configuration error:" in status.stdout and "front_processes" in status.stdout
+
+
 def test_install_written_plist_passes_plistutil(env: Env, tmp_path: Path) -> None:
     proc = env.cli("install", "--config", str(env.config), "--no-wait")
     assert proc.returncode == 0, proc.stderr
@@ -503,6 +597,28 @@ def test_status_reports_state_pid_and_last_exit(env: Env) -> None:
     first = proc.stdout.splitlines()[0]
     assert first == f"{LABEL}: running, pid 4242, last exit 78"
     assert f"gui/{UID}/{LABEL}" in proc.stdout
+
+
+def test_status_reports_the_configuration_error_the_daemon_waits_on(env: Env) -> None:
+    """Under launchd a daemon with a broken config waits (`--on-config-error wait`) instead of exiting 78
+    in a loop; status reads the error from its log and says it is not serving. The log is what the daemon
+    writes (test_serve_waits_for_a_fixed_config runs that daemon)."""
+    assert env.cli("install", "--config", str(env.config), "--no-wait").returncode == 0
+    err_log = env.home / "Library" / "Logs" / "mpsd" / f"{LABEL}.err.log"
+    err_log.parent.mkdir(parents=True, exist_ok=True)
+    err_log.write_text(
+        "mpsd: configuration error: model repository /x is not a directory\n"
+        f"mpsd: waiting for a fix of {env.config} (checked again when it changes)\n"
+    )
+    proc = env.cli("status")
+    assert proc.returncode == 3, proc.stdout
+    assert "not serving: configuration error: model repository /x is not a directory" in proc.stdout
+    with err_log.open("a") as log:  # fixed: the daemon started and logs its events
+        log.write("mpsd: configuration fixed; starting\n")
+        log.write('{"event": "listening", "level": "info"}\n')
+    proc = env.cli("status")
+    assert proc.returncode == 0, proc.stdout
+    assert "configuration error" not in proc.stdout
 
 
 def test_status_when_not_installed(env: Env) -> None:

@@ -7,9 +7,11 @@ PATH. Where `systemd-analyze` is installed, the unit is also checked by systemd'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,12 +20,16 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
+import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mpsd.service import systemd
 from mpsd.service.spec import Scope, ServiceSpec, make_spec, make_target
 from mpsd.service.systemctl import status_from_show
+from tests import models
+from tests.conftest import free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = "mpsd.service"
@@ -57,19 +63,69 @@ FAKE_TOOL = textwrap.dedent(
         sys.exit(1)
     if verb == "show":
         if active.exists():
-            print("LoadState=loaded\\nActiveState=active\\nSubState=running\\nMainPID=999")
+            main_pid = (state / "pid").read_text() if (state / "pid").exists() else "999"
+            print("LoadState=loaded\\nActiveState=active\\nSubState=running\\nMainPID=" + main_pid)
             print("ExecMainCode=0\\nExecMainStatus=0")
         else:
             print("LoadState=loaded\\nActiveState=failed\\nSubState=failed\\nMainPID=0")
             print("ExecMainCode=1\\nExecMainStatus=75")
         sys.exit(0)
+    if verb in ("stop", "restart") or words[:2] == ["disable", "--now"]:
+        stop_daemon()
     if verb in ("start", "restart") or words[:2] == ["enable", "--now"]:
         active.touch()
+        if os.environ.get("FAKE_EXEC"):
+            start_daemon()
     if verb == "stop" or words[:2] == ["disable", "--now"]:
         active.unlink(missing_ok=True)
     sys.exit(0)
     """
 )
+
+# With FAKE_EXEC set, the stand-in systemctl does what systemd does with the unit: it runs ExecStart=, in
+# WorkingDirectory= with the Environment= lines, and stops the process with SIGTERM.
+FAKE_EXEC = textwrap.dedent(
+    """\
+    import shlex, signal, subprocess, time
+
+    def unit_directives():
+        unit = Path(os.environ["HOME"]) / ".config" / "systemd" / "user" / "mpsd.service"
+        found = {}
+        for line in unit.read_text().splitlines():
+            if line and not line.startswith(("#", "[")):
+                key, _, value = line.partition("=")
+                found.setdefault(key, []).append(value.replace("%%", "%"))
+        return found
+
+    def start_daemon():
+        d = unit_directives()
+        argv = shlex.split(d["ExecStart"][0].replace("$$", "$"))
+        env = dict(shlex.split(line)[0].split("=", 1) for line in d.get("Environment", []))
+        with open(state / "daemon.log", "ab") as log:
+            proc = subprocess.Popen(argv, cwd=d["WorkingDirectory"][0], env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=log, start_new_session=True)
+        (state / "pid").write_text(str(proc.pid))
+
+    def stop_daemon():
+        pid_file = state / "pid"
+        if not pid_file.exists():
+            return
+        pid = int(pid_file.read_text())
+        pid_file.unlink()
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(600):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+    """
+)
+FAKE_TOOL = FAKE_TOOL.replace('active = state / "active"\n', FAKE_EXEC + 'active = state / "active"\n')
 
 
 class Env:
@@ -88,6 +144,7 @@ class Env:
         self.config = tmp_path / "etc" / "mpsd.yaml"
         self.config.parent.mkdir()
         self.config.write_text("drain_timeout_s: 30\n")
+        (self.config.parent / "models").mkdir()  # the default model_repository, next to the config
         self.vars = {
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
             "HOME": str(self.home),
@@ -120,8 +177,13 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Env:
-    return Env(tmp_path)
+def env(tmp_path: Path) -> Iterator[Env]:
+    made = Env(tmp_path)
+    yield made
+    pid_file = made.state / "pid"  # a daemon the stand-in started (FAKE_EXEC) and no test stopped
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
 
 
 @pytest.fixture
@@ -203,6 +265,7 @@ def test_user_unit_has_the_required_directives(tmp_path: Path) -> None:
     config = str((tmp_path / "cfg" / "mpsd.yaml").resolve())
     assert d["ExecStart"] == [f"{sys.executable} -m mpsd serve --config {config}"]
     assert d["Restart"] == ["on-failure"]
+    assert d["RestartPreventExitStatus"] == ["78"]  # a configuration error is not retried every 10 s
     assert int(d["TimeoutStopSec"][0]) > 30
     assert int(d["WatchdogSec"][0]) > 0
     assert d["KillMode"] == ["mixed"]
@@ -305,6 +368,39 @@ def test_install_writes_unit_reloads_enables_and_waits(env: Env, serving_address
     assert d["ExecStart"][0].startswith(f"{sys.executable} -m mpsd serve --config ")
     assert "ready after" in proc.stderr
     assert f"journalctl --user -u {UNIT}" in proc.stdout
+
+
+def test_install_refuses_a_config_the_daemon_would_refuse(env: Env) -> None:
+    """The daemon would exit 78 at every start: nothing is installed, and the error says why."""
+    env.config.write_text("grpc_address: unix:///tmp/mpsd-test.sock\nfront_processes: 2\n")
+    proc = env.cli("install", "--config", str(env.config), "--no-wait")
+    assert proc.returncode == 1
+    assert "mpsd service: error: configuration error: front_processes: 2" in proc.stderr
+    assert "nothing was installed" in proc.stderr
+    assert not env.unit_file.exists()
+    assert [c for c in env.calls() if c[1:] != ["--version"]] == []
+
+
+def test_install_starts_the_units_command_line_and_waits_for_that_daemon(env: Env) -> None:
+    """No stand-in server: the stand-in systemctl runs the unit's own ExecStart= (FAKE_EXEC), so install
+    waits for the real daemon that command line starts, serving the config's repository."""
+    repo = env.config.parent / "models"
+    models.add_sub(repo)
+    address = f"127.0.0.1:{free_port()}"
+    env.config.write_text(f"grpc_address: '{address}'\nmetrics_address: ''\ndrain_timeout_s: 5\n")
+    proc = env.cli("install", "--config", str(env.config), "--wait-timeout", "120", FAKE_EXEC="1")
+    assert proc.returncode == 0, proc.stderr + (env.state / "daemon.log").read_text()
+    assert f"serving on {address}" in proc.stdout
+    pid = int((env.state / "pid").read_text())
+    client = grpcclient.InferenceServerClient(address)
+    try:
+        # install waited for liveness (health ""); the model is served by that same daemon once loaded
+        wait_for(lambda: client.is_model_ready("add_sub"), 120, "the installed daemon serving add_sub")
+    finally:
+        client.close()
+    assert env.cli("status", FAKE_EXEC="1").stdout.splitlines()[0] == f"{UNIT}: active (running), pid {pid}"
+    assert env.cli("stop", FAKE_EXEC="1").returncode == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_install_on_old_systemd_uses_type_notify(env: Env) -> None:
@@ -411,3 +507,12 @@ def test_unit_name_is_validated() -> None:
     assert make_target(Scope.USER, unit="mpsd-gpu0").unit == "mpsd-gpu0.service"
     with pytest.raises(ServiceError):
         make_target(Scope.USER, unit="../evil")
+
+
+def test_status_names_a_configuration_error_that_stopped_the_restarts() -> None:
+    """With RestartPreventExitStatus=78 the unit stays down after a configuration error; status says so."""
+    down = "LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nExecMainCode=1\nExecMainStatus=78"
+    status = status_from_show(down, "here")
+    assert status.problem is not None and "78 (EX_CONFIG)" in status.problem
+    crashed = down.replace("ExecMainStatus=78", "ExecMainStatus=1")
+    assert status_from_show(crashed, "here").problem is None

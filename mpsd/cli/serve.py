@@ -1,50 +1,107 @@
 """`mpsd serve`: the daemon in the foreground. A configuration it cannot serve stops it before anything
-starts, with one line and exit status 78 (EX_CONFIG)."""
+starts, with one line and exit status 78 (EX_CONFIG), or, with `--on-config-error wait`, holds it until the
+file is fixed."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpsd.errors import ConfigError
 from mpsd.logs.levels import CHOICES
+
+if TYPE_CHECKING:
+    from mpsd.config.daemon_config import DaemonConfig
 
 EX_CONFIG = 78
 DEFAULT_CONFIG = Path("config/mpsd.yaml")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def check_servable(config: DaemonConfig) -> None:
+    """What `mpsd serve` checks before anything starts, beyond the file itself (`mpsd service install`
+    checks the same): ConfigError for a setting the daemon cannot serve."""
+    from mpsd.daemon.supervise.fronts.policy import front_count
+    from mpsd.net import eventloop
+
+    front_count(config)  # a setting the address cannot serve is a configuration error
+    eventloop.check(config.event_loop)
+    if not config.model_repository.is_dir():
+        raise ConfigError(f"model repository {config.model_repository} is not a directory")
+
+
+def _load(args: argparse.Namespace, config_path: Path | None) -> DaemonConfig:
+    """The config file with the command line's overrides, checked: ConfigError if it cannot be served."""
     from mpsd.config.daemon_config import load_daemon_config
+
+    config = load_daemon_config(config_path)
+    if args.model_repository is not None:
+        config.model_repository = args.model_repository.resolve()
+    if args.grpc_address is not None:
+        config.grpc_address = args.grpc_address
+    if args.metrics_address is not None:
+        config.metrics_address = args.metrics_address
+    if args.log_level is not None:
+        config.log_level = args.log_level
+    if args.front_processes is not None:
+        config.front_processes = args.front_processes
+    check_servable(config)
+    return config
+
+
+def _stamp(path: Path | None) -> tuple[float, int] | None:
+    try:
+        stat = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return (stat.st_mtime, stat.st_size) if stat is not None else None
+
+
+def wait_for_valid_config(
+    args: argparse.Namespace, config_path: Path | None, error: ConfigError, recheck_s: float = 30.0
+) -> DaemonConfig:
+    """`--on-config-error wait`, for launchd, which restarts a job whatever its exit status: say what is
+    wrong once, then check again whenever the config file changes (and every `recheck_s`, for a model
+    repository that appears) until it can be served. `mpsd service status` reports the error meanwhile."""
+    print(f"mpsd: configuration error: {error.message}", file=sys.stderr)
+    print(
+        f"mpsd: waiting for a fix of {config_path} (checked again when it changes)",
+        file=sys.stderr,
+        flush=True,
+    )
+    last, checked = _stamp(config_path), time.monotonic()
+    while True:
+        time.sleep(0.5)
+        stamp = _stamp(config_path)
+        if stamp == last and time.monotonic() - checked < recheck_s:
+            continue
+        last, checked = stamp, time.monotonic()
+        try:
+            config = _load(args, config_path)
+        except ConfigError as exc:
+            if exc.message != error.message:
+                error = exc
+                print(f"mpsd: configuration error: {exc.message}", file=sys.stderr, flush=True)
+            continue
+        print("mpsd: configuration fixed; starting", file=sys.stderr, flush=True)
+        return config
+
+
+def _serve(args: argparse.Namespace) -> int:
     from mpsd.logs import configure
 
     config_path: Path | None = args.config
     if config_path is None and DEFAULT_CONFIG.is_file():
         config_path = DEFAULT_CONFIG
     try:
-        config = load_daemon_config(config_path)
-        if args.model_repository is not None:
-            config.model_repository = args.model_repository.resolve()
-        if args.grpc_address is not None:
-            config.grpc_address = args.grpc_address
-        if args.metrics_address is not None:
-            config.metrics_address = args.metrics_address
-        if args.log_level is not None:
-            config.log_level = args.log_level
-        if args.front_processes is not None:
-            config.front_processes = args.front_processes
-        from mpsd.daemon.supervise.fronts.policy import front_count
-
-        front_count(config)  # a setting the address cannot serve is a configuration error
-        from mpsd.net import eventloop
-
-        eventloop.check(config.event_loop)
-        if not config.model_repository.is_dir():
-            raise ConfigError(f"model repository {config.model_repository} is not a directory")
+        config = _load(args, config_path)
     except ConfigError as exc:
-        print(f"mpsd: configuration error: {exc.message}", file=sys.stderr)
-        return EX_CONFIG
+        if args.on_config_error != "wait":
+            print(f"mpsd: configuration error: {exc.message}", file=sys.stderr)
+            return EX_CONFIG
+        config = wait_for_valid_config(args, config_path, exc)
     configure(config.log_level, config.log_format)
     from mpsd.daemon.main import serve
 
@@ -71,5 +128,12 @@ def add_serve_parser(subparsers: Any) -> None:
         "--front-processes",
         type=lambda v: v if v == "auto" else int(v),
         help="gRPC front processes sharing the port (Linux; 0: none; default: the config's, auto)",
+    )
+    serve.add_argument(
+        "--on-config-error",
+        choices=("exit", "wait"),
+        default="exit",
+        help="exit with status 78 (default), or report the error and wait for the config file to be fixed "
+        "(launchd jobs: launchd restarts a job whatever its exit status)",
     )
     serve.set_defaults(func=_serve)

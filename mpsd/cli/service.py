@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mpsd.cli.connection import add_credential_args
+from mpsd.errors import ConfigError
 from mpsd.service.errors import ServiceError
 from mpsd.service.health import HealthTimeout, wait_until_serving
 from mpsd.service.launchctl import LaunchdManager
@@ -108,6 +109,21 @@ def _wait_ready(manager: ServiceManager, args: argparse.Namespace, address: str 
         ) from None
 
 
+def _check_config(path: Path) -> None:
+    """Refuse to install a service whose config the daemon would refuse: it would exit 78 at every start,
+    and launchd, which cannot tell exit statuses apart, would start it again and again."""
+    from mpsd.cli.serve import check_servable
+    from mpsd.config.daemon_config import load_daemon_config
+
+    try:
+        check_servable(load_daemon_config(path))
+    except ConfigError as exc:
+        raise ServiceError(
+            f"configuration error: {exc.message}",
+            hint=f"fix {path} (`mpsd serve --config {path}` checks it); nothing was installed",
+        ) from None
+
+
 @_guarded
 def _install(args: argparse.Namespace) -> int:
     _require_privileges(args)
@@ -136,6 +152,7 @@ def _install(args: argparse.Namespace) -> int:
         service_user=service_user if scope is Scope.SYSTEM else None,
         service_home=args.service_home,
     )
+    _check_config(config)  # after make_spec, which says plainly when the file is missing
     manager.install(spec)
     _wait_ready(manager, args, address)
     if not args.dry_run:
@@ -184,9 +201,11 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     name = args.label if manager.name == "launchd" else args.unit
     print(f"{name}: {status.summary()}")
+    if status.problem is not None:
+        print(f"  not serving: configuration error: {status.problem}")
     print(f"  {status.where}")
     print(f"  {manager.describe_logs()}")
-    return 0 if status.running else EXIT_NOT_RUNNING
+    return 0 if status.running and status.problem is None else EXIT_NOT_RUNNING
 
 
 @_guarded

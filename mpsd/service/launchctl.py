@@ -6,6 +6,7 @@ the same code works from a GUI terminal, over SSH (user/<uid>) and as root (syst
 
 from __future__ import annotations
 
+import dataclasses
 import plistlib
 import time
 from typing import TextIO
@@ -219,7 +220,15 @@ class LaunchdManager:
             state = "not loaded" if self.plist.exists() else "not installed"
             return ServiceStatus(loaded=False, state=state, where=str(self.plist))
         domain, result = loaded
-        return status_from_print(result.stdout, f"{domain}/{self.target.label} ({self.plist})")
+        status = status_from_print(result.stdout, f"{domain}/{self.target.label} ({self.plist})")
+        if not status.running:
+            return status
+        problem = launchd.pending_config_error(launchd.log_paths(self.target)[1])
+        if problem is None:
+            return status
+        return dataclasses.replace(
+            status, problem=f"{problem} (the daemon waits for the config file to be fixed)"
+        )
 
     def logs(self, *, lines: int, follow: bool) -> int:
         stdout_path, stderr_path = launchd.log_paths(self.target)

@@ -41,7 +41,9 @@ def plist_dict(spec: ServiceSpec, target: Target, *, session_type: str | None = 
     stdout_path, stderr_path = log_paths(target)
     job: dict[str, object] = {
         "Label": target.label,
-        "ProgramArguments": spec.program_arguments,
+        # launchd restarts a job whatever its exit status: on a configuration error the daemon waits for
+        # a fix instead of exiting 78 every ThrottleInterval (docs/service.md).
+        "ProgramArguments": [*spec.program_arguments, "--on-config-error", "wait"],
         "RunAtLoad": True,
         "KeepAlive": {"SuccessfulExit": False},
         "ThrottleInterval": int(spec.throttle_s),
@@ -66,3 +68,25 @@ def render_plist(spec: ServiceSpec, target: Target, *, session_type: str | None 
     return plistlib.dumps(
         plist_dict(spec, target, session_type=session_type), fmt=plistlib.FMT_XML, sort_keys=False
     )
+
+
+CONFIG_ERROR = "mpsd: configuration error: "
+
+
+def pending_config_error(stderr_log: Path, tail_bytes: int = 65536) -> str | None:
+    """The configuration error a daemon started with `--on-config-error wait` is waiting on, read from the
+    end of its stderr log: the last such error, unless anything but its own `mpsd:` lines came after it
+    (the daemon started, or a later run got further)."""
+    try:
+        with stderr_log.open("rb") as log:
+            log.seek(max(0, log.seek(0, 2) - tail_bytes))
+            lines = log.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    pending = None
+    for line in lines:
+        if line.startswith(CONFIG_ERROR):
+            pending = line[len(CONFIG_ERROR) :]
+        elif line.strip() and not line.startswith("mpsd: waiting for a fix"):
+            pending = None
+    return pending

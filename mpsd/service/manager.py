@@ -24,6 +24,7 @@ class ServiceStatus:
     pid: int | None = None
     last_exit: str | None = None
     where: str = ""
+    problem: str | None = None  # what keeps a running daemon from serving (a configuration error it waits on)
 
     @property
     def running(self) -> bool:

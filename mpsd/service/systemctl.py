@@ -13,6 +13,7 @@ from mpsd.service.spec import Scope, ServiceSpec, Target
 _SHOW_PROPERTIES = "LoadState,ActiveState,SubState,MainPID,ExecMainCode,ExecMainStatus"
 # ExecMainCode holds a CLD_* value from waitid(2).
 _CLD_EXITED = 1
+EX_CONFIG = 78  # the daemon's exit status for a configuration error (mpsd serve)
 
 
 def parse_show(text: str) -> dict[str, str]:
@@ -39,12 +40,17 @@ def status_from_show(text: str, where: str) -> ServiceStatus:
         last_exit = status_text if int(code_text) == _CLD_EXITED else f"signal {status_text}"
     active = fields.get("ActiveState", "unknown")
     sub = fields.get("SubState", "")
+    problem = None
+    if pid is None and int(code_text or 0) == _CLD_EXITED and status_text == str(EX_CONFIG):
+        # RestartPreventExitStatus: systemd keeps it down until the config is fixed and it is started again.
+        problem = "the daemon exited 78 (EX_CONFIG) and is not restarted; the journal says what is wrong"
     return ServiceStatus(
         loaded=True,
         state=f"{active} ({sub})" if sub else active,
         pid=pid,
         last_exit=last_exit,
         where=where,
+        problem=problem,
     )
 
 

@@ -84,6 +84,8 @@ def render_unit(spec: ServiceSpec, target: Target, *, systemd_version: int | Non
         f"WorkingDirectory={_specifiers(spec.working_dir)}",
         *(_environment_line(name, value) for name, value in spec.environment.items()),
         "Restart=on-failure",
+        "# 78 (EX_CONFIG): a configuration error; starting again would fail the same way.",
+        "RestartPreventExitStatus=78",
         f"RestartSec={int(spec.throttle_s)}",
         f"TimeoutStartSec={int(spec.start_timeout_s)}",
         "# SIGTERM to the daemon only; it drains, then stops its workers. SIGKILL for all after the timeout.",
