@@ -511,7 +511,8 @@ def test_unit_name_is_validated() -> None:
 
 def test_status_names_a_configuration_error_that_stopped_the_restarts() -> None:
     """With RestartPreventExitStatus=78 the unit stays down after a configuration error; status says so."""
-    down = "LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nExecMainCode=1\nExecMainStatus=78"
+    down = "LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\n"
+    down += "ExecMainCode=1\nExecMainStatus=78"
     status = status_from_show(down, "here")
     assert status.problem is not None and "78 (EX_CONFIG)" in status.problem
     crashed = down.replace("ExecMainStatus=78", "ExecMainStatus=1")
