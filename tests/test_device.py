@@ -437,3 +437,22 @@ def test_out_of_memory_recognised_under_its_pre_2_4_name(monkeypatch: pytest.Mon
     monkeypatch.delattr(torch, "OutOfMemoryError")  # the top-level name arrived in torch 2.4
     assert is_out_of_memory(error)
     assert not is_out_of_memory(ValueError("no"))
+
+
+def test_kind_gpu_with_the_mps_accelerator_falls_back_and_says_why() -> None:
+    """Triton's mps accelerator: MPS where usable, else CUDA, else the CPU, each device passed over with
+    its reason. Plain KIND_GPU stays strict; so does KIND_MPS."""
+    device, info = select_device("KIND_GPU", 0.5, accelerator="mps")
+    if HAS_MPS:
+        assert device.type == "mps" and info.skipped == {}
+        return
+    assert info.skipped.get("mps")
+    if HAS_CUDA:
+        assert device.type == "cuda" and info.memory_fraction == 0.5
+    else:
+        assert device.type == "cpu" and info.memory_fraction is None
+        assert "cuda" in info.skipped
+        with pytest.raises(DeviceUnavailable, match="KIND_GPU requested but CUDA is not available"):
+            select_device("KIND_GPU", None)
+    with pytest.raises(DeviceUnavailable, match="KIND_MPS requested but MPS is not available"):
+        select_device("KIND_MPS", None, accelerator="mps")

@@ -234,23 +234,90 @@ MPS_ACCELERATOR = (
 )
 
 
-def test_kind_gpu_maps_to_our_kind_gpu_and_the_mps_accelerator_to_kind_mps(tmp_path: Path) -> None:
+def test_kind_gpu_maps_to_our_kind_gpu_and_the_mps_accelerator_to_the_gpu_accelerator(tmp_path: Path) -> None:
+    """The mps accelerator is Triton's PyTorch backend's "Apple GPU where usable": mpsd's gpu_accelerator,
+    not the strict KIND_MPS, which would fail to load where MPS is not usable."""
     plain = _pbtxt_to_yaml(tmp_path, GPU_MODEL)
     assert plain["backend"] == "torchscript"
     assert plain["instance_group"] == [{"kind": "KIND_GPU", "count": 2, "gpus": [0]}, {"kind": "KIND_CPU"}]
+    assert "optimization" not in plain
     mps = _pbtxt_to_yaml(tmp_path, GPU_MODEL + MPS_ACCELERATOR)
-    assert mps["instance_group"] == [{"kind": "KIND_MPS", "count": 2, "gpus": [0]}, {"kind": "KIND_CPU"}]
+    assert mps["instance_group"] == plain["instance_group"]
+    assert mps["optimization"] == {"gpu_accelerator": "mps"}
 
 
-def test_yaml_to_pbtxt_and_back_is_the_same_config(tmp_path: Path) -> None:
-    models.add_sub(tmp_path, "m", instance_group=[{"kind": "KIND_MPS", "count": 2}], max_rss_bytes=1 << 30)
+@pytest.mark.parametrize(
+    ("extra", "kept"),
+    [
+        ({"instance_group": [{"kind": "KIND_MPS", "count": 2}]}, '"mpsd.instance_group.0.kind"'),
+        ({"optimization": {"gpu_accelerator": "mps"}}, 'name: "mps"'),
+    ],
+    ids=["kind_mps", "gpu_accelerator"],
+)
+def test_yaml_to_pbtxt_and_back_is_the_same_config(
+    tmp_path: Path, extra: dict[str, object], kept: str
+) -> None:
+    models.add_sub(tmp_path, "m", max_rss_bytes=1 << 30, **extra)
     config_yaml = tmp_path / "m" / "config.yaml"
     to_pbtxt = convert(config_yaml)
     assert to_pbtxt.returncode == 0, to_pbtxt.stderr
-    assert 'name: "mps"' in to_pbtxt.stdout and "kind: KIND_GPU" in to_pbtxt.stdout
+    assert kept in to_pbtxt.stdout
     back = _pbtxt_to_yaml(tmp_path, to_pbtxt.stdout)
     original = yaml.safe_load(config_yaml.read_text())
     assert {k: back[k] for k in original} == original
+
+
+# The seed configuration for Apple GPUs: Triton's KIND_GPU and the mps accelerator.
+APPLE_GPU = """
+platform: "pytorch_libtorch"
+max_batch_size: 0
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+instance_group [ { kind: KIND_GPU, count: 1 } ]
+optimization { execution_accelerators { gpu_execution_accelerator [ { name: "mps" } ] } }
+"""
+
+
+def test_the_apple_gpu_seed_config_serves_where_mps_is_not_usable(tmp_path: Path) -> None:
+    """Like the Triton PyTorch backend's MPS design: where MPS cannot be used (Linux here), the model is
+    served anyway (on CUDA where there is a GPU, else on the CPU), with a warning that says why, and status
+    and ModelConfig show it. Plain KIND_GPU would fail to load on a machine without a GPU."""
+    repo = tmp_path / "repo"
+    _model(repo, "apple_gpu", APPLE_GPU, models.Identity())
+    with serving(repo, tmp_path / "daemon.log") as daemon:
+        x = grpcclient.InferInput("INPUT__0", [4], "FP32")
+        x.set_data_from_numpy(np.arange(4, dtype=np.float32))
+        y = daemon.client.infer("apple_gpu", [x]).as_numpy("OUTPUT__0")
+        assert y.tolist() == [0.0, 1.0, 2.0, 3.0]
+        events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+        (warning,) = [e for e in events if e["event"] == "mps accelerator not used"]
+        assert warning["level"] == "warning" and warning["device"] in ("cpu", "cuda")
+        assert warning["reason"] and warning["reason"] != "unknown"
+        config = daemon.client.get_model_config("apple_gpu", as_json=True)["config"]
+        params = {k: v["string_value"] for k, v in config["parameters"].items()}
+        assert params["mpsd.instance_group.0.kind"] == "KIND_GPU"
+        assert params["mpsd.instance_group.0.device"] == warning["device"]
+        assert params["mpsd.instance_group.0.mps_not_used"] == warning["reason"]
+        accelerators = config["optimization"]["execution_accelerators"]["gpu_execution_accelerator"]
+        assert accelerators == [{"name": "mps"}]
+        status = subprocess.run(
+            [sys.executable, "-m", "mpsd", "status", "--json", "--address", daemon.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        (worker,) = json.loads(status.stdout)["workers"]
+        assert worker["instance_kind"] == "KIND_GPU"
+        assert worker["device"]["kind"] == warning["device"]
+        assert worker["skipped_devices"]["mps"] == warning["reason"]
+        text = subprocess.run(
+            [sys.executable, "-m", "mpsd", "status", "--address", daemon.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert f"apple_gpu/1#0 is not on mps: {warning['reason']}" in text
 
 
 CUDA_GRAPHS = """

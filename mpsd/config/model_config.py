@@ -182,6 +182,10 @@ class CudaOptimization(_Strict):
 
 class Optimization(_Strict):
     cuda: CudaOptimization = CudaOptimization()
+    # Triton's `execution_accelerators { gpu_execution_accelerator [{ name: "mps" }] }`: KIND_GPU and
+    # KIND_AUTO groups use Apple's GPU where MPS is usable, CUDA where it is not but a CUDA GPU is, and else
+    # the CPU with a warning, where plain KIND_GPU would fail to load (docs/devices.md).
+    gpu_accelerator: Literal["mps"] | None = None
 
 
 class WarmupInput(_Strict):

@@ -103,11 +103,8 @@ class _Reader:
         backend = _backend(msg.platform, msg.backend)
         if backend is not None:
             out["backend"] = backend
-        if mps:
-            groups = out.setdefault("instance_group", [{}])
-            for g in groups:
-                if g.get("kind", "KIND_AUTO") in ("KIND_AUTO", "KIND_GPU"):
-                    g["kind"] = "KIND_MPS"
+        if mps:  # Apple's GPU where MPS is usable; the worker falls back and says why where it is not
+            out.setdefault("optimization", {})["gpu_accelerator"] = MPS_ACCELERATOR
         self.parameters(msg.parameters, out)
         return out
 
@@ -378,6 +375,8 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             queue.default_timeout_microseconds = db.default_timeout_microseconds
     if config.optimization.cuda.graphs:
         write_cuda_graphs(msg, [g.batch_size for g in config.optimization.cuda.graph_spec])
+    if config.optimization.gpu_accelerator == MPS_ACCELERATOR:
+        msg.optimization.execution_accelerators.gpu_execution_accelerator.add(name=MPS_ACCELERATOR)
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():
@@ -408,21 +407,17 @@ def _write_version_policy(policy: VersionPolicy, msg: Any) -> None:
 
 
 def _write_instance_groups(groups: list[InstanceGroup], msg: Any) -> None:
-    """KIND_MPS is Triton's KIND_GPU plus the "mps" accelerator when that is unambiguous (no group is
-    KIND_GPU or KIND_AUTO, which the accelerator would also turn into MPS), else an `mpsd.*` parameter."""
-    kinds = {g.kind for g in groups}
-    accelerator = "KIND_MPS" in kinds and not kinds & {"KIND_GPU", "KIND_AUTO"}
+    """KIND_MPS is Triton's KIND_GPU plus an `mpsd.*` parameter: the "mps" accelerator alone means a GPU
+    that falls back (to CUDA, then the CPU) where MPS is not usable, and KIND_MPS never falls back."""
     for i, group in enumerate(groups):
         g = msg.instance_group.add(count=group.count)
         if group.name:
             g.name = group.name
         g.kind = mc.ModelInstanceGroup.Kind.Value("KIND_GPU" if group.kind == "KIND_MPS" else group.kind)
-        if group.kind == "KIND_MPS" and not accelerator:
+        if group.kind == "KIND_MPS":
             msg.parameters[f"{MPSD_PREFIX}instance_group.{i}.kind"].string_value = "KIND_MPS"
         if group.gpus:
             g.gpus.extend(group.gpus)
         if group.memory_fraction is not None:
             key = f"{MPSD_PREFIX}instance_group.{i}.memory_fraction"
             msg.parameters[key].string_value = str(group.memory_fraction)
-    if accelerator:
-        msg.optimization.execution_accelerators.gpu_execution_accelerator.add(name=MPS_ACCELERATOR)

@@ -91,6 +91,9 @@ class Init:
     memory_fraction: float | None
     heartbeat_interval_s: float = 1.0
     snapshot_after_request: bool = False  # memory ceilings are set: report right after each request
+    # "mps": Triton's mps accelerator on a KIND_GPU or KIND_AUTO group: MPS where usable, else CUDA, else the
+    # CPU, where plain KIND_GPU would fail (the devices passed over are reported with their reasons)
+    accelerator: str | None = None
 
 
 @dataclass(frozen=True)

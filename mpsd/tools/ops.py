@@ -68,6 +68,7 @@ def worker_dict(w: Any) -> dict[str, Any]:
         "last_exit": w.last_exit or None,
         "last_error": w.last_error or None,
         "memory": dict(w.memory),
+        "skipped_devices": dict(w.skipped_devices),
     }
 
 
@@ -118,6 +119,12 @@ def render_status(data: dict[str, Any]) -> str:
     if rows:
         headers = ["WORKER", "PID", "DEVICE", "FRACTION", "STATE", "RESTARTS", "UPTIME", "RSS", "DEVICE MEM"]
         parts += ["", table([*headers, "LAST EXIT"], rows)]
+        parts += [
+            f"{w['model']}/{w['version']}#{w['instance']} is not on {skipped}: {why}"
+            for w in data["workers"]
+            for skipped, why in w.get("skipped_devices", {}).items()
+            if skipped != "cpu"
+        ]
     fronts = data.get("fronts") or []
     if fronts:
         keys = ["index", "pid", "state", "requests", "restarts"]

@@ -205,7 +205,10 @@ def _device_name(device: torch.device) -> str:
 
 
 def select_device(
-    kind: str, memory_fraction: float | None, config_dtypes: Sequence[str] = ()
+    kind: str,
+    memory_fraction: float | None,
+    config_dtypes: Sequence[str] = (),
+    accelerator: str | None = None,
 ) -> tuple[torch.device, DeviceInfo]:
     """Resolve `kind` with real probes, refuse FP64 on MPS, apply the memory fraction before the model loads.
 
@@ -215,7 +218,10 @@ def select_device(
     """
     _device_thread.enter("select_device")
     skipped: dict[str, str] = {}
-    device_type = _resolve(kind, skipped)
+    # Triton's mps accelerator: MPS where it is usable, else what KIND_AUTO would take (CUDA, then the CPU),
+    # with the devices passed over and why, where plain KIND_GPU would fail.
+    fallback = kind == "KIND_GPU" and accelerator == "mps"
+    device_type = _resolve("KIND_AUTO" if fallback else kind, skipped)
     if device_type == "mps":
         fp64 = sorted({d for d in config_dtypes if config_to_wire(d) == "FP64"})
         if fp64:

@@ -42,7 +42,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     t0 = time.perf_counter()
     try:
         dtypes = [wire_to_config(t.datatype) for t in (*spec.inputs, *spec.outputs)]
-        device, info = select_device(init.kind, init.memory_fraction, dtypes)
+        device, info = select_device(init.kind, init.memory_fraction, dtypes, init.accelerator)
         setproctitle(f"mpsd: worker {spec.name}/{spec.version}#{init.instance} ({info.kind})")
         limit_host_threads(device)
         torch.set_grad_enabled(False)

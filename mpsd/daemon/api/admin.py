@@ -72,6 +72,9 @@ def worker_message(mv: ModelVersion, instance: VersionInstance, now: float) -> A
         index = device.get("index")
         if isinstance(index, int):
             msg.device.index = index
+        skipped = device.get("skipped")
+        if isinstance(skipped, dict):
+            msg.skipped_devices.update({str(k): str(v) for k, v in skipped.items()})
         fraction = device.get("memory_fraction")
         if isinstance(fraction, int | float):
             msg.memory_fraction = float(fraction)

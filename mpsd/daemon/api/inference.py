@@ -100,7 +100,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     @rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         mv = self.registry.route(request.name, request.version)
-        return pb.ModelConfigResponse(config=convert.model_config_proto(request.name, mv.config))
+        return pb.ModelConfigResponse(
+            config=convert.model_config_proto(request.name, mv.config, convert.group_devices(mv))
+        )
 
     @rpc
     async def ModelStatistics(self, request: Any, context: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from mpsd.config.model_config import ModelConfig
@@ -38,8 +38,22 @@ def infer_response_parts(
     return response, [b"" if out.name in in_shm else out.data for out in result.outputs]
 
 
-def model_config_proto(name: str, config: ModelConfig) -> Any:
-    """The effective config in Triton's ModelConfig message."""
+def group_devices(mv: ModelVersion) -> dict[int, list[Mapping[str, object]]]:
+    """The devices the running workers of each instance group chose (their ready messages), by group."""
+    group_of = {p.index: p.group for p in mv.placements}
+    found: dict[int, list[Mapping[str, object]]] = {}
+    for instance in mv.instances:
+        worker = instance.worker
+        if worker is not None and worker.ready is not None:
+            found.setdefault(group_of.get(instance.launch.instance, 0), []).append(worker.ready.device)
+    return found
+
+
+def model_config_proto(
+    name: str, config: ModelConfig, devices: Mapping[int, Sequence[Mapping[str, object]]] | None = None
+) -> Any:
+    """The effective config in Triton's ModelConfig message; with `devices` (group_devices), the devices
+    each group's workers run on, and why not MPS where Triton's mps accelerator asked for it."""
     msg = mc.ModelConfig(
         name=name,
         platform=config.platform,
@@ -61,6 +75,7 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
             msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(
                 group.memory_fraction
             )
+        _group_devices(msg, i, group.kind, config, (devices or {}).get(i, ()))
     policy = config.version_policy
     if policy.all is not None:
         msg.version_policy.all.SetInParent()
@@ -81,6 +96,10 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
             )
     if config.optimization.cuda.graphs:  # the sizes in effect, defaults included
         write_cuda_graphs(msg, config.cuda_graph_batch_sizes())
+    if config.optimization.gpu_accelerator is not None:
+        msg.optimization.execution_accelerators.gpu_execution_accelerator.add(
+            name=config.optimization.gpu_accelerator
+        )
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():
@@ -91,6 +110,26 @@ def model_config_proto(name: str, config: ModelConfig) -> Any:
             else:
                 w.inputs[input_name].zero_data = True
     return msg
+
+
+def _group_devices(
+    msg: Any, i: int, kind: str, config: ModelConfig, devices: Sequence[Mapping[str, object]]
+) -> None:
+    if not devices:
+        return
+    msg.parameters[f"mpsd.instance_group.{i}.device"].string_value = ",".join(
+        sorted({str(d.get("kind")) for d in devices})
+    )
+    wanted = config.optimization.gpu_accelerator == "mps" and kind in ("KIND_GPU", "KIND_AUTO")
+    reasons = sorted({_skipped(d, "mps") for d in devices if d.get("kind") != "mps"})
+    if wanted and reasons:
+        msg.parameters[f"mpsd.instance_group.{i}.mps_not_used"].string_value = "; ".join(reasons)
+
+
+def _skipped(device: Mapping[str, object], kind: str) -> str:
+    """Why a worker passed over a device kind, from its ready message ("" when it did not say)."""
+    skipped = device.get("skipped")
+    return str(skipped.get(kind, "")) if isinstance(skipped, dict) else ""
 
 
 def _duration(target: Any, d: Duration) -> None:

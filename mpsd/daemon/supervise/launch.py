@@ -56,6 +56,15 @@ def worker_base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in DAEMON_ONLY_ENV}
 
 
+def _accelerator(config: ModelConfig, placement: InstancePlacement) -> str | None:
+    """Triton's mps accelerator applies to GPU groups that do not list CUDA GPUs (`gpus`)."""
+    wanted = config.optimization.gpu_accelerator
+    pinned = config.instance_group[placement.group].gpus is not None
+    if wanted is None or pinned or placement.kind not in ("KIND_GPU", "KIND_AUTO"):
+        return None
+    return wanted
+
+
 def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacement], list[WorkerLaunch]]:
     """Placements (for the memory budget) and one launch per instance (spec, device, environment)."""
     config = source.config
@@ -73,6 +82,7 @@ def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacem
             max_device_memory_bytes=config.max_device_memory_bytes,
             max_rss_bytes=config.max_rss_bytes,
             gpu=placement.gpu,
+            accelerator=_accelerator(config, placement),
         )
         for placement in placements
     ]

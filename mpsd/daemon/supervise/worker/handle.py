@@ -72,6 +72,7 @@ class WorkerProcess:
             self.launch.memory_fraction,
             heartbeat_interval_s=self.liveness.interval_s,
             snapshot_after_request=self.liveness.snapshots_wanted,
+            accelerator=self.launch.accelerator,
         )
         self.channel.send(init)
         try:
@@ -112,6 +113,16 @@ class WorkerProcess:
             load_ms=round(reply.load_ms, 1),
             warmup_ms=round(reply.warmup_ms, 1),
         )
+        if self.launch.accelerator == "mps" and device.get("kind") != "mps":
+            # Triton's mps accelerator, off a Mac with a usable MPS: served anyway, and said why.
+            reason = skipped.get("mps", "") if isinstance(skipped, dict) else ""
+            log.warning(
+                "mps accelerator not used",
+                worker=self.launch.label,
+                pid=self.pid,
+                device=device.get("kind"),
+                reason=reason or "unknown",
+            )
         self.liveness.watch(self.died)
         return reply
 

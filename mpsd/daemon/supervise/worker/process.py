@@ -45,6 +45,9 @@ class WorkerLaunch:
     max_device_memory_bytes: int | None = None
     max_rss_bytes: int | None = None
     gpu: int | None = None  # pinned: its index among the daemon's GPUs (the worker sees only it, as cuda:0)
+    accelerator: str | None = (
+        None  # "mps": Triton's mps accelerator (an unpinned KIND_GPU or KIND_AUTO group)
+    )
 
     @property
     def label(self) -> str:
