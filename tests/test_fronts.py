@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +36,7 @@ from tritonclient.utils import InferenceServerException
 from mpsd.daemon.supervise.fronts.pool import is_front_command
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
-from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, serving, wait_for
+from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, pending_requests, serving, wait_for
 
 FRONTS = 2
 BIG_DIMS = 300_000  # 1.2 MB per tensor: requests and replies of 2.4 MB, larger than the link's socket buffer
@@ -357,7 +356,7 @@ def test_deadline_reaches_the_daemon_and_cancelled_calls_end(setup: Setup) -> No
     # queued behind the one still sleeping, this call's deadline passes in the daemon's queue
     code, _ = status_of(lambda: client.infer("slow", slow_input(0.0), client_timeout=0.3))
     assert code == "StatusCode.DEADLINE_EXCEEDED"
-    time.sleep(1.0)
+    # The calls ended (no deadline here): the next is answered once the sleeping one is done.
     assert client.infer("slow", slow_input(0.0)).as_numpy("y").tolist() == [0.0]
 
 
@@ -577,7 +576,9 @@ def test_tokens_and_tls_are_enforced_at_the_front(tmp_path: Path) -> None:
 def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_along(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     models.python_model(repo, "slow", SLOW)
-    daemon = RunningDaemon(repo, tmp_path / "daemon.log", extra_args=["--front-processes", "2"])
+    metrics = f"127.0.0.1:{free_port()}"
+    args = ["--front-processes", "2", "--metrics-address", metrics]
+    daemon = RunningDaemon(repo, tmp_path / "daemon.log", extra_args=args)
     try:
         daemon.wait_ready()
         fronts = front_pids(daemon)
@@ -594,7 +595,8 @@ def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_a
 
         caller = threading.Thread(target=call)
         caller.start()
-        time.sleep(0.7)
+        # SIGTERM once the call is in the daemon (through a front), not after a guessed delay.
+        wait_for(lambda: pending_requests(metrics) == 1, 30, "the call in the daemon")
         daemon.proc.send_signal(signal.SIGTERM)
         caller.join(30)
         assert results == [[3.0]], results
