@@ -20,6 +20,17 @@ MPSD_SCRIPT = Path(sys.executable).parent / "mpsd"
 EX_CONFIG = 78
 
 
+def stop_cleanly(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, and the daemon must exit 0; its whole session is killed if it does not."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def run(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
@@ -81,13 +92,7 @@ def test_unknown_config_key_exits_78_before_starting_anything(tmp_path: Path) ->
     try:
         wait_for(marker.exists, 120, "the worker to import the model")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_cleanly(proc)
 
 
 @pytest.mark.parametrize(
@@ -145,10 +150,4 @@ def test_serve_waits_for_a_fixed_config_with_on_config_error_wait(tmp_path: Path
         wait_for(marker.exists, 120, "the worker to import the model once the config is fixed")
         assert "mpsd: configuration fixed; starting" in err.read_text()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            assert proc.wait(60) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_cleanly(proc)

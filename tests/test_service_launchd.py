@@ -8,12 +8,10 @@ real tool and can be told to fail `bootstrap` with error 5. The plist is additio
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import plistlib
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -33,6 +31,7 @@ from mpsd.service.launchctl import parse_print, status_from_print
 from mpsd.service.spec import Scope, ServiceSpec, check_privileges, make_spec, make_target
 from tests import models
 from tests.conftest import free_port, wait_for
+from tests.service_fakes import PROCESS_CONTROL, kill_started
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "launchd" / "io.mpsd.daemon.plist.in"
@@ -61,35 +60,15 @@ FAKE_LAUNCHCTL = textwrap.dedent(
         counter.write_text(str(n))
         return n
 
+    @PROCESS_CONTROL@
+
     def start_job(job):
         # What launchd does with the job (FAKE_EXEC): run ProgramArguments in WorkingDirectory with
         # EnvironmentVariables, stdout and stderr into the job's log files.
-        import subprocess
         for key in ("StandardOutPath", "StandardErrorPath"):
             Path(job[key]).parent.mkdir(parents=True, exist_ok=True)
-        with open(job["StandardOutPath"], "ab") as out, open(job["StandardErrorPath"], "ab") as err:
-            proc = subprocess.Popen(job["ProgramArguments"], cwd=job["WorkingDirectory"],
-                                    env=job["EnvironmentVariables"], stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, start_new_session=True)
-        (state / "pid").write_text(str(proc.pid))
-
-    def stop_job():
-        import signal, time
-        pid_file = state / "pid"
-        if not pid_file.exists():
-            return
-        pid = int(pid_file.read_text())
-        pid_file.unlink()
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        for _ in range(600):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
+        start_process(job["ProgramArguments"], job["WorkingDirectory"], job["EnvironmentVariables"],
+                      job["StandardOutPath"], job["StandardErrorPath"])
 
     verb = args[0]
     if verb == "print":
@@ -143,7 +122,7 @@ FAKE_LAUNCHCTL = textwrap.dedent(
         if not f.exists():
             print("Boot-out failed: 3: No such process", file=sys.stderr)
             sys.exit(3)
-        stop_job()
+        stop_process()
         linger = int(os.environ.get("FAKE_LINGER", "0"))
         if linger:
             f.write_text("draining %d" % linger)
@@ -153,7 +132,7 @@ FAKE_LAUNCHCTL = textwrap.dedent(
     if verb == "kickstart" and os.environ.get("FAKE_EXEC"):  # -k: kill the running job, start it again
         with open(flag(args[-1]).read_text().splitlines()[0], "rb") as handle:
             job = plistlib.load(handle)
-        stop_job()
+        stop_process()
         start_job(job)
         sys.exit(0)
     if verb in ("enable", "disable", "kickstart"):
@@ -162,6 +141,7 @@ FAKE_LAUNCHCTL = textwrap.dedent(
     sys.exit(64)
     """
 )
+FAKE_LAUNCHCTL = FAKE_LAUNCHCTL.replace("@PROCESS_CONTROL@", PROCESS_CONTROL)
 
 
 # -- helpers -----------------------------------------------------------------------------------------
@@ -223,10 +203,7 @@ class Env:
 def env(tmp_path: Path) -> Iterator[Env]:
     made = Env(tmp_path)
     yield made
-    pid_file = made.state / "pid"  # a daemon the stand-in started (FAKE_EXEC) and no test stopped
-    if pid_file.exists():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    kill_started(made.state)
 
 
 @pytest.fixture

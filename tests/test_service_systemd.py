@@ -7,11 +7,9 @@ PATH. Where `systemd-analyze` is installed, the unit is also checked by systemd'
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,6 +28,7 @@ from mpsd.service.spec import Scope, ServiceSpec, make_spec, make_target
 from mpsd.service.systemctl import status_from_show
 from tests import models
 from tests.conftest import free_port, wait_for
+from tests.service_fakes import PROCESS_CONTROL, kill_started
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = "mpsd.service"
@@ -71,7 +70,7 @@ FAKE_TOOL = textwrap.dedent(
             print("ExecMainCode=1\\nExecMainStatus=75")
         sys.exit(0)
     if verb in ("stop", "restart") or words[:2] == ["disable", "--now"]:
-        stop_daemon()
+        stop_process()
     if verb in ("start", "restart") or words[:2] == ["enable", "--now"]:
         active.touch()
         if os.environ.get("FAKE_EXEC"):
@@ -84,9 +83,9 @@ FAKE_TOOL = textwrap.dedent(
 
 # With FAKE_EXEC set, the stand-in systemctl does what systemd does with the unit: it runs ExecStart=, in
 # WorkingDirectory= with the Environment= lines, and stops the process with SIGTERM.
-FAKE_EXEC = textwrap.dedent(
+FAKE_EXEC = PROCESS_CONTROL + textwrap.dedent(
     """\
-    import shlex, signal, subprocess, time
+    import shlex
 
     def unit_directives():
         unit = Path(os.environ["HOME"]) / ".config" / "systemd" / "user" / "mpsd.service"
@@ -101,27 +100,8 @@ FAKE_EXEC = textwrap.dedent(
         d = unit_directives()
         argv = shlex.split(d["ExecStart"][0].replace("$$", "$"))
         env = dict(shlex.split(line)[0].split("=", 1) for line in d.get("Environment", []))
-        with open(state / "daemon.log", "ab") as log:
-            proc = subprocess.Popen(argv, cwd=d["WorkingDirectory"][0], env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=log, start_new_session=True)
-        (state / "pid").write_text(str(proc.pid))
-
-    def stop_daemon():
-        pid_file = state / "pid"
-        if not pid_file.exists():
-            return
-        pid = int(pid_file.read_text())
-        pid_file.unlink()
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        for _ in range(600):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
+        log = state / "daemon.log"
+        start_process(argv, d["WorkingDirectory"][0], env, log, log)
 
     """
 )
@@ -180,10 +160,7 @@ class Env:
 def env(tmp_path: Path) -> Iterator[Env]:
     made = Env(tmp_path)
     yield made
-    pid_file = made.state / "pid"  # a daemon the stand-in started (FAKE_EXEC) and no test stopped
-    if pid_file.exists():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+    kill_started(made.state)
 
 
 @pytest.fixture
