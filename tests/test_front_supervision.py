@@ -68,7 +68,6 @@ class Harness:
         link = FrontLink(index, self._never, lambda _: None)
         front = Front(index, cast(asyncio.subprocess.Process, process), link)
         self.pool.fronts[index] = front
-        self.pool._backoff(index).started(self.now)
         return front
 
     async def until(self, predicate: Any) -> None:
@@ -83,6 +82,7 @@ def test_front_restarts_back_off_double_to_the_cap_and_reset_after_a_stable_run(
     async def main() -> None:
         h = Harness(initial_s=0.5, max_s=4.0)
         await h._spawn(0)
+        h.pool._backoff(0).started(h.now)  # what start() does after the first spawn
         supervisor = asyncio.create_task(h.pool._supervise(0))
         # It dies at once and five attempts to start it again fail: 0.5, 1, 2, 4, 4 (the cap), then it runs.
         h.failures_left = 5
@@ -117,5 +117,27 @@ def test_a_stopping_pool_does_not_restart_a_front_that_ends() -> None:
         h.spawned[-1].end(0)
         await asyncio.wait_for(supervisor, 5)
         assert h.delays == [] and len(h.spawned) == 1
+
+    asyncio.run(main())
+
+
+def test_a_front_that_dies_soon_after_its_restart_is_not_forgiven() -> None:
+    """The stable run is counted from the restart: a front that ran long, died, came back and died again at
+    once gets the doubled delay, not the initial one."""
+
+    async def main() -> None:
+        h = Harness(initial_s=0.5, max_s=4.0)
+        await h._spawn(0)
+        h.pool._backoff(0).started(h.now)  # what start() does after the first spawn
+        supervisor = asyncio.create_task(h.pool._supervise(0))
+        h.now += 60.0
+        h.spawned[-1].end(1)
+        await h.until(lambda: len(h.spawned) == 2)
+        h.now += 1.0
+        h.spawned[-1].end(1)
+        await h.until(lambda: len(h.spawned) == 3)
+        assert h.delays == [0.5, 1.0]
+        h.pool._stopping = True
+        supervisor.cancel()
 
     asyncio.run(main())

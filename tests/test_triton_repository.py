@@ -6,6 +6,7 @@ parsed by the daemon or by the `mpsd` command run as a subprocess.
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
+from google.protobuf import text_format
 from torch import nn
 
 from tests import models
@@ -267,6 +269,36 @@ def test_yaml_to_pbtxt_and_back_is_the_same_config(
     assert {k: back[k] for k in original} == original
 
 
+# In a process of its own: mpsd's model_config.proto and tritonclient's cannot share one descriptor pool.
+WHY_NOT_MPS = """
+from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.respond import model_config_proto
+config = ModelConfig.model_validate({
+    "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
+    "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4]}],
+    "instance_group": [{"kind": "KIND_GPU", "gpus": [0]}, {"kind": "KIND_GPU"}],
+    "optimization": {"gpu_accelerator": "mps"},
+})
+on_cuda = {"kind": "cuda", "skipped": {}}
+fell_back = {"kind": "cpu", "skipped": {"mps": "not macOS", "cuda": "no driver"}}
+params = model_config_proto("m", config, {0: [on_cuda], 1: [fell_back]}).parameters
+print({k: v.string_value for k, v in params.items() if k.endswith(("device", "mps_not_used"))})
+"""
+
+
+def test_model_config_says_why_not_mps_only_for_groups_the_accelerator_applies_to() -> None:
+    """A group that lists CUDA GPUs is CUDA by choice, not a fallback: no `mps_not_used` for it."""
+    done = subprocess.run(
+        [sys.executable, "-c", WHY_NOT_MPS], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert ast.literal_eval(done.stdout) == {
+        "mpsd.instance_group.0.device": "cuda",
+        "mpsd.instance_group.1.device": "cpu",
+        "mpsd.instance_group.1.mps_not_used": "not macOS",
+    }
+
+
 # The seed configuration for Apple GPUs: Triton's KIND_GPU and the mps accelerator.
 APPLE_GPU = """
 platform: "pytorch_libtorch"
@@ -300,6 +332,12 @@ def test_the_apple_gpu_seed_config_serves_where_mps_is_not_usable(tmp_path: Path
         assert params["mpsd.instance_group.0.mps_not_used"] == warning["reason"]
         accelerators = config["optimization"]["execution_accelerators"]["gpu_execution_accelerator"]
         assert accelerators == [{"name": "mps"}]
+        # What the daemon reports converts back to a config (the reported parameters configure nothing).
+        fetched = tmp_path / "fetched.pbtxt"
+        fetched.write_text(text_format.MessageToString(daemon.client.get_model_config("apple_gpu").config))
+        back = convert(fetched, "--to", "yaml")
+        assert back.returncode == 0, back.stderr
+        assert yaml.safe_load(back.stdout)["optimization"] == {"gpu_accelerator": "mps"}
         status = subprocess.run(
             [sys.executable, "-m", "mpsd", "status", "--json", "--address", daemon.address],
             capture_output=True,

@@ -17,17 +17,20 @@ if TYPE_CHECKING:
     from mpsd.config.daemon_config import DaemonConfig
 
 EX_CONFIG = 78
+STARTING = "mpsd: configuration accepted; starting"
 DEFAULT_CONFIG = Path("config/mpsd.yaml")
 
 
-def check_servable(config: DaemonConfig) -> None:
+def check_servable(config: DaemonConfig, event_loop: bool = True) -> None:
     """What `mpsd serve` checks before anything starts, beyond the file itself (`mpsd service install`
-    checks the same): ConfigError for a setting the daemon cannot serve."""
+    checks the same, but the event loop, which is the service's interpreter's to have): ConfigError for a
+    setting the daemon cannot serve."""
     from mpsd.daemon.supervise.fronts.policy import front_count
     from mpsd.net import eventloop
 
     front_count(config)  # a setting the address cannot serve is a configuration error
-    eventloop.check(config.event_loop)
+    if event_loop:
+        eventloop.check(config.event_loop)
     if not config.model_repository.is_dir():
         raise ConfigError(f"model repository {config.model_repository} is not a directory")
 
@@ -66,11 +69,8 @@ def wait_for_valid_config(
     wrong once, then check again whenever the config file changes (and every `recheck_s`, for a model
     repository that appears) until it can be served. `mpsd service status` reports the error meanwhile."""
     print(f"mpsd: configuration error: {error.message}", file=sys.stderr)
-    print(
-        f"mpsd: waiting for a fix of {config_path} (checked again when it changes)",
-        file=sys.stderr,
-        flush=True,
-    )
+    what = config_path if config_path is not None else "the command line's settings"
+    print(f"mpsd: waiting for a fix of {what} (checked again when it changes)", file=sys.stderr, flush=True)
     last, checked = _stamp(config_path), time.monotonic()
     while True:
         time.sleep(0.5)
@@ -102,6 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"mpsd: configuration error: {exc.message}", file=sys.stderr)
             return EX_CONFIG
         config = wait_for_valid_config(args, config_path, exc)
+    else:
+        if args.on_config_error == "wait":  # a line of this run: an error an earlier run logged is past
+            print(STARTING, file=sys.stderr, flush=True)
     configure(config.log_level, config.log_format)
     from mpsd.daemon.main import serve
 

@@ -116,7 +116,8 @@ def _check_config(path: Path) -> None:
     from mpsd.config.daemon_config import load_daemon_config
 
     try:
-        check_servable(load_daemon_config(path))
+        # The event loop is the daemon's to check: uvloop is the service's interpreter's to have.
+        check_servable(load_daemon_config(path), event_loop=False)
     except ConfigError as exc:
         raise ServiceError(
             f"configuration error: {exc.message}",

@@ -26,6 +26,9 @@ _PLATFORMS = {"pytorch_libtorch": "torchscript", "torch_export": "torch_export"}
 _BACKENDS = {"pytorch": "torchscript", "torch_export": "torch_export"}
 MPS_ACCELERATOR = "mps"
 MPSD_PREFIX = "mpsd."
+# Written by the ModelConfig RPC about the running workers (`mpsd.instance_group.N.<key>`); read back, they
+# configure nothing, so a config fetched from the daemon converts back.
+REPORTED_PARAMETERS = ("device", "mps_not_used")
 
 # Options of Triton's PyTorch backend: they tune libtorch inside Triton and mean nothing to mpsd.
 _TRITON_PYTORCH_OPTIONS = frozenset(
@@ -300,6 +303,8 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
             _fail(("parameters", key), f"there is no instance_group {parts[1]}")
         groups[int(parts[1])][parts[2]] = value
         return
+    if len(parts) == 3 and parts[0] == "instance_group" and parts[2] in REPORTED_PARAMETERS:
+        return  # what the ModelConfig RPC reports of the running workers: nothing to configure
     _fail(
         ("parameters", key),
         "unknown mpsd parameter (known: allow_pickle, max_device_memory_bytes, max_rss_bytes, "

@@ -23,7 +23,7 @@ from setproctitle import setproctitle
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
 from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
-from mpsd.ipc.front_protocol import FrontAccess, FrontConfig, FrontReady, MalformedMessage
+from mpsd.ipc.front_protocol import FRONT_TITLE, FrontAccess, FrontConfig, FrontReady, MalformedMessage
 from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
@@ -244,7 +244,7 @@ async def serve(sock: socket.socket) -> int:
     # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
     configure(settings.log_level, "json")
     structlog.contextvars.bind_contextvars(front=settings.index)
-    setproctitle(f"mpsd: front {settings.index}")  # named in ps by role
+    setproctitle(f"{FRONT_TITLE}{settings.index}")  # named in ps by role
     address = parse_address(config.grpc_address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]

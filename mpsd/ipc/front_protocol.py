@@ -17,6 +17,9 @@ from typing import Any
 
 from mpsd.errors import Internal
 
+# What a front calls itself in ps once it has its settings; the daemon tells fronts from workers by it.
+FRONT_TITLE = "mpsd: front "
+
 
 class MalformedMessage(Internal):
     """A CONFIG, AUTH or READY payload that does not have the fields its kind promises."""

@@ -75,7 +75,8 @@ def model_config_proto(
             msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(
                 group.memory_fraction
             )
-        _group_devices(msg, i, group.kind, config, (devices or {}).get(i, ()))
+        wanted = config.optimization.gpu_accelerator == "mps" and group.gpus is None
+        _group_devices(msg, i, wanted and group.kind in ("KIND_GPU", "KIND_AUTO"), (devices or {}).get(i, ()))
     policy = config.version_policy
     if policy.all is not None:
         msg.version_policy.all.SetInParent()
@@ -112,17 +113,15 @@ def model_config_proto(
     return msg
 
 
-def _group_devices(
-    msg: Any, i: int, kind: str, config: ModelConfig, devices: Sequence[Mapping[str, object]]
-) -> None:
+def _group_devices(msg: Any, i: int, mps_wanted: bool, devices: Sequence[Mapping[str, object]]) -> None:
+    """The devices a group's workers run on; with the mps accelerator (`mps_wanted`), why not MPS."""
     if not devices:
         return
     msg.parameters[f"mpsd.instance_group.{i}.device"].string_value = ",".join(
         sorted({str(d.get("kind")) for d in devices})
     )
-    wanted = config.optimization.gpu_accelerator == "mps" and kind in ("KIND_GPU", "KIND_AUTO")
-    reasons = sorted({_skipped(d, "mps") for d in devices if d.get("kind") != "mps"})
-    if wanted and reasons:
+    reasons = sorted({_skipped(d, "mps") for d in devices if d.get("kind") != "mps"} - {""})
+    if mps_wanted and reasons:
         msg.parameters[f"mpsd.instance_group.{i}.mps_not_used"].string_value = "; ".join(reasons)
 
 

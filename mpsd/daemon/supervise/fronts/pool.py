@@ -21,7 +21,7 @@ from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
 from mpsd.daemon.supervise.restart import Backoff
 from mpsd.ipc.front_arena import ARENA_BYTES
-from mpsd.ipc.front_protocol import ArenaRegion, FrontAccess, FrontConfig
+from mpsd.ipc.front_protocol import FRONT_TITLE, ArenaRegion, FrontAccess, FrontConfig
 from mpsd.ipc.front_wire import SOCKET_BUFFER, Buffer, Kind, frame, widen_buffers
 from mpsd.ipc.shm import Region
 from mpsd.net.auth import export_tokens
@@ -29,9 +29,6 @@ from mpsd.net.certificates import TlsMaterial
 
 log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 FRONT_MODULE = "mpsd.front"  # what a front process runs: `python -m FRONT_MODULE`
-
-
-FRONT_TITLE = "mpsd: front "  # what a front calls itself once it has its settings (setproctitle)
 
 
 def is_front_command(argv: Sequence[str]) -> bool:
@@ -122,6 +119,8 @@ class FrontPool:
         """Start every front and wait until all listen; FrontFailed (the others stopped) if one cannot."""
         self._stop_listening = logs.on_level_change(self._send_level)
         started = await asyncio.gather(*(self._spawn(i) for i in range(self.count)), return_exceptions=True)
+        for i in range(self.count):
+            self._backoff(i).started(self._clock())
         errors = [r for r in started if isinstance(r, BaseException)]
         if errors:
             await self.stop(0.0)
@@ -205,7 +204,6 @@ class FrontPool:
             arena.unlink()  # both ends have it mapped: the memory goes when both unmap it, however they end
         front = Front(index, process, link)
         self.fronts[index] = front
-        self._backoff(index).started(self._clock())
         log.info(
             "front listening",
             front=index,
@@ -263,6 +261,7 @@ class FrontPool:
                     return
                 try:
                     await self._spawn(index)
+                    backoff.started(self._clock())
                     break
                 except Exception as exc:  # e.g. EMFILE: keep trying, the slot must not be given up
                     log.error("front restart failed", front=index, reason=str(exc) or type(exc).__name__)
