@@ -1,8 +1,8 @@
 """What each KServe operation does, whatever the protocol that asked for it.
 
-Protocol adapters (the gRPC servicer today, an HTTP one next) translate their protocol's request into the
-arguments here and the result back, so that every protocol answers alike (the same checks, the same
-errors, the same batching, queues and statistics), and none is a second implementation.
+The gRPC servicer and the HTTP routes are two adapters over these: they translate their protocol's
+request into the arguments here and the result back, so both protocols answer alike (the same checks,
+the same errors, the same batching, queues and statistics), and neither is a second implementation.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import structlog
 
 import mpsd
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
-from mpsd.daemon.api.parse import check_name, parse_infer_request
+from mpsd.daemon.api.parse import RawEntry, check_name, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
 from mpsd.daemon.core.request import InferResult
@@ -85,10 +85,7 @@ class Operations:
     # ---- inference -----------------------------------------------------------------------------------
 
     async def infer(
-        self,
-        request: Any,
-        deadline: float | None = None,
-        raw_contents: Sequence[bytes | memoryview] | None = None,
+        self, request: Any, deadline: float | None = None, raw_contents: Sequence[RawEntry] | None = None
     ) -> Answered:
         """Check a ModelInferRequest against its model, run it, and write the outputs bound to shared
         memory. `raw_contents` stands for its raw_input_contents (see `parse_infer_request`)."""
