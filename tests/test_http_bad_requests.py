@@ -81,6 +81,13 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
         "exactly one",
     ),
     ("JSON data of strings", header([{**JSON_ROW, "data": ["1"] * 16}]), {}, 400, "must be numbers"),
+    (
+        "JSON data of booleans",
+        header([{**JSON_ROW, "data": [True] * 16}]),
+        {},
+        400,
+        "must be numbers, got bool",
+    ),
     ("JSON data count", header([{**JSON_ROW, "data": [1.0] * 15}]), {}, 400, "15 elements, expected 16"),
     ("header length not a number", valid()[0], {"Inference-Header-Content-Length": "ten"}, 400, "byte count"),
     ("header length zero", valid()[0], {"Inference-Header-Content-Length": "0"}, 400, "needs its JSON"),
