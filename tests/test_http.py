@@ -302,6 +302,45 @@ def test_concurrent_clients(daemon: RunningDaemon) -> None:
     assert not errors, errors
 
 
+def test_system_shared_memory_with_the_stock_client(
+    daemon: RunningDaemon, client: httpclient.InferenceServerClient
+) -> None:
+    """Inputs read from and outputs written to a registered region; the region is the gRPC port's too."""
+    import os
+
+    from tests.triton_shm import shm
+
+    key = f"/mpsdtest_http_client_{os.getpid()}"
+    handle = shm.create_shared_memory_region("http_region", key, 256)
+    try:
+        a, b = np.full((1, 16), 5.0, np.float32), np.full((1, 16), 2.0, np.float32)
+        shm.set_shared_memory_region(handle, [a, b])
+        client.register_system_shared_memory("http_region", key, 256)
+        assert client.get_system_shared_memory_status() == [
+            {"name": "http_region", "key": key, "offset": 0, "byte_size": 256}
+        ]
+        grpc_view = daemon.client.get_system_shared_memory_status(as_json=True)["regions"]
+        assert grpc_view["http_region"]["key"] == key
+        inputs = [httpclient.InferInput(n, [1, 16], "FP32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_shared_memory("http_region", 64)
+        inputs[1].set_shared_memory("http_region", 64, offset=64)
+        out = httpclient.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory("http_region", 64, offset=128)
+        result = client.infer("add_sub", inputs, outputs=[out, httpclient.InferRequestedOutput("OUTPUT1")])
+        assert "data" not in result.get_output("OUTPUT0") and "parameters" not in result.get_output("OUTPUT0")
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=128), a + b
+        )
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+        assert refused(lambda: client.get_system_shared_memory_status("nope"))[0] == "404"
+        status, message = refused(lambda: client.register_system_shared_memory("http_region", key, 256))
+        assert status == "400" and "already registered" in message
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(handle)
+    assert client.get_system_shared_memory_status() == []
+
+
 # ---- repository, settings, what is not implemented ---------------------------------------------------------
 
 
