@@ -38,6 +38,7 @@ class Server:
 
     def __init__(self, args: list[str], log_path: Path, address: str, env: dict[str, str] | None = None):
         self.address = address
+        self.http_address: str | None = None  # mpsd's HTTP/REST port
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.started_at = time.perf_counter()
@@ -110,14 +111,17 @@ def start_mpsd(
     when given, the number of front processes and the event loop."""
     address = f"127.0.0.1:{free_port()}"
     config = workdir / f"{name}.yaml"
-    settings: dict[str, str] = {"model_repository": str(repo), "metrics_address": ""}
+    http = f"127.0.0.1:{free_port()}"
+    settings: dict[str, str] = {"model_repository": str(repo), "metrics_address": "", "http_address": http}
     if event_loop is not None:
         settings["event_loop"] = event_loop
     config.write_text(yaml.safe_dump(settings))
     args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
     if front_processes is not None:
         args += ["--front-processes", front_processes]
-    return Server(args, workdir / f"{name}.log", address, env)
+    server = Server(args, workdir / f"{name}.log", address, env)
+    server.http_address = http
+    return server
 
 
 def start_floor(workdir: Path, reply_shape: list[int] | None = None, worker_hop: bool = False) -> Server:
@@ -157,6 +161,23 @@ def stats_delta(
         if diff["count"] > 0:
             out[size] = diff
     return out
+
+
+def http_infer_request(model: str, shape: list[int], address: str, seed: int = 0) -> tuple[bytes, bytes]:
+    """A whole HTTP/1.1 infer request with the same tensor as `infer_request` (FP32, random, never zeros) as
+    binary data, the output asked for as binary data too; and the tensor's bytes."""
+    import json
+
+    data = np.random.default_rng(seed).standard_normal(shape).astype(np.float32).tobytes()
+    binary = {"binary_data_size": len(data)}
+    tensor = {"name": "INPUT", "shape": shape, "datatype": "FP32", "parameters": binary}
+    header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+    head = (
+        f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {address}\r\n"
+        f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(header)}\r\n"
+        f"Content-Length: {len(header) + len(data)}\r\n\r\n"
+    )
+    return head.encode() + header + data, data
 
 
 def infer_request(

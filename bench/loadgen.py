@@ -3,7 +3,9 @@ that were serialized once, ahead of time.
 
 The client processes import `grpc` and nothing else (no protobuf modules, no tritonclient): a method called
 with no serializers sends the prepared bytes as they are and hands back the response's bytes undecoded, so
-the per-request client cost is the gRPC call itself.
+the per-request client cost is the gRPC call itself. For HTTP the prepared bytes are the whole HTTP/1.1
+request, written on a keep-alive connection (one per request in flight, HTTP/1.1 having no multiplexing),
+and the client reads the status line, the headers and Content-Length bytes of body: no HTTP library either.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class LoadSpec:
     duration_s: float
     warmup_s: float
     method: str = INFER_METHOD
+    protocol: str = "grpc"  # or "http": `request` is then a whole HTTP/1.1 request, `address` host:port
 
 
 @dataclass
@@ -133,6 +136,122 @@ def _run_async(target: str, spec: LoadSpec, start_at: float) -> Outcome:
     return lat, state["errors"], state["first_error"], state["response"], state["completed"]
 
 
+class HttpError(Exception):
+    pass
+
+
+def _http_head(head: bytes) -> tuple[bool, int]:
+    """(status 200, body length) of a response whose status line and headers are `head`."""
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head[9:12] == b"200", length
+
+
+def _http_checked(ok: bool, body: bytes) -> bytes:
+    if not ok:
+        raise HttpError(body[:300].decode("utf-8", "replace"))
+    return body
+
+
+def _http_call(sock: socket.socket, request: bytes, pending: bytearray) -> bytes:
+    """One request on a blocking keep-alive socket; `pending` holds bytes read past the last response."""
+    sock.sendall(request)
+    while (end := pending.find(b"\r\n\r\n")) < 0:
+        chunk = sock.recv(262144)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        pending += chunk
+    ok, length = _http_head(bytes(pending[:end]))
+    start = end + 4
+    while len(pending) - start < length:
+        chunk = sock.recv(262144)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        pending += chunk
+    body = bytes(pending[start : start + length])
+    del pending[: start + length]
+    return _http_checked(ok, body)
+
+
+def _run_http_sync(spec: LoadSpec, start_at: float) -> Outcome:
+    host, _, port = spec.address.rpartition(":")
+    lat: list[int] = []
+    errors = completed = 0
+    first_error = ""
+    response = b""
+    with socket.create_connection((host, int(port))) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pending = bytearray()
+        while time.time() < start_at:
+            time.sleep(0.001)
+        count_from = time.perf_counter_ns() + int(spec.warmup_s * 1e9)
+        stop_at = count_from + int(spec.duration_s * 1e9)
+        while True:
+            t0 = time.perf_counter_ns()
+            if t0 >= stop_at:
+                break
+            try:
+                response = _http_call(sock, spec.request, pending)
+            except HttpError as exc:
+                errors += 1
+                first_error = first_error or str(exc)
+                continue
+            t1 = time.perf_counter_ns()
+            completed += 1
+            if t0 >= count_from and t1 <= stop_at:
+                lat.append(t1 - t0)
+    return lat, errors, first_error, response, completed
+
+
+def _run_http_async(spec: LoadSpec, start_at: float) -> Outcome:
+    """`concurrency` keep-alive connections, each with one request in flight."""
+    host, _, port = spec.address.rpartition(":")
+    lat: list[int] = []
+    state: dict[str, Any] = {"errors": 0, "first_error": "", "response": b"", "completed": 0}
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        writer.write(spec.request)
+        ok, length = _http_head((await reader.readuntil(b"\r\n\r\n"))[:-4])
+        return _http_checked(ok, await reader.readexactly(length))
+
+    async def main() -> None:
+        streams = [await asyncio.open_connection(host, int(port)) for _ in range(spec.concurrency)]
+        for _, writer in streams:
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while time.time() < start_at:
+            await asyncio.sleep(0.001)
+        count_from = time.perf_counter_ns() + int(spec.warmup_s * 1e9)
+        stop_at = count_from + int(spec.duration_s * 1e9)
+
+        async def loop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                t0 = time.perf_counter_ns()
+                if t0 >= stop_at:
+                    return
+                try:
+                    state["response"] = await one(reader, writer)
+                except HttpError as exc:
+                    state["errors"] += 1
+                    state["first_error"] = state["first_error"] or str(exc)
+                    continue
+                t1 = time.perf_counter_ns()
+                state["completed"] += 1
+                if t0 >= count_from and t1 <= stop_at:
+                    lat.append(t1 - t0)
+
+        try:
+            await asyncio.gather(*(loop(r, w) for r, w in streams))
+        finally:
+            for _, writer in streams:
+                writer.close()
+
+    asyncio.run(main())
+    return lat, state["errors"], state["first_error"], state["response"], state["completed"]
+
+
 def _client_main(conn: Connection) -> None:
     """A client process: waits for (spec, start time) on its pipe, runs, sends back what it measured."""
     import grpc
@@ -147,7 +266,10 @@ def _client_main(conn: Connection) -> None:
             break
         spec, start_at = msg
         try:
-            if spec.concurrency == 1:
+            if spec.protocol == "http":
+                run = _run_http_sync if spec.concurrency == 1 else _run_http_async
+                conn.send(("ok", run(spec, start_at)))
+            elif spec.concurrency == 1:
                 channel = channels.get(spec.address)
                 if channel is None:
                     channel = grpc.insecure_channel(spec.address, options=CHANNEL_OPTIONS)

@@ -12,6 +12,7 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "3": [("p50 mpsd / floor", "<=", 1.2)],
     "4": [("throughput batching on / in-process", ">=", 0.9), ("throughput batching on / off", ">=", 2.0)],
     "5": [("throughput mpsd / in-process", ">=", 0.9)],
+    "7": [("p50 HTTP / gRPC, one client", "<=", 1.3)],
 }
 
 
@@ -41,6 +42,16 @@ def throughput_line(row: dict[str, Any]) -> str:
     return (
         f"mpsd {m['throughput_rps']:.0f}/s, floor {f['throughput_rps']:.0f}/s "
         f"(x{_ratio(m['throughput_rps'], f['throughput_rps']):.2f}) [load {row['load_average_1m']:.1f}]"
+    )
+
+
+def http_line(row: dict[str, Any]) -> str:
+    g, h, g16, h16 = row["grpc"], row["http"], row["grpc_16"], row["http_16"]
+    return (
+        f"p50 HTTP {h['p50_ms']:.3f} ms, gRPC {g['p50_ms']:.3f} ms "
+        f"(x{_ratio(h['p50_ms'], g['p50_ms']):.2f}); "
+        f"16 in flight HTTP {h16['throughput_rps']:.0f}/s, gRPC {g16['throughput_rps']:.0f}/s "
+        f"[load {row['load_average_1m']:.1f}]"
     )
 
 
@@ -207,12 +218,30 @@ def summarize_startup(s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def summarize_http(s: dict[str, Any]) -> dict[str, Any]:
+    rounds = s["rounds"]
+    out: dict[str, Any] = {}
+    for who in ("grpc", "http", "grpc_16", "http_16"):
+        keys = ("p50_ms", "p99_ms", "mean_ms", "throughput_rps")
+        out[who] = {k: med([r[who][k] for r in rounds]) for k in keys}
+        out[who]["cpu_us_per_request"] = {
+            k: med([r[who]["cpu_us_per_request"][k] for r in rounds])
+            for k in ("server", "workers", "clients")
+        }
+    out["ratio_p50_http_grpc"] = med([_ratio(r["http"]["p50_ms"], r["grpc"]["p50_ms"]) for r in rounds])
+    out["ratio_throughput_http_grpc_16"] = med(
+        [_ratio(r["http_16"]["throughput_rps"], r["grpc_16"]["throughput_rps"]) for r in rounds]
+    )
+    return out
+
+
 SUMMARIZERS = {
     "1": summarize_latency,
     "2": summarize_throughput,
     "3": summarize_latency,
     "4": summarize_batching,
     "6": summarize_startup,
+    "7": summarize_http,
 }
 
 
@@ -231,6 +260,7 @@ def verdicts(scenarios: dict[str, Any]) -> dict[str, Any]:
                 s.get("summary", {}).get("ratio_batched_unbatched"),
             ],
             "5": [s.get("summary", {}).get("ratio_throughput_mpsd_inprocess")],
+            "7": [s.get("summary", {}).get("ratio_p50_http_grpc")],
         }.get(key)
         if values is None:
             continue
@@ -403,6 +433,32 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             f"Batching on / in-process: x{s['ratio_batched_inprocess']:.2f}; "
             f"batching on / off: x{s['ratio_batched_unbatched']:.2f}.",
+            "",
+        ]
+    if "7" in sc:
+        s = sc["7"]["summary"]
+        lines += [
+            "## Scenario 7: identity FP32[1,16] on mpsd, HTTP (binary tensor data) vs gRPC",
+            "",
+            "| | in flight | p50 ms | p99 ms | requests/s | CPU us/request (server / workers / client) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for who, label, n in (
+            ("grpc", "gRPC", 1),
+            ("http", "HTTP", 1),
+            ("grpc_16", "gRPC", 16),
+            ("http_16", "HTTP", 16),
+        ):
+            w = s[who]
+            lines.append(
+                f"| {label} | {n} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['throughput_rps']:.0f} | "
+                f"{_cpu(w['cpu_us_per_request'])} |"
+            )
+        lines += [
+            "",
+            f"HTTP / gRPC: p50 x{s['ratio_p50_http_grpc']:.2f} with one client; throughput "
+            f"x{s['ratio_throughput_http_grpc_16']:.2f} with 16 in flight. HTTP is served by the daemon "
+            "itself, front processes or not.",
             "",
         ]
     if "6" in sc:

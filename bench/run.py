@@ -7,6 +7,7 @@ Scenarios, each run side by side with its references in interleaved rounds:
   4. small CNN on CPU, 32 clients: dynamic batching on vs off vs in-process at the batch sizes formed
   5. ResNet-50 on a CUDA GPU, 64 clients (`bench/gpu_resnet.py`; only where a GPU and torchvision are)
   6. start-up to ServerReady with 1, 4 and 8 models; RSS/USS of the daemon and of each worker
+  7. identity FP32[1,16] on mpsd over HTTP (binary tensor data) vs over gRPC: one client, 16 in flight
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +54,7 @@ def measure(
     processes: int,
     duration_s: float,
     warmup_s: float,
+    protocol: str = "grpc",
 ) -> dict[str, Any]:
     """One closed-loop measurement (`concurrency` requests in flight in each of `processes` client
     processes), with the CPU time the server, its workers and the clients spent per request."""
@@ -59,7 +62,10 @@ def measure(
     clients = [psutil.Process(pid) for pid in pool.pids[:processes]]
     groups = [server_side, workers, clients, server_side[1:]]
     before = [common.cpu_seconds(g) for g in groups]
-    result = pool.run(LoadSpec(server.address, request, concurrency, duration_s, warmup_s), processes)
+    address = server.http_address if protocol == "http" else server.address
+    assert address is not None
+    spec = LoadSpec(address, request, concurrency, duration_s, warmup_s, protocol=protocol)
+    result = pool.run(spec, processes)
     after = [common.cpu_seconds(g) for g in groups]
     if result.errors:
         raise RuntimeError(f"{result.errors} requests failed: {result.first_error}")
@@ -81,9 +87,10 @@ def run_load(
     concurrency: int,
     processes: int = 1,
     duration_s: float = 0,
+    protocol: str = "grpc",
 ) -> dict[str, Any]:
     duration = duration_s or ctx.args.duration
-    return measure(ctx.pool, server, request, concurrency, processes, duration, ctx.args.warmup)
+    return measure(ctx.pool, server, request, concurrency, processes, duration, ctx.args.warmup, protocol)
 
 
 def check_echo(server: common.Server, request: bytes) -> None:
@@ -139,6 +146,40 @@ def scenario_throughput(ctx: Ctx, model: str, shape: list[int], concurrency: int
         rounds.append(row)
         print(f"  round {r + 1}: {report.throughput_line(row)}", flush=True)
     return {"model": model, "shape": shape, "concurrency": concurrency, "rounds": rounds}
+
+
+def check_http_echo(server: common.Server, request: bytes, data: bytes) -> None:
+    """mpsd answers the prepared HTTP request with the input's bytes as binary data."""
+    from bench.loadgen import _http_call
+
+    assert server.http_address is not None
+    host, _, port = server.http_address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        body = _http_call(sock, request, bytearray())
+    if not body.endswith(data):
+        raise RuntimeError(f"{server.http_address}: the HTTP answer does not end with the input's bytes")
+
+
+def scenario_http(ctx: Ctx) -> dict[str, Any]:
+    """The same small identity request to mpsd over HTTP (binary data) and over gRPC, in turn: one request
+    in flight, then 16."""
+    model, shape = "identity_16", [1, 16]
+    grpc_request = common.infer_request(model, shape)
+    assert ctx.mpsd.http_address is not None
+    http_request, data = common.http_infer_request(model, shape, ctx.mpsd.http_address)
+    check_echo(ctx.mpsd, grpc_request)
+    check_http_echo(ctx.mpsd, http_request, data)
+    rounds = []
+    for r in range(ctx.args.rounds):
+        row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
+        for concurrency in (1, 16):
+            for who in rotate(["grpc", "http"], r):
+                request = http_request if who == "http" else grpc_request
+                key = who if concurrency == 1 else f"{who}_16"
+                row[key] = run_load(ctx, ctx.mpsd, request, concurrency, protocol=who)
+        rounds.append(row)
+        print(f"  round {r + 1}: {report.http_line(row)}", flush=True)
+    return {"model": model, "shape": shape, "http_request_bytes": len(http_request), "rounds": rounds}
 
 
 def scenario_batching(ctx: Ctx) -> dict[str, Any]:
@@ -240,6 +281,9 @@ def run_overhead(ctx: Ctx, only: set[str]) -> dict[str, Any]:
     if "4" in only:
         print("scenario 4: small CNN, 32 clients, batching on/off", flush=True)
         scenarios["4"] = scenario_batching(ctx)
+    if "7" in only:
+        print("scenario 7: identity FP32[1,16] over HTTP vs gRPC, 1 and 16 in flight", flush=True)
+        scenarios["7"] = scenario_http(ctx)
     return scenarios
 
 
@@ -302,7 +346,7 @@ def main() -> None:
     parser.add_argument("--cnn-delay-us", type=int, default=2000, help="max_queue_delay_microseconds")
     parser.add_argument("--startup-models", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--startup-repeats", type=int, default=3)
-    parser.add_argument("--only", default="1,2,3,4,5,6", help="comma-separated scenarios")
+    parser.add_argument("--only", default="1,2,3,4,5,6,7", help="comma-separated scenarios")
     parser.add_argument("--no-profile", action="store_true", help="skip py-spy on missed targets")
     parser.add_argument(
         "--mpsd-env",
@@ -347,11 +391,12 @@ def main() -> None:
         "load_average_at_start": os.getloadavg(),
         "settings": {k: (v if not isinstance(v, Path) else str(v)) for k, v in vars(args).items()},
         "load_generator": "client processes with raw grpc stubs sending pre-serialized requests "
-        "(bench/loadgen.py); one blocking call at a time for latency, grpc.aio tasks for concurrency",
+        "(bench/loadgen.py); one blocking call at a time for latency, grpc.aio tasks for concurrency; "
+        "for HTTP, whole pre-built HTTP/1.1 requests on raw keep-alive sockets, one per request in flight",
         "scenarios": {},
     }
     try:
-        if only & {"1", "2", "3", "4"}:
+        if only & {"1", "2", "3", "4", "7"}:
             from bench.models import build_overhead_repo
 
             build_overhead_repo(work / "repo", args.cnn_delay_us, args.model_cpus or None)

@@ -1,8 +1,8 @@
 """One error taxonomy for the whole server.
 
 Every failure a client can see is an `MpsdError` carrying an `ErrorCode`; the daemon maps codes to gRPC
-status codes in exactly one place (`mpsd.net.status`). Workers send the code's name over IPC, so the
-taxonomy must not depend on grpc.
+status codes and HTTP statuses in exactly one place (`mpsd.net.status`). Workers send the code's name
+over IPC, so the taxonomy must not depend on grpc.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -62,6 +63,7 @@ class RunningDaemon:
         self.repo = repo
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_address = f"127.0.0.1:{free_port()}"  # every daemon its own HTTP port, unless given
         self.log_path = log_path
         args = [
             sys.executable,
@@ -76,6 +78,10 @@ class RunningDaemon:
         if config is not None:
             args += ["--config", str(config)]
         args += extra_args or []
+        if "--http-address" in args:
+            self.http_address = args[len(args) - 1 - args[::-1].index("--http-address") + 1]
+        else:
+            args += ["--http-address", self.http_address]
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             args,
@@ -234,3 +240,28 @@ def pending_requests(metrics_address: str) -> float:
         for line in text.splitlines()
         if line.startswith("mpsd_inference_pending_request_count{")
     )
+
+
+def http_request(
+    address: str,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+) -> tuple[int, Any, bytes]:
+    """One plain HTTP/1.1 request: (status, the body as JSON where it is JSON, else None, the raw body)."""
+    import http.client
+
+    host, _, port = address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+        parsed = None
+        if (response.getheader("Content-Type") or "").startswith("application/json") and data:
+            parsed = json.loads(data)
+        return response.status, parsed, data
+    finally:
+        connection.close()

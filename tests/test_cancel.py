@@ -83,6 +83,29 @@ def test_cancelled_request_is_dropped_from_the_queue(setup: tuple[RunningDaemon,
     wait_for(lambda: pending_requests(metrics) == 0, 10, "no pending request left")
 
 
+def test_an_http_request_whose_client_disconnects_is_dropped_from_the_queue(
+    setup: tuple[RunningDaemon, Path, str],
+) -> None:
+    """HTTP has no cancel message: a client that closes its connection cancels its request, as on gRPC."""
+    import json
+    import socket
+
+    daemon, log, metrics = setup
+    done: queue.Queue[object] = queue.Queue()
+    daemon.client.async_infer("slow", x(1001), callback=lambda result, error: done.put(error))
+    wait_for(lambda: ran(log)[-1:] == ["1001"], 30, "the blocker running")
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [4343]}]}).encode()
+    host, _, port = daemon.http_address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v2/models/slow/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        wait_for(lambda: pending_requests(metrics) == 2, 30, "the HTTP request pending")
+    wait_for(lambda: pending_requests(metrics) == 1, 30, "the HTTP request dropped")
+    assert done.get(timeout=30) is None  # the blocker completes
+    daemon.client.infer("slow", x(0))
+    assert "4343" not in ran(log)
+
+
 def test_a_stream_closed_by_the_client_frees_its_requests(setup: tuple[RunningDaemon, Path, str]) -> None:
     daemon, log, metrics = setup
     client = grpcclient.InferenceServerClient(daemon.address)

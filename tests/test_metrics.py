@@ -125,6 +125,22 @@ def test_worker_memory_and_restarts_per_worker(daemon: RunningDaemon) -> None:
     assert not any(name.startswith("mpsd_gpu_memory") for name, _ in samples)  # CPU workers have none
 
 
+def test_served_by_prometheus_clients_exposition(daemon: RunningDaemon) -> None:
+    """Content negotiation as prometheus_client does it: OpenMetrics when asked for, gzip when accepted."""
+    import gzip
+
+    request = urllib.request.Request(
+        metrics_url(daemon),
+        headers={"Accept": "application/openmetrics-text; version=1.0.0", "Accept-Encoding": "gzip"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert response.headers["Content-Encoding"] == "gzip"
+        text = gzip.decompress(response.read()).decode()
+    assert text.rstrip().endswith("# EOF")
+    assert "mpsd_inference_request_success_total" in text
+
+
 def test_other_paths_are_not_found(daemon: RunningDaemon) -> None:
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(metrics_url(daemon).replace("/metrics", "/nope"), timeout=10)

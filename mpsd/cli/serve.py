@@ -29,6 +29,11 @@ def check_servable(config: DaemonConfig, event_loop: bool = True) -> None:
     from mpsd.net import eventloop
 
     front_count(config)  # a setting the address cannot serve is a configuration error
+    from mpsd.net.listen import http_address, parse_address, same_port
+
+    http = http_address(config.http_address)
+    if http is not None and same_port(http, parse_address(config.grpc_address)):
+        raise ConfigError(f"http_address {http.text} and grpc_address {config.grpc_address} collide")
     if event_loop:
         eventloop.check(config.event_loop)
     if not config.model_repository.is_dir():
@@ -44,6 +49,8 @@ def _load(args: argparse.Namespace, config_path: Path | None) -> DaemonConfig:
         config.model_repository = args.model_repository.resolve()
     if args.grpc_address is not None:
         config.grpc_address = args.grpc_address
+    if args.http_address is not None:
+        config.http_address = args.http_address
     if args.metrics_address is not None:
         config.metrics_address = args.metrics_address
     if args.log_level is not None:
@@ -122,6 +129,11 @@ def add_serve_parser(subparsers: Any) -> None:
     )
     serve.add_argument("--model-repository", type=Path, help="directory with one folder per model")
     serve.add_argument("--grpc-address", help="host:port to listen on (default 127.0.0.1:8001)")
+    serve.add_argument(
+        "--http-address",
+        help="host:port of the KServe v2 HTTP/REST protocol (default 127.0.0.1:8000), or unix:///path; "
+        '"" or "off" disables it',
+    )
     serve.add_argument(
         "--metrics-address",
         help='host:port of the Prometheus endpoint (default 127.0.0.1:8002); "" or "off" disables it',

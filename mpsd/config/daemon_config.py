@@ -25,6 +25,12 @@ class DaemonConfig(BaseModel):
         description="host:port (Triton's port by default), or unix:///path/mpsd.sock for a Unix socket "
         "only the daemon's user can open (mode 0600).",
     )
+    http_address: str | None = Field(
+        "127.0.0.1:8000",
+        description="host:port of the KServe v2 HTTP/REST protocol (Triton's HTTP port), or "
+        'unix:///path/mpsd-http.sock for a Unix socket only the daemon\'s user can open (mode 0600); "", '
+        '"off" or null disable it. Same TLS and tokens as gRPC.',
+    )
     metrics_address: str | None = Field(
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
@@ -73,7 +79,8 @@ class DaemonConfig(BaseModel):
     poll_interval_s: Annotated[float, Field(gt=0)] = Field(2.0, description="Rescan interval in poll mode.")
     max_message_bytes: Annotated[int, Field(gt=0)] = Field(
         256 * 1024 * 1024,
-        description="Largest gRPC message accepted or sent; larger ones fail with RESOURCE_EXHAUSTED.",
+        description="Largest gRPC message accepted or sent, and largest HTTP request body accepted; larger "
+        "ones fail with RESOURCE_EXHAUSTED (HTTP: 413).",
     )
     front_processes: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto",

@@ -23,6 +23,7 @@ from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
 from mpsd.daemon.api.admin import AdminServicer
 from mpsd.daemon.api.decode_guard import DecodeGuard
 from mpsd.daemon.api.health import HealthService, registry_status
+from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.inference import add_to_server as add_inference_service
 from mpsd.daemon.api.metrics import MetricsEndpoint
@@ -41,7 +42,7 @@ from mpsd.logs.events import BUS
 from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, AuthInterceptor, build_policy
 from mpsd.net.certificates import Certificates, TlsMaterial, check_replacement
-from mpsd.net.listen import bind, parse_address
+from mpsd.net.listen import Address, bind, http_address, parse_address
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 
@@ -87,10 +88,13 @@ class Daemon:
         self._certificates: Certificates | None = None  # the daemon's own TLS port, without fronts
         self._core_dir: Path | None = None
         self.servicer = InferenceServicer(self.registry, lambda: self.shutting_down, config.model_control)
+        self.http: HttpEndpoint | None = None  # made with the gRPC server, when http_address is set
 
-    def _policy(self, auth: AuthConfig, tokens: Sequence[Token]) -> AccessPolicy:
-        """The access policy for `auth` and its tokens (already read) on this daemon's address."""
-        address = parse_address(self.config.grpc_address)
+    def _policy(
+        self, auth: AuthConfig, tokens: Sequence[Token], address: Address | None = None
+    ) -> AccessPolicy:
+        """The access policy for `auth` and its tokens (already read) on `address` (the gRPC one)."""
+        address = address or parse_address(self.config.grpc_address)
         tls = self.config.tls
         return build_policy(
             auth,
@@ -140,6 +144,10 @@ class Daemon:
         else:
             self._certificates = Certificates(tls) if tls is not None else None
             bind(server, address, self._certificates)
+        http = http_address(self.config.http_address)
+        if http is not None:
+            policy = self._policy(self.config.auth, tokens, http)
+            self.http = HttpEndpoint(http, self.servicer.ops, policy, limit, tls)
         return server
 
     def _remove_core_dir(self) -> None:
@@ -181,6 +189,8 @@ class Daemon:
             except Exception:
                 await self._server.stop(0)
                 raise
+        if self.http is not None:
+            await self.http.start()
         await self.metrics.start()
         log.info(
             "listening",
@@ -271,6 +281,8 @@ class Daemon:
             self._certificates.replace(tls)
         if self.fronts is not None:
             self.fronts.update_access(fresh.auth, tokens, tls)
+        if self.http is not None:
+            self.http.update_access(self._policy(fresh.auth, tokens, self.http.address), tls)
         log.info("tokens reloaded", tokens=len(tokens))
         if tls is not None:
             log.info("certificates reloaded", client_certificates=tls.mutual)
@@ -301,6 +313,8 @@ class Daemon:
             self.config.drain_timeout_s = 0.0
             if self.fronts is not None:
                 self.fronts.hurry()
+            if self.http is not None:
+                self.http.hurry()
             if self._server is not None:
                 self._hurry = asyncio.ensure_future(self._server.stop(0))
             return
@@ -313,9 +327,13 @@ class Daemon:
         await self._update_health()
         self.admin.close()
         assert self._server is not None
+        drain = self.config.drain_timeout_s
+        http = asyncio.ensure_future(self.http.stop(drain)) if self.http is not None else None
         if self.fronts is not None:
-            await self.fronts.stop(self.config.drain_timeout_s)
-        await self._server.stop(self.config.drain_timeout_s)
+            await self.fronts.stop(drain)
+        await self._server.stop(drain)
+        if http is not None:
+            await http
         await self.metrics.stop()
         await self.registry.shutdown()
         shm.cleanup_own()

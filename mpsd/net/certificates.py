@@ -4,11 +4,15 @@ gRPC asks `Certificates` for a new certificate at every TLS handshake (dynamic s
 certificate renewed on disk and re-read at SIGHUP reaches every new connection; connections already open
 keep the session they have. The daemon reads the files once and hands the bytes to its front processes, so
 the daemon and every front serve the same certificate, and a front started later gets the current one.
+The HTTP server's `SslContexts` do the same with Python's ssl module: each handshake takes the context
+made from the current material.
 """
 
 from __future__ import annotations
 
+import os
 import ssl
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,3 +136,42 @@ class Certificates:
             self._fetch,
             require_client_authentication=self.material.mutual,
         )
+
+
+def server_context(material: TlsMaterial) -> ssl.SSLContext:
+    """An ssl module server context serving `material` (client certificates required when it is mutual).
+
+    OpenSSL reads a key only from a file: the bytes go to one in a private temporary directory (mode 0700,
+    the file 0600), removed at once, so the context serves exactly the bytes gRPC serves.
+    """
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory(prefix="mpsd-tls-") as directory:
+        path = os.path.join(directory, "server.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(material.chain.rstrip(b"\n") + b"\n" + material.key)
+        context.load_cert_chain(path, password=_no_password)
+    if material.client_ca is not None:
+        context.load_verify_locations(cadata=material.client_ca.decode(_TEXT))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class SslContexts:
+    """The TLS setup of an HTTP port: `context` listens, and at each handshake hands the connection to the
+    context of the current material, which `replace` changes (SIGHUP)."""
+
+    def __init__(self, material: TlsMaterial) -> None:
+        self.material = material
+        self.context = server_context(material)
+        self._current = self.context
+        self.context.sni_callback = self._choose  # called at every handshake, with a server name or not
+
+    def _choose(self, connection: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+        if self._current is not context:
+            connection.context = self._current
+
+    def replace(self, material: TlsMaterial) -> None:
+        check_replacement(self.material, material)
+        self._current = server_context(material)
+        self.material = material

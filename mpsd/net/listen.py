@@ -1,4 +1,4 @@
-"""Where the gRPC front listens: TCP host:port or a Unix socket, in the clear or over (mutual) TLS.
+"""Where the gRPC and HTTP servers listen: TCP host:port or a Unix socket, in the clear or over (mutual) TLS.
 
 A Unix socket is the tightest default for a single-host daemon: its file is mode 0600, so only the
 daemon's user can connect, and no network stack is involved at all.
@@ -56,25 +56,47 @@ class Address:
             return False
 
 
-def parse_address(text: str) -> Address:
-    """`host:port`, `[v6]:port` or `unix:///absolute/path` (also `unix:/absolute/path`)."""
+def parse_address(text: str, setting: str = "grpc_address") -> Address:
+    """`host:port`, `[v6]:port` or `unix:///absolute/path` (also `unix:/absolute/path`); ConfigError
+    messages name `setting`."""
     if text.startswith(UNIX_PREFIX):
         rest = text[len(UNIX_PREFIX) :]
         if rest.startswith("//"):
             rest = rest[2:]
         if not rest.startswith("/"):
-            raise ConfigError(f"grpc_address {text!r}: a Unix socket needs an absolute path (unix:///path)")
+            raise ConfigError(f"{setting} {text!r}: a Unix socket needs an absolute path (unix:///path)")
         path = Path(rest)
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise ConfigError(
-                f"grpc_address {text!r}: the socket path is longer than {MAX_SOCKET_PATH} bytes, "
+                f"{setting} {text!r}: the socket path is longer than {MAX_SOCKET_PATH} bytes, "
                 "which Unix sockets cannot hold; choose a shorter path"
             )
         return Address(text, unix_path=path)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"grpc_address {text!r}: expected host:port or unix:///path/to/socket")
+        raise ConfigError(f"{setting} {text!r}: expected host:port or unix:///path/to/socket")
     return Address(text, host=host.removeprefix("[").removesuffix("]"), port=int(port))
+
+
+DISABLED = ("", "off")
+
+
+def http_address(text: str | None) -> Address | None:
+    """The HTTP address a config gives (`http_address`), None when HTTP is off; ConfigError if malformed."""
+    if text is None or text.strip().lower() in DISABLED:
+        return None
+    return parse_address(text, "http_address")
+
+
+def same_port(one: Address, other: Address) -> bool:
+    """Two addresses that cannot both be listened on by this process: one socket path, or one TCP port on
+    overlapping hosts (a wildcard host overlaps every other)."""
+    if one.unix_path is not None or other.unix_path is not None:
+        return one.unix_path == other.unix_path
+    wildcard = ("0.0.0.0", "::", "")
+    return one.port == other.port != 0 and (
+        one.host == other.host or one.host in wildcard or other.host in wildcard
+    )
 
 
 def remove_stale_socket(path: Path) -> None:
@@ -98,13 +120,18 @@ def remove_stale_socket(path: Path) -> None:
         path.unlink()
 
 
+def prepare_socket_path(address: Address, setting: str = "grpc_address") -> None:
+    """Before binding a Unix socket: its directory exists, and a stale socket file is gone."""
+    if address.unix_path is not None:
+        if not address.unix_path.parent.is_dir():
+            raise ConfigError(f"{setting}: directory {address.unix_path.parent} does not exist")
+        remove_stale_socket(address.unix_path)
+
+
 def bind(server: grpc.aio.Server, address: Address, certificates: Certificates | None) -> None:
     """Add the listening port (over TLS with `certificates`); for a Unix socket, make the file 0600 before
     anyone can use it."""
-    if address.unix_path is not None:
-        if not address.unix_path.parent.is_dir():
-            raise ConfigError(f"grpc_address: directory {address.unix_path.parent} does not exist")
-        remove_stale_socket(address.unix_path)
+    prepare_socket_path(address)
     credentials = certificates.credentials() if certificates is not None else None
     # The umask covers the moment between bind() and chmod(); the chmod makes the mode independent of it.
     old_umask = os.umask(0o177) if address.unix_path is not None else None

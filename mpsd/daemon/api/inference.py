@@ -12,13 +12,11 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-import mpsd
 from mpsd.daemon.api import respond as convert
-from mpsd.daemon.api.client_shm import ClientShmRegistry
-from mpsd.daemon.api.parse import check_name, parse_infer_request
+from mpsd.daemon.api.operations import Operations, server_metadata
 from mpsd.daemon.api.wire_split import raw_output_parts, split_raw_contents
 from mpsd.daemon.core.registry import Registry
-from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, Unimplemented
+from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
@@ -28,14 +26,6 @@ T = TypeVar("T")
 Handler = Callable[..., Awaitable[T]]
 
 STREAM_WINDOW = 256
-EXTENSIONS = [
-    "model_repository",
-    "model_configuration",
-    "statistics",
-    "binary_tensor_data",
-    "logging",
-    "system_shared_memory",
-]
 
 
 def rpc(method: Handler[T]) -> Handler[T]:
@@ -58,63 +48,46 @@ def rpc(method: Handler[T]) -> Handler[T]:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """The gRPC adapter over `Operations`: protobuf in, protobuf out."""
+
     def __init__(
         self, registry: Registry, shutting_down: Callable[[], bool], model_control: str = "watch"
     ) -> None:
+        self.ops = Operations(registry, shutting_down, model_control)
         self.registry = registry
-        self._shutting_down = shutting_down
-        self._model_control = model_control
-        self.client_shm = ClientShmRegistry()
+        self.client_shm = self.ops.client_shm
 
     # ---- health and metadata ---------------------------------------------------------------------
 
     @rpc
     async def ServerLive(self, request: Any, context: Any) -> Any:
-        return pb.ServerLiveResponse(live=not self._shutting_down())
+        return pb.ServerLiveResponse(live=self.ops.live())
 
     @rpc
     async def ServerReady(self, request: Any, context: Any) -> Any:
-        return pb.ServerReadyResponse(ready=not self._shutting_down() and self.registry.server_ready())
+        return pb.ServerReadyResponse(ready=self.ops.ready())
 
     @rpc
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        ready = not self._shutting_down() and self.registry.model_ready(request.name, request.version)
-        return pb.ModelReadyResponse(ready=ready)
+        return pb.ModelReadyResponse(ready=self.ops.model_ready(request.name, request.version))
 
     @rpc
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        return pb.ServerMetadataResponse(name="mpsd", version=mpsd.__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(**server_metadata())
 
     @rpc
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        mv = self.registry.route(request.name, request.version)
-        entry_versions = [str(v.version) for v in self.registry.versions(request.name)]
-        return pb.ModelMetadataResponse(
-            name=request.name,
-            versions=entry_versions,
-            platform=mv.config.platform,
-            inputs=convert.tensor_metadata(mv.config, inputs=True),
-            outputs=convert.tensor_metadata(mv.config, inputs=False),
-        )
+        mv, versions = self.ops.model(request.name, request.version)
+        return convert.model_metadata(request.name, versions, mv.config)
 
     @rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         mv = self.registry.route(request.name, request.version)
-        return pb.ModelConfigResponse(
-            config=convert.model_config_proto(request.name, mv.config, convert.group_devices(mv))
-        )
+        return pb.ModelConfigResponse(config=convert.effective_config(request.name, mv))
 
     @rpc
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        if request.name:
-            if request.version:
-                versions = [self.registry.route(request.name, request.version)]
-            else:
-                self.registry.route(request.name, "")
-                versions = self.registry.versions(request.name)
-        else:
-            versions = [mv for name in sorted(self.registry.entries) for mv in self.registry.versions(name)]
-        return pb.ModelStatisticsResponse(model_stats=[convert.version_statistics(mv) for mv in versions])
+        return convert.statistics(self.ops.statistics(request.name, request.version))
 
     # ---- inference -----------------------------------------------------------------------------------
 
@@ -125,13 +98,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         raw_contents: Sequence[bytes | memoryview] | None = None,
     ) -> tuple[Any, list[bytes]]:
         """The response without its raw_output_contents, and those entries (see `convert`)."""
-        check_name("model", request.model_name)
-        mv = self.registry.route(request.model_name, request.model_version)
-        with self.client_shm.lease() as shm:  # regions the request names stay open until it is answered
-            parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
-            result = await mv.infer(parsed, deadline)
-            shm.write_outputs(result.outputs)
-            return convert.infer_response_parts(result, request.id, in_shm=shm.outputs.keys())
+        answered = await self.ops.infer(request, deadline, raw_contents)
+        return convert.infer_response_parts(answered.result, request.id, in_shm=answered.in_shm)
 
     async def _infer(self, request: Any) -> Any:
         response, raw = await self._infer_parts(request)
@@ -220,9 +188,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @rpc
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
-        if request.repository_name:
-            raise NotFound(f"unknown repository '{request.repository_name}' (mpsd serves one repository)")
-        rows = self.registry.index(ready_only=request.ready)
+        rows = self.ops.index(request.repository_name, request.ready)
         return pb.RepositoryIndexResponse(
             models=[
                 pb.RepositoryIndexResponse.ModelIndex(
@@ -234,42 +200,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @rpc
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        self._check_repository(request.repository_name)
-        for key in request.parameters:
-            if key.startswith("file:"):
-                raise InvalidArgument(
-                    f"parameter '{key}': uploading model files is refused; the repository on disk is the "
-                    "source of truth (copy files into it instead)"
-                )
-            raise InvalidArgument(f"parameter '{key}' is not supported by RepositoryModelLoad")
-        check_name("model", request.model_name)
-        try:
-            await self.registry.load_model(request.model_name)
-        except LoadError as exc:
-            raise MpsdError(f"failed to load '{request.model_name}': {exc}") from None
+        await self.ops.load(
+            request.repository_name, request.model_name, list(request.parameters), "RepositoryModelLoad"
+        )
         return pb.RepositoryModelLoadResponse()
 
     @rpc
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
-        self._check_repository(request.repository_name)
-        check_name("model", request.model_name)
-        await self.registry.unload_model(request.model_name, explicit=True)
+        await self.ops.unload(request.repository_name, request.model_name)
         return pb.RepositoryModelUnloadResponse()
-
-    def _check_repository(self, name: str) -> None:
-        if self._model_control == "none":
-            raise FailedPrecondition(
-                "model control is 'none': models cannot be loaded or unloaded at runtime"
-            )
-        if name:
-            raise NotFound(f"unknown repository '{name}' (mpsd serves one repository)")
 
     # ---- system shared memory ------------------------------------------------------------------------
 
     @rpc
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         reply = pb.SystemSharedMemoryStatusResponse()
-        for region in self.client_shm.status(request.name):
+        for region in self.ops.shm_status(request.name):
             reply.regions[region.name].CopyFrom(
                 pb.SystemSharedMemoryStatusResponse.RegionStatus(
                     name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size
@@ -279,57 +225,42 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @rpc
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        self.client_shm.register(request.name, request.key, request.offset, request.byte_size)
-        log.info(
-            "shared memory registered",
-            region=request.name,
-            key=request.key,
-            offset=request.offset,
-            byte_size=request.byte_size,
-        )
+        self.ops.shm_register(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @rpc
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        self.client_shm.unregister(request.name)
-        log.info("shared memory unregistered", region=request.name or "(all)")
+        self.ops.shm_unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # ---- not implemented yet ------------------------------------------------------------------------
 
-    async def _unimplemented(self, what: str) -> Any:
-        raise Unimplemented(f"{what} is not implemented by mpsd")
-
     @rpc
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("CUDA shared memory")
+        raise Operations.unimplemented("CUDA shared memory")
 
     @rpc
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("CUDA shared memory")
+        raise Operations.unimplemented("CUDA shared memory")
 
     @rpc
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("CUDA shared memory")
+        raise Operations.unimplemented("CUDA shared memory")
 
     @rpc
     async def TraceSetting(self, request: Any, context: Any) -> Any:
-        return await self._unimplemented("request tracing (TraceSetting)")
+        raise Operations.unimplemented("request tracing (TraceSetting)")
 
     @rpc
     async def LogSettings(self, request: Any, context: Any) -> Any:
         """Triton's runtime log settings, mapped onto mpsd's one output level; an empty request reads."""
-        from mpsd.logs import apply_log_settings
-
         updates: dict[str, bool | int | str] = {}
         for key, value in request.settings.items():
             choice = value.WhichOneof("parameter_choice")
             if choice is None:
                 raise InvalidArgument(f"log setting '{key}' has no value")
             updates[key] = getattr(value, choice)
-        current = apply_log_settings(updates)
-        if updates:
-            log.info("log settings changed", **{k: current[k] for k in updates})
+        current = self.ops.log_settings(updates)
         reply = pb.LogSettingsResponse()
         for key, setting in current.items():
             field = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(setting)]

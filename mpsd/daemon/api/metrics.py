@@ -2,21 +2,20 @@
 
 Nothing is counted twice: the collector turns the statistics the daemon keeps anyway (VersionStats, the
 instances' restarts, the workers' memory snapshots) into metric families when scraped, so inference pays
-nothing for metrics. Serving from the event loop (not prometheus_client's thread) means a scrape never
-reads the registry while the loop is changing it. Names follow Triton's `nv_*` metrics with an `mpsd_`
-prefix; counters carry prometheus_client's `_total` suffix.
+nothing for metrics. Serving from the event loop (prometheus_client's aiohttp handler, not its thread)
+means a scrape never reads the registry while the loop is changing it. Names follow Triton's `nv_*`
+metrics with an `mpsd_` prefix; counters carry prometheus_client's `_total` suffix.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Iterator
 
 import structlog
-from prometheus_client import CollectorRegistry, generate_latest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from mpsd.daemon.core.model_version import ModelVersion
@@ -182,7 +181,7 @@ class FrontCollector(Collector):
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """`host:port`, `[v6]:port` or `:port` (all interfaces) into what asyncio.start_server takes."""
+    """`host:port`, `[v6]:port` or `:port` (all interfaces) into a host and a port to listen on."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"metrics address '{address}' is not host:port")
@@ -190,61 +189,47 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class MetricsEndpoint:
-    """A minimal HTTP/1.1 server for GET /metrics on the daemon's event loop; "" or "off" disables it."""
+    """GET /metrics through prometheus_client's aiohttp handler, on the daemon's event loop; "" or "off"
+    disables it."""
 
     def __init__(self, address: str | None, registry: Registry) -> None:
         self.address = None if address is None or address.strip().lower() in DISABLED else address
         self.prometheus = CollectorRegistry(auto_describe=False)
         self.prometheus.register(RegistryCollector(registry))
-        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
 
     def add_fronts(self, pool: FrontPool) -> None:
         self.prometheus.register(FrontCollector(pool))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        scrape = make_aiohttp_handler(self.prometheus)
+        app.router.add_get("/metrics", scrape)
+        app.router.add_get("/metrics/", scrape)
+        app.router.add_get("/", _index)
+        return app
 
     async def start(self) -> None:
         """Listen; a busy port is logged, not fatal: inference matters more than metrics."""
         if self.address is None:
             return
+        runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
         try:
             host, port = parse_address(self.address)
-            self._server = await asyncio.start_server(self._handle, host, port)
+            await web.TCPSite(runner, host, port).start()
         except (OSError, ValueError) as exc:
+            await runner.cleanup()
             log.error("metrics endpoint not started", address=self.address, reason=str(exc))
             return
+        self._runner = runner
         log.info("metrics endpoint listening", url=f"http://{self.address}/metrics")
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 10)
-            while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b"\n", b""):
-                del line  # headers are not needed
-            method, _, rest = request.decode("latin-1").partition(" ")
-            path = rest.partition(" ")[0].partition("?")[0]
-            status, content_type, body = self._respond(method, path)
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode("latin-1") + (b"" if method == "HEAD" else body))
-            await writer.drain()
-        except (TimeoutError, ConnectionError, UnicodeDecodeError):
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
 
-    def _respond(self, method: str, path: str) -> tuple[str, str, bytes]:
-        if method not in ("GET", "HEAD"):
-            return "405 Method Not Allowed", "text/plain", b"only GET\n"
-        if path in ("/metrics", "/metrics/"):
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(self.prometheus)
-        if path == "/":
-            return "200 OK", "text/plain", b"mpsd: metrics at /metrics\n"
-        return "404 Not Found", "text/plain", b"not found; metrics are at /metrics\n"
+async def _index(request: web.Request) -> web.Response:
+    return web.Response(text="mpsd: metrics at /metrics\n")

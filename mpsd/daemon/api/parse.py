@@ -14,6 +14,7 @@ import numpy as np
 
 from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
+from mpsd.daemon.api.values import Values, typed_bytes
 from mpsd.daemon.core.request import Deferred, InferRequest, InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE, UNSUPPORTED
@@ -54,6 +55,8 @@ REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
 }
 INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}
 OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {"classification"}
+# One entry of a request's raw contents: bytes, or elements that become bytes once the input is checked.
+RawEntry = bytes | memoryview | Values
 
 
 def _fmt(shape: Any) -> str:
@@ -145,15 +148,7 @@ def _typed_bytes(name: str, datatype: str, tensor: Any, count: int) -> bytes:
     values = getattr(contents, field_name)
     if len(values) != count:
         raise InvalidArgument(f"input '{name}': contents has {len(values)} elements, expected {count}")
-    if np_type is np.bool_:
-        return np.asarray(values, dtype=np.bool_).tobytes()
-    wide = np.asarray(values)
-    if np.issubdtype(np.dtype(np_type), np.integer) and wide.size:
-        info = np.iinfo(np_type)
-        lo, hi = int(wide.min()), int(wide.max())
-        if lo < info.min or hi > info.max:
-            raise InvalidArgument(f"input '{name}': value out of range for {datatype} ({lo}..{hi})")
-    return wide.astype(np_type).tobytes()
+    return typed_bytes(f"input '{name}'", datatype, values, np_type)
 
 
 def parse_infer_request(
@@ -161,13 +156,14 @@ def parse_infer_request(
     config: ModelConfig,
     version: str,
     shm: ShmLease | None = None,
-    raw_contents: Sequence[bytes | memoryview] | None = None,
+    raw_contents: Sequence[RawEntry] | None = None,
 ) -> InferRequest:
     """Validate a ModelInferRequest and return the domain request with inputs in config order.
 
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
     bound in `shm`, which holds those regions until the response is built. `raw_contents`, when given,
-    stands for the request's raw_input_contents (views cut out of its wire bytes by `wire_split`).
+    stands for the request's raw_input_contents: views cut out of its wire bytes by `wire_split`, or, from
+    the HTTP adapter, an input's body bytes or its JSON elements (`Values`).
     """
     model = request.model_name
     check_request_fields(request)
@@ -226,8 +222,13 @@ def parse_infer_request(
                 raise InvalidArgument(
                     f"input '{name}': data is given both in raw_input_contents and in contents; send one"
                 )
-            data = raw[next_raw]
+            entry = raw[next_raw]
             next_raw += 1
+            data = (
+                entry.encode(f"input '{name}'", cfg.wire_datatype, count)
+                if isinstance(entry, Values)
+                else entry
+            )
             if len(data) != nbytes:
                 raise InvalidArgument(
                     f"input '{name}': raw content has {len(data)} bytes, expected {nbytes} "

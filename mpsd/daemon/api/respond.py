@@ -49,6 +49,11 @@ def group_devices(mv: ModelVersion) -> dict[int, list[Mapping[str, object]]]:
     return found
 
 
+def effective_config(name: str, mv: ModelVersion) -> Any:
+    """What ModelConfig answers, on either protocol: the config, with what its running workers chose."""
+    return model_config_proto(name, mv.config, group_devices(mv))
+
+
 def model_config_proto(
     name: str, config: ModelConfig, devices: Mapping[int, Sequence[Mapping[str, object]]] | None = None
 ) -> Any:
@@ -199,3 +204,18 @@ def tensor_metadata(config: ModelConfig, inputs: bool) -> list[Any]:
         pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.wire_datatype, shape=batch + t.dims)
         for t in tensors
     ]
+
+
+def model_metadata(name: str, versions: list[str], config: ModelConfig) -> Any:
+    """ModelMetadataResponse: the model's versions, platform, and tensors with their wire datatypes."""
+    return pb.ModelMetadataResponse(
+        name=name,
+        versions=versions,
+        platform=config.platform,
+        inputs=tensor_metadata(config, inputs=True),
+        outputs=tensor_metadata(config, inputs=False),
+    )
+
+
+def statistics(versions: list[ModelVersion]) -> Any:
+    return pb.ModelStatisticsResponse(model_stats=[version_statistics(mv) for mv in versions])

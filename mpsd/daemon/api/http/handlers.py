@@ -1,0 +1,166 @@
+"""The HTTP endpoints other than infer: health, metadata, config, statistics, the repository, system shared
+memory and log settings, each a thin translation onto `Operations`, answered as Triton's HTTP server
+answers (status codes, JSON bodies)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from mpsd.daemon.api import respond as convert
+from mpsd.daemon.api.operations import Operations, server_metadata
+from mpsd.errors import InvalidArgument
+
+from .body import load_json
+from .middleware import RPC_KEY
+from .responses import empty, error_response, json_response, proto_dict
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc(name: str) -> Callable[[F], F]:
+    """Mark a handler with the KServe RPC it stands for: its access category is that RPC's."""
+
+    def mark(handler: F) -> F:
+        setattr(handler, RPC_KEY, name)
+        return handler
+
+    return mark
+
+
+def path(request: web.Request, key: str) -> str:
+    return request.match_info.get(key, "")
+
+
+async def json_object(request: web.Request, what: str) -> dict[str, Any]:
+    """The request's JSON object; an empty body is an empty object (clients send none for defaults)."""
+    data = await request.read()
+    if not data.strip():
+        return {}
+    value = load_json(data, what)
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{what} must be a JSON object")
+    return value
+
+
+def _uint(body: dict[str, Any], key: str, what: str, default: int | None = None) -> int:
+    value = body.get(key, default)
+    if value is None:
+        raise InvalidArgument(f"{what} has no '{key}' field")
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(f"{what}: '{key}' must be a non-negative integer")
+    return value
+
+
+class Handlers:
+    def __init__(self, ops: Operations) -> None:
+        self.ops = ops
+
+    # ---- health and metadata ---------------------------------------------------------------------
+
+    @rpc("ServerLive")
+    async def live(self, request: web.Request) -> web.Response:
+        return empty(200 if self.ops.live() else 400)
+
+    @rpc("ServerReady")
+    async def ready(self, request: web.Request) -> web.Response:
+        return empty(200 if self.ops.ready() else 400)
+
+    @rpc("ModelReady")
+    async def model_ready(self, request: web.Request) -> web.Response:
+        if self.ops.model_ready(path(request, "model"), path(request, "version")):
+            return empty(200)
+        return error_response(400, "Model version not ready")
+
+    @rpc("ServerMetadata")
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return json_response(server_metadata())
+
+    @rpc("ModelMetadata")
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        name = path(request, "model")
+        mv, versions = self.ops.model(name, path(request, "version"))
+        return json_response(proto_dict(convert.model_metadata(name, versions, mv.config)))
+
+    @rpc("ModelConfig")
+    async def model_config(self, request: web.Request) -> web.Response:
+        name = path(request, "model")
+        mv, _ = self.ops.model(name, path(request, "version"))
+        return json_response(proto_dict(convert.effective_config(name, mv)))
+
+    @rpc("ModelStatistics")
+    async def statistics(self, request: web.Request) -> web.Response:
+        versions = self.ops.statistics(path(request, "model"), path(request, "version"))
+        return json_response(proto_dict(convert.statistics(versions)))
+
+    # ---- repository ----------------------------------------------------------------------------------
+
+    @rpc("RepositoryIndex")
+    async def index(self, request: web.Request) -> web.Response:
+        body = await json_object(request, "the index request")
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidArgument("invalid value for 'ready': expected a boolean")
+        rows = self.ops.index(path(request, "repository"), ready)
+        return json_response(
+            [{"name": r.name, "version": r.version, "state": r.state, "reason": r.reason} for r in rows]
+        )
+
+    @rpc("RepositoryModelLoad")
+    async def load(self, request: web.Request) -> web.Response:
+        body = await json_object(request, "the load request")
+        parameters = body.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise InvalidArgument("the load request's 'parameters' must be a JSON object")
+        await self.ops.load(
+            path(request, "repository"), path(request, "model"), list(parameters), "the load request"
+        )
+        return empty(200)
+
+    @rpc("RepositoryModelUnload")
+    async def unload(self, request: web.Request) -> web.Response:
+        await json_object(request, "the unload request")  # unload_dependents: mpsd models have none
+        await self.ops.unload(path(request, "repository"), path(request, "model"))
+        return empty(200)
+
+    # ---- system shared memory ------------------------------------------------------------------------
+
+    @rpc("SystemSharedMemoryStatus")
+    async def shm_status(self, request: web.Request) -> web.Response:
+        regions = self.ops.shm_status(path(request, "region"))
+        return json_response(
+            [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
+        )
+
+    @rpc("SystemSharedMemoryRegister")
+    async def shm_register(self, request: web.Request) -> web.Response:
+        what = "the shared memory register request"
+        body = await json_object(request, what)
+        key = body.get("key")
+        if not isinstance(key, str):
+            raise InvalidArgument(f"{what} has no 'key' field (a string)")
+        offset, size = _uint(body, "offset", what, 0), _uint(body, "byte_size", what)
+        self.ops.shm_register(path(request, "region"), key, offset, size)
+        return empty(200)
+
+    @rpc("SystemSharedMemoryUnregister")
+    async def shm_unregister(self, request: web.Request) -> web.Response:
+        self.ops.shm_unregister(path(request, "region"))
+        return empty(200)
+
+    # ---- settings and what mpsd does not implement -----------------------------------------------------
+
+    @rpc("LogSettings")
+    async def log_settings(self, request: web.Request) -> web.Response:
+        updates = await json_object(request, "the log settings") if request.method == "POST" else {}
+        return json_response(self.ops.log_settings(updates))
+
+    @rpc("TraceSetting")
+    async def trace(self, request: web.Request) -> web.Response:
+        raise Operations.unimplemented("request tracing (trace settings)")
+
+    @rpc("CudaSharedMemoryStatus")
+    async def cuda_shm(self, request: web.Request) -> web.Response:
+        raise Operations.unimplemented("CUDA shared memory")

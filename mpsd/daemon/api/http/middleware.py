@@ -1,0 +1,94 @@
+"""What every HTTP request goes through around its handler: the drain, access control, and errors.
+
+- Once shutdown has begun, every request is answered 503 at once (health checks included), while the
+  requests already in progress finish: a load balancer stops sending before the port closes.
+- Each route stands for a KServe RPC, whose access category (`net.auth`) decides with the `Authorization:
+  Bearer` header, exactly as on gRPC: the request is refused before its body is read.
+- An MpsdError becomes its HTTP status (`net.status`, the one table) with Triton's `{"error": "..."}` body;
+  aiohttp's own refusals (404, 405, 413) get the same body; anything else is a logged 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from mpsd.errors import MpsdError, Unauthenticated, Unavailable
+from mpsd.net.auth import AccessPolicy
+from mpsd.net.status import http_status
+
+from .responses import error_response
+
+log = structlog.get_logger("mpsd.daemon.http")
+
+KSERVE = "/inference.GRPCInferenceService/"
+RPC_KEY = "mpsd_rpc"  # a route handler's attribute: the KServe RPC it stands for
+
+
+def rpc_of(handler: Any) -> str | None:
+    name = getattr(handler, RPC_KEY, None)
+    return f"{KSERVE}{name}" if name is not None else None
+
+
+class Gate:
+    """The middleware, with its state: the access policy (replaced at SIGHUP) and the requests in
+    progress."""
+
+    __middleware_version__ = 1  # what aiohttp's `web.middleware` marks: a new-style middleware
+
+    def __init__(self, policy: AccessPolicy, shutting_down: Callable[[], bool]) -> None:
+        self.policy = policy
+        self.shutting_down = shutting_down
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def idle(self) -> None:
+        """Until no request is in progress."""
+        await self._idle.wait()
+
+    async def __call__(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._handle(request, handler)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if self.shutting_down():
+                raise Unavailable("the daemon is shutting down")
+            method = rpc_of(request.match_info.handler)
+            if method is not None:
+                credentials = [("authorization", v) for v in request.headers.getall("Authorization", ())]
+                refused = self.policy.check(method, credentials)
+                if refused is not None:
+                    log.info("call refused", method=method, code=refused.code.value, reason=refused.message)
+                    raise refused
+            return await handler(request)
+        except MpsdError as exc:
+            extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
+            return error_response(http_status(exc), exc.message, extra)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = exc.text if exc.status == 413 and exc.text else exc.reason
+            return error_response(exc.status, message or "", _allow(exc))
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as exc:
+            log.exception("unexpected error", path=request.path)
+            return error_response(500, f"{type(exc).__name__}: {exc}")
+
+
+def _allow(exc: web.HTTPException) -> dict[str, str] | None:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else None

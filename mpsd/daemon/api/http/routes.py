@@ -1,0 +1,66 @@
+"""The URL paths of Triton's HTTP/REST protocol (KServe v2 and Triton's extensions) and their handlers.
+
+Paths and methods are those of Triton's HTTP server (src/http_server.cc): a version in a path is a
+number, a path that matches nothing is 404 and a known path asked with another method 405, both with
+Triton's JSON error body.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from mpsd.daemon.api.operations import Operations
+from mpsd.net.auth import AccessPolicy
+
+from .handlers import Handlers
+from .infer import InferHandler
+from .middleware import Gate
+
+MODEL = "/v2/models/{model}"
+VERSION = "/v2/models/{model}/versions/{version:[0-9]+}"
+REPOSITORY = ("/v2/repository", "/v2/repository/{repository}")
+SHM = "/v2/systemsharedmemory"
+CUDA_SHM = "/v2/cudasharedmemory"
+
+
+def add_routes(app: web.Application, ops: Operations, limit: int) -> None:
+    h = Handlers(ops)
+    infer = InferHandler(ops, limit)
+    get, post = app.router.add_get, app.router.add_post
+    get("/v2/health/live", h.live)  # HEAD as well, for load balancers' checks
+    get("/v2/health/ready", h.ready)
+    get("/v2", h.server_metadata, allow_head=False)
+    get("/v2/models/stats", h.statistics, allow_head=False)
+    for model in (MODEL, VERSION):
+        get(model, h.model_metadata, allow_head=False)
+        get(f"{model}/ready", h.model_ready, allow_head=False)
+        get(f"{model}/config", h.model_config, allow_head=False)
+        get(f"{model}/stats", h.statistics, allow_head=False)
+        post(f"{model}/infer", infer.infer)
+    for repository in REPOSITORY:
+        post(f"{repository}/index", h.index)
+        post(f"{repository}/models/{{model}}/load", h.load)
+        post(f"{repository}/models/{{model}}/unload", h.unload)
+    get(f"{SHM}/status", h.shm_status, allow_head=False)
+    get(f"{SHM}/region/{{region}}/status", h.shm_status, allow_head=False)
+    post(f"{SHM}/region/{{region}}/register", h.shm_register)
+    post(f"{SHM}/unregister", h.shm_unregister)
+    post(f"{SHM}/region/{{region}}/unregister", h.shm_unregister)
+    get(f"{CUDA_SHM}/status", h.cuda_shm, allow_head=False)
+    get(f"{CUDA_SHM}/region/{{region}}/status", h.cuda_shm, allow_head=False)
+    for action in ("register", "unregister"):
+        post(f"{CUDA_SHM}/region/{{region}}/{action}", h.cuda_shm)
+    post(f"{CUDA_SHM}/unregister", h.cuda_shm)
+    for trace in ("/v2/trace/setting", f"{MODEL}/trace/setting"):
+        get(trace, h.trace, allow_head=False)
+        post(trace, h.trace)
+    get("/v2/logging", h.log_settings, allow_head=False)
+    post("/v2/logging", h.log_settings)
+
+
+def build_app(ops: Operations, policy: AccessPolicy, limit: int) -> tuple[web.Application, Gate]:
+    """The application serving `ops`; bodies over `limit` bytes are refused (413)."""
+    gate = Gate(policy, ops.shutting_down)
+    app = web.Application(middlewares=[gate], client_max_size=limit)
+    add_routes(app, ops, limit)
+    return app, gate

@@ -1,0 +1,167 @@
+"""What each KServe operation does, whatever the protocol that asked for it.
+
+The gRPC servicer and the HTTP routes are two adapters over these: they translate their protocol's
+request into the arguments here and the result back, so both protocols answer alike (the same checks,
+the same errors, the same batching, queues and statistics), and neither is a second implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+import mpsd
+from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
+from mpsd.daemon.api.parse import RawEntry, check_name, parse_infer_request
+from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.registry import IndexRow, Registry
+from mpsd.daemon.core.request import InferResult
+from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, Unimplemented
+
+log = structlog.get_logger("mpsd.daemon.api")
+
+SERVER_NAME = "mpsd"
+EXTENSIONS = [
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "logging",
+    "system_shared_memory",
+]
+
+
+@dataclass(frozen=True)
+class Answered:
+    """An inference's result, and the outputs that went to the client's shared memory instead."""
+
+    result: InferResult
+    in_shm: frozenset[str]
+
+
+class Operations:
+    """The operations on the daemon's state that clients can ask for."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        shutting_down: Callable[[], bool],
+        model_control: str = "watch",
+        client_shm: ClientShmRegistry | None = None,
+    ) -> None:
+        self.registry = registry
+        self.shutting_down = shutting_down
+        self.model_control = model_control
+        self.client_shm = client_shm if client_shm is not None else ClientShmRegistry()
+
+    # ---- health and metadata ---------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return not self.shutting_down()
+
+    def ready(self) -> bool:
+        return not self.shutting_down() and self.registry.server_ready()
+
+    def model_ready(self, name: str, version: str) -> bool:
+        return not self.shutting_down() and self.registry.model_ready(name, version)
+
+    def model(self, name: str, version: str) -> tuple[ModelVersion, list[str]]:
+        """The version that answers for (name, version), and every version of the model served now."""
+        mv = self.registry.route(name, version)
+        return mv, [str(v.version) for v in self.registry.versions(name)]
+
+    def statistics(self, name: str, version: str) -> list[ModelVersion]:
+        """The versions whose statistics are asked for: one, a model's, or every model's ("" names)."""
+        if name:
+            if version:
+                return [self.registry.route(name, version)]
+            self.registry.route(name, "")
+            return self.registry.versions(name)
+        return [mv for model in sorted(self.registry.entries) for mv in self.registry.versions(model)]
+
+    # ---- inference -----------------------------------------------------------------------------------
+
+    async def infer(
+        self, request: Any, deadline: float | None = None, raw_contents: Sequence[RawEntry] | None = None
+    ) -> Answered:
+        """Check a ModelInferRequest against its model, run it, and write the outputs bound to shared
+        memory. `raw_contents` stands for its raw_input_contents (see `parse_infer_request`)."""
+        check_name("model", request.model_name)
+        mv = self.registry.route(request.model_name, request.model_version)
+        with self.client_shm.lease() as shm:  # regions the request names stay open until it is answered
+            parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
+            result = await mv.infer(parsed, deadline)
+            shm.write_outputs(result.outputs)
+            return Answered(result, frozenset(shm.outputs))
+
+    # ---- repository ----------------------------------------------------------------------------------
+
+    def index(self, repository: str, ready_only: bool) -> list[IndexRow]:
+        if repository:
+            raise NotFound(f"unknown repository '{repository}' (mpsd serves one repository)")
+        return self.registry.index(ready_only=ready_only)
+
+    async def load(self, repository: str, name: str, parameters: Collection[str], caller: str) -> None:
+        """(Re)load one model; `parameters` are the keys the request set (`caller` names the call)."""
+        self._check_repository(repository)
+        for key in parameters:
+            if key.startswith("file:"):
+                raise InvalidArgument(
+                    f"parameter '{key}': uploading model files is refused; the repository on disk is the "
+                    "source of truth (copy files into it instead)"
+                )
+            raise InvalidArgument(f"parameter '{key}' is not supported by {caller}")
+        check_name("model", name)
+        try:
+            await self.registry.load_model(name)
+        except LoadError as exc:
+            raise MpsdError(f"failed to load '{name}': {exc}") from None
+
+    async def unload(self, repository: str, name: str) -> None:
+        self._check_repository(repository)
+        check_name("model", name)
+        await self.registry.unload_model(name, explicit=True)
+
+    def _check_repository(self, name: str) -> None:
+        if self.model_control == "none":
+            raise FailedPrecondition(
+                "model control is 'none': models cannot be loaded or unloaded at runtime"
+            )
+        if name:
+            raise NotFound(f"unknown repository '{name}' (mpsd serves one repository)")
+
+    # ---- system shared memory ------------------------------------------------------------------------
+
+    def shm_status(self, name: str) -> list[ClientRegion]:
+        return self.client_shm.status(name)
+
+    def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.client_shm.register(name, key, offset, byte_size)
+        log.info("shared memory registered", region=name, key=key, offset=offset, byte_size=byte_size)
+
+    def shm_unregister(self, name: str) -> None:
+        self.client_shm.unregister(name)
+        log.info("shared memory unregistered", region=name or "(all)")
+
+    # ---- settings ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def unimplemented(what: str) -> MpsdError:
+        return Unimplemented(f"{what} is not implemented by mpsd")
+
+    @staticmethod
+    def log_settings(updates: Mapping[str, bool | int | str]) -> dict[str, bool | int | str]:
+        """Triton's runtime log settings, mapped onto mpsd's one output level; no updates only reads."""
+        from mpsd.logs import apply_log_settings
+
+        current = apply_log_settings(updates)
+        if updates:
+            log.info("log settings changed", **{k: current[k] for k in updates})
+        return current
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": SERVER_NAME, "version": mpsd.__version__, "extensions": EXTENSIONS}

@@ -1,0 +1,245 @@
+"""Malformed HTTP infer requests, sent as bytes: each gets a clear 4xx with Triton's `{"error": ...}` body,
+never a crash, and no shared-memory region stays held by a request that failed."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import yaml
+
+from tests import models
+from tests.conftest import RunningDaemon, http_request, serving
+from tests.triton_shm import shm
+
+INFER = "/v2/models/add_sub/infer"
+ROW = np.ones(16, np.float32).tobytes()  # one FP32 row of add_sub
+LIMIT = 1 << 20  # max_message_bytes of the daemon below
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    base = tmp_path_factory.mktemp("http_bad")
+    models.add_sub(base / "repo")  # INPUT0/INPUT1 FP32 [16], max_batch_size 8
+    config = base / "mpsd.yaml"
+    config.write_text(yaml.safe_dump({"max_message_bytes": LIMIT, "metrics_address": ""}))
+    with serving(base / "repo", base / "daemon.log", config=config) as d:
+        d.pids = sorted(d.worker_pids())  # type: ignore[attr-defined]
+        yield d
+
+
+def header(inputs: list[dict[str, object]], **extra: object) -> bytes:
+    return json.dumps({"inputs": inputs, **extra}).encode()
+
+
+def binary_input(name: str, size: int = len(ROW)) -> dict[str, object]:
+    return {"name": name, "shape": [1, 16], "datatype": "FP32", "parameters": {"binary_data_size": size}}
+
+
+def binary_request(
+    json_part: bytes, data: bytes, length: int | str | None = None
+) -> tuple[bytes, dict[str, str]]:
+    value = str(len(json_part) if length is None else length)
+    return json_part + data, {"Inference-Header-Content-Length": value}
+
+
+def valid() -> tuple[bytes, dict[str, str]]:
+    return binary_request(header([binary_input("INPUT0"), binary_input("INPUT1")]), ROW + ROW)
+
+
+def send(daemon: RunningDaemon, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    status, reply, raw = http_request(daemon.http_address, "POST", INFER, body, headers)
+    if status == 200:
+        return status, ""
+    assert reply is not None and set(reply) == {"error"}, raw[:500]
+    return status, str(reply["error"])
+
+
+JSON_ROW = {"name": "INPUT1", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}
+CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
+    ("malformed JSON", b'{"inputs": [', {}, 400, "not valid JSON"),
+    ("not an object", b"[1, 2]", {}, 400, "must be a JSON object"),
+    ("not UTF-8", b'{"id": "\xff\xfe", "inputs": []}', {}, 400, "not UTF-8"),
+    ("empty body", b"", {}, 400, "not valid JSON"),
+    ("unknown field", header([], model="x"), {}, 400, "unknown field(s) 'model'"),
+    ("inputs not an array", b'{"inputs": {}}', {}, 400, "'inputs' must be an array"),
+    ("shape of strings", header([{**JSON_ROW, "shape": ["1", "16"]}]), {}, 400, "'shape' must be an array"),
+    ("shape beyond 64 bits", header([{**JSON_ROW, "shape": [2**70]}]), {}, 400, "64 bits"),
+    ("data not an array", header([{**JSON_ROW, "data": 3}]), {}, 400, "'data' must be an array"),
+    ("no data at all", header([{k: v for k, v in JSON_ROW.items() if k != "data"}]), {}, 400, "exactly one"),
+    (
+        "data and binary both",
+        header([{**JSON_ROW, "parameters": {"binary_data_size": 64}}]),
+        {},
+        400,
+        "exactly one",
+    ),
+    ("JSON data of strings", header([{**JSON_ROW, "data": ["1"] * 16}]), {}, 400, "must be numbers"),
+    (
+        "JSON data of booleans",
+        header([{**JSON_ROW, "data": [True] * 16}]),
+        {},
+        400,
+        "must be numbers, got bool",
+    ),
+    ("JSON data count", header([{**JSON_ROW, "data": [1.0] * 15}]), {}, 400, "15 elements, expected 16"),
+    ("header length not a number", valid()[0], {"Inference-Header-Content-Length": "ten"}, 400, "byte count"),
+    ("header length zero", valid()[0], {"Inference-Header-Content-Length": "0"}, 400, "needs its JSON"),
+    ("header length past the body", *binary_request(b"{}", b"", 10**12), 400, "has only"),
+    ("header length cuts the JSON", *binary_request(header([binary_input("INPUT0")]), ROW, 10), 400, "JSON"),
+    (
+        "binary data short",
+        *binary_request(header([binary_input("INPUT0"), binary_input("INPUT1")]), ROW + ROW[:10]),
+        400,
+        "bytes of binary data are left",
+    ),
+    (
+        "binary data too long",
+        *binary_request(header([binary_input("INPUT0"), binary_input("INPUT1")]), ROW + ROW + b"xx"),
+        400,
+        "2 bytes after",
+    ),
+    (
+        "binary size negative",
+        *binary_request(header([binary_input("INPUT0", -1), binary_input("INPUT1")]), ROW + ROW),
+        400,
+        "non-negative",
+    ),
+    (
+        "wrong byte count",
+        *binary_request(header([binary_input("INPUT0", 60), binary_input("INPUT1", 68)]), ROW + ROW),
+        400,
+        "raw content has 60 bytes, expected 64",
+    ),
+    (
+        "huge binary size",
+        *binary_request(header([binary_input("INPUT0", 2**62), binary_input("INPUT1")]), ROW + ROW),
+        400,
+        "bytes of binary data are left",
+    ),
+    (
+        "huge shape",
+        *binary_request(
+            header([{**binary_input("INPUT0"), "shape": [2**62, 2**62]}, binary_input("INPUT1")]), ROW + ROW
+        ),
+        400,
+        "overflows 64 bits",
+    ),
+    ("parameter of null", header([JSON_ROW], parameters={"priority": None}), {}, 400, "boolean, a number"),
+    ("unknown parameter", header([JSON_ROW], parameters={"colour": "red"}), {}, 400, "unknown parameter"),
+    (
+        "binary_data not a boolean",
+        header([JSON_ROW], outputs=[{"name": "OUTPUT0", "parameters": {"binary_data": 1}}]),
+        {},
+        400,
+        "must be a boolean",
+    ),
+    ("lone surrogate", b'{"id": "\\ud800", "inputs": []}', {}, 400, ""),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_malformed_bodies_get_a_clear_4xx(
+    daemon: RunningDaemon, body: bytes, headers: dict[str, str], status: int, words: str
+) -> None:
+    got, message = send(daemon, body, headers)
+    assert (got, words in message) == (status, True), message
+
+
+def test_integers_are_numbers_for_float_inputs(daemon: RunningDaemon) -> None:
+    body = header([{**JSON_ROW, "name": "INPUT0", "data": [[1] * 16]}, JSON_ROW])  # nested, as KServe allows
+    assert send(daemon, body) == (200, "")
+
+
+def test_a_valid_request_still_works_and_nothing_crashed(daemon: RunningDaemon) -> None:
+    status, _, raw = http_request(daemon.http_address, "POST", INFER, *valid())
+    assert status == 200, raw[:300]
+    assert sorted(daemon.worker_pids()) == daemon.pids  # type: ignore[attr-defined]
+    log = daemon.log()
+    assert "unexpected error" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_an_oversized_body_is_refused_with_413(daemon: RunningDaemon) -> None:
+    """The stock client sends it whole; the daemon answers from the declared length, reading none of it
+    into memory, and discards the rest."""
+    client = httpclient.InferenceServerClient(daemon.http_address, network_timeout=60)
+    try:
+        big = np.ones((8, LIMIT // 64), np.float32)  # 2 x 1 MiB
+        inputs = [httpclient.InferInput(n, list(big.shape), "FP32") for n in ("INPUT0", "INPUT1")]
+        for inp in inputs:
+            inp.set_data_from_numpy(big)
+        with pytest.raises(httpclient.InferenceServerException) as err:
+            client.infer("add_sub", inputs)
+        assert err.value.status() == "413"
+        assert "max_message_bytes" in err.value.message()
+    finally:
+        client.close()
+
+
+def test_a_huge_declared_length_is_refused_before_any_body(daemon: RunningDaemon) -> None:
+    host, _, port = daemon.http_address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {10**15}\r\n\r\n".encode()
+        )  # and no body at all
+        reply = sock.recv(65536).decode("latin-1")
+    assert reply.startswith("HTTP/1.1 413"), reply
+    assert '"error"' in reply and "max_message_bytes" in reply
+
+
+def test_a_truncated_body_with_the_connection_closed_harms_nothing(daemon: RunningDaemon) -> None:
+    body, headers = valid()
+    host, _, port = daemon.http_address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(
+            f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{head}\r\n".encode()
+        )
+        sock.sendall(body[: len(body) // 2])
+    assert http_request(daemon.http_address, "POST", INFER, *valid())[0] == 200
+
+
+def _held(key: str, pid: int) -> bool:
+    """Whether process `pid` holds a descriptor of the shared-memory object `key`."""
+    fds = Path(f"/proc/{pid}/fd")
+    return any(os.path.realpath(p).endswith(key) for p in fds.iterdir()) if fds.is_dir() else False
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
+def test_failed_requests_leave_no_shared_memory_region_held(daemon: RunningDaemon) -> None:
+    key = f"/mpsdtest_http_{os.getpid()}"
+    handle = shm.create_shared_memory_region("bad_http", key, 256)
+    client = httpclient.InferenceServerClient(daemon.http_address)
+    try:
+        shm.set_shared_memory_region(handle, [np.ones(16, np.float32), np.ones(16, np.float32)])
+        client.register_system_shared_memory("bad_http", key, 256)
+        assert _held(key, daemon.pid)
+        region = {"shared_memory_region": "bad_http", "shared_memory_byte_size": 64}
+        in_region = {"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": region}
+        past_the_end = {**region, "shared_memory_offset": 250}
+        for body in (  # each fails after INPUT0 has taken the region
+            header([in_region, {**JSON_ROW, "data": [1.0] * 3}]),
+            header([in_region, JSON_ROW], outputs=[{"name": "OUTPUT0", "parameters": past_the_end}]),
+            header([in_region, JSON_ROW], outputs=[{"name": "nope"}]),
+        ):  # fmt: skip
+            assert send(daemon, body)[0] == 400
+        ok = header(
+            [in_region, JSON_ROW],
+            outputs=[{"name": "OUTPUT0", "parameters": {**region, "shared_memory_offset": 64}}],
+        )
+        assert send(daemon, ok)[0] == 200
+        out = shm.get_contents_as_numpy(handle, np.float32, [16], offset=64)
+        np.testing.assert_array_equal(out, np.full(16, 2.0, np.float32))
+        client.unregister_system_shared_memory("bad_http")
+        assert not _held(key, daemon.pid)
+    finally:
+        client.close()
+        shm.destroy_shared_memory_region(handle)
