@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from torch import nn
@@ -185,3 +186,35 @@ def echo_all_types(repo: Path, name: str = "echo_all", typed_only: bool = False)
     )
     save_torchscript(EchoTyped() if typed_only else EchoAll(), model_dir / "1" / "model.pt")
     return model_dir
+
+
+def gated_model(repo: Path, gate: Path, name: str = "gated") -> Path:
+    """A python model that blocks on a request of non-zero input until the test creates the file named by
+    the input's first value (warm-up sends zeros), and announces that it started with `<file>.started`."""
+    return python_model(
+        repo,
+        name,
+        f"""
+        x = inputs['x']
+        if float(x.abs().sum()) != 0:
+            gate = os.path.join({str(gate)!r}, str(int(x[0])))
+            open(gate + '.started', 'w').close()
+            while not os.path.exists(gate):
+                time.sleep(0.01)
+        return {{'y': x * 2}}
+        """,
+    )
+
+
+# Triton's datatypes as numpy types, written out here (not derived from mpsd's table) to check it.
+NUMPY_OF = {
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "INT8": np.int8,
+    "INT16": np.int16,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "FP16": np.float16,
+    "FP32": np.float32,
+    "FP64": np.float64,
+}

@@ -17,17 +17,7 @@ from tritonclient.utils import InferenceServerException
 from tests import models
 from tests.conftest import RunningDaemon, http_request, serving
 
-NP = {
-    "BOOL": np.bool_,
-    "UINT8": np.uint8,
-    "INT8": np.int8,
-    "INT16": np.int16,
-    "INT32": np.int32,
-    "INT64": np.int64,
-    "FP16": np.float16,
-    "FP32": np.float32,
-    "FP64": np.float64,
-}
+NP = models.NUMPY_OF
 
 
 @pytest.fixture(scope="module")

@@ -19,22 +19,6 @@ from tests import models
 from tests.conftest import RunningDaemon, free_port, http_request, pending_requests, wait_for
 
 
-def gated(repo: Path, gate: Path) -> None:
-    """Blocks a request of non-zero input until the file named by its first value exists."""
-    models.python_model(
-        repo,
-        "gated",
-        f"""
-        x = inputs['x']
-        if float(x.abs().sum()) != 0:
-            gate = os.path.join({str(gate)!r}, str(int(x[0])))
-            while not os.path.exists(gate):
-                time.sleep(0.01)
-        return {{'y': x * 2}}
-        """,
-    )
-
-
 def test_defaults() -> None:
     assert DaemonConfig().http_address == "127.0.0.1:8000"
     assert DaemonConfig().grpc_address == "127.0.0.1:8001"
@@ -45,7 +29,7 @@ def test_sigterm_turns_readiness_503_while_the_request_in_progress_finishes(
 ) -> None:
     repo, gate = tmp_path / "repo", tmp_path / "gate"
     gate.mkdir()
-    gated(repo, gate)
+    models.gated_model(repo, gate)
     metrics = f"127.0.0.1:{free_port()}"
     daemon: RunningDaemon = start_daemon(repo, extra_args=["--metrics-address", metrics])
     daemon.wait_ready()

@@ -25,22 +25,8 @@ NBYTES = DIMS * 4  # one FP32 row of add_sub
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     repo = tmp_path_factory.mktemp("repo")
     models.add_sub(repo, dims=DIMS)
-    # Blocks on a request of non-zero input until the test creates the file named by the input's first value
-    # (warm-up sends zeros); announces that it started by creating `<file>.started`.
     gate = tmp_path_factory.mktemp("gate")
-    models.python_model(
-        repo,
-        "gated",
-        f"""
-        x = inputs['x']
-        if float(x.abs().sum()) != 0:
-            gate = os.path.join({str(gate)!r}, str(int(x[0])))
-            open(gate + '.started', 'w').close()
-            while not os.path.exists(gate):
-                time.sleep(0.01)
-        return {{'y': x * 2}}
-        """,
-    )
+    models.gated_model(repo, gate)
     metrics = f"127.0.0.1:{free_port()}"
     d = RunningDaemon(
         repo, tmp_path_factory.mktemp("log") / "daemon.log", extra_args=["--metrics-address", metrics]
