@@ -141,6 +141,17 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
         "must be a boolean",
     ),
     ("lone surrogate", b'{"id": "\\ud800", "inputs": []}', {}, 400, ""),
+    (
+        "integer too large for any float",
+        b'{"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": '
+        + b"[1"
+        + b"0" * 400
+        + b", 1" * 15
+        + b"]}]}",
+        {},
+        400,
+        "too large for FP32",
+    ),
 ]
 
 
@@ -157,6 +168,30 @@ def test_malformed_bodies_get_a_clear_4xx(
 def test_integers_are_numbers_for_float_inputs(daemon: RunningDaemon) -> None:
     body = header([{**JSON_ROW, "name": "INPUT0", "data": [[1] * 16]}, JSON_ROW])  # nested, as KServe allows
     assert send(daemon, body) == (200, "")
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_a_compressed_request_is_inflated_and_served(daemon: RunningDaemon, algorithm: str) -> None:
+    """tritonclient.http compresses a request when asked (Content-Encoding), as Triton accepts."""
+    client = httpclient.InferenceServerClient(daemon.http_address)
+    try:
+        inputs = []
+        for name in ("INPUT0", "INPUT1"):
+            inp = httpclient.InferInput(name, [1, 16], "FP32")
+            inp.set_data_from_numpy(np.full((1, 16), 2.0, np.float32), binary_data=True)
+            inputs.append(inp)
+        result = client.infer("add_sub", inputs, request_compression_algorithm=algorithm)
+        assert result.as_numpy("OUTPUT0").tolist() == [[4.0] * 16]
+    finally:
+        client.close()
+
+
+def test_a_shared_memory_key_that_is_no_text_is_refused(daemon: RunningDaemon) -> None:
+    body = b'{"key": "\\ud800", "byte_size": 16}'
+    status, reply, raw = http_request(
+        daemon.http_address, "POST", "/v2/systemsharedmemory/region/odd/register", body
+    )
+    assert status == 400 and "not valid text" in reply["error"], raw[:300]
 
 
 def test_a_valid_request_still_works_and_nothing_crashed(daemon: RunningDaemon) -> None:

@@ -45,9 +45,11 @@ def test_sigterm_turns_readiness_503_while_the_request_in_progress_finishes(
     daemon.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "stopping: draining in-flight requests" in daemon.log(), 30, "the drain begun")
 
-    for path in ("/v2/health/ready", "/v2/health/live", "/v2/models/gated/ready"):
+    for path in ("/v2/health/ready", "/v2/models/gated/ready"):
         status, reply, _ = http_request(daemon.http_address, "GET", path)
         assert (status, reply) == (503, {"error": "the daemon is shutting down"}), path
+    # Still live, as Triton: a liveness probe must not restart a daemon that is finishing its requests.
+    assert http_request(daemon.http_address, "GET", "/v2/health/live")[0] == 200
     status, _, _ = http_request(daemon.http_address, "POST", "/v2/models/gated/infer", body.encode())
     assert status == 503, "a request during the drain was accepted"
     try:

@@ -90,6 +90,8 @@ class ClientRegion:
             raise InvalidArgument(
                 f"shared memory region '{name}': cannot open key '{key}': {exc.strerror}"
             ) from None
+        except UnicodeEncodeError:  # a lone surrogate, which JSON can carry: no object has that name
+            raise InvalidArgument(f"shared memory region '{name}': key {key!r} is not valid text") from None
         try:
             size = os.fstat(fd).st_size
             if offset + byte_size > size:

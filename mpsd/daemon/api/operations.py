@@ -60,7 +60,8 @@ class Operations:
     # ---- health and metadata ---------------------------------------------------------------------
 
     def live(self) -> bool:
-        return not self.shutting_down()
+        """Live while it drains too, as Triton: a liveness probe must not restart a daemon finishing work."""
+        return True
 
     def ready(self) -> bool:
         return not self.shutting_down() and self.registry.server_ready()

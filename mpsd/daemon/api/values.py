@@ -83,7 +83,10 @@ class Values:
         if allowed is _INT:
             check_range(what, datatype, np_type, min(flat), max(flat))
         with np.errstate(over="ignore"):  # a float beyond FP16's range is inf, as Triton makes it
-            return np.asarray(flat, dtype=np_type).tobytes()
+            try:
+                return np.asarray(flat, dtype=np_type).tobytes()
+            except OverflowError:  # an integer too large for any float (JSON allows 10**400)
+                raise InvalidArgument(f"{what}: a value is too large for {datatype}") from None
 
 
 def typed_bytes(what: str, datatype: str, values: Sequence[Any], np_type: Any) -> bytes:

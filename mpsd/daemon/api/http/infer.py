@@ -22,29 +22,21 @@ def too_large(declared: int | None, limit: int) -> web.HTTPRequestEntityTooLarge
 
 
 async def read_body(request: web.Request, limit: int) -> memoryview:
-    """The whole body in one buffer (one copy from the socket's chunks); a body over `limit` is refused
-    as soon as its declared length, or the part read so far, says so."""
+    """The whole body in one buffer; a body over `limit` is refused as soon as its declared length, or the
+    part read so far, says so. Nothing is allocated from the declared length (a client may declare the
+    limit and send nothing), and the count is of the bytes as the handler sees them, so a compressed body
+    (Content-Encoding: gzip or deflate, which aiohttp inflates) is held to the limit once inflated."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise too_large(declared, limit)
-    content = request.content
-    if declared is not None:
-        buffer = bytearray(declared)
-        view = memoryview(buffer)
-        filled = 0
-        while filled < declared:
-            chunk = await content.readany()
-            if not chunk:
-                break
-            view[filled : filled + len(chunk)] = chunk
-            filled += len(chunk)
-        return view[:filled]
-    grown = bytearray()
-    while chunk := await content.readany():
-        grown += chunk
-        if len(grown) > limit:
+    chunks: list[bytes] = []
+    received = 0
+    while chunk := await request.content.readany():
+        received += len(chunk)
+        if received > limit:
             raise too_large(None, limit)
-    return memoryview(grown)
+        chunks.append(chunk)
+    return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
 class InferHandler:

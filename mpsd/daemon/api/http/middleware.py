@@ -24,6 +24,8 @@ from mpsd.net.status import http_status
 
 from .responses import error_response
 
+LIVE = "/v2/health/live"
+
 log = structlog.get_logger("mpsd.daemon.http")
 
 KSERVE = "/inference.GRPCInferenceService/"
@@ -64,7 +66,7 @@ class Gate:
 
     async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if self.shutting_down():
+            if self.shutting_down() and request.path != LIVE:  # live stays true while in-flight work ends
                 raise Unavailable("the daemon is shutting down")
             method = rpc_of(request.match_info.handler)
             if method is not None:
