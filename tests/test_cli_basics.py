@@ -3,16 +3,21 @@ starts (exit status 78, EX_CONFIG, with one readable line)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 import mpsd
+from mpsd.cli import build_parser
 from tests import models
 from tests.conftest import ROOT, free_port, wait_for
 
@@ -152,3 +157,32 @@ def test_serve_waits_for_a_fixed_config_with_on_config_error_wait(tmp_path: Path
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every command and sub-command of the `mpsd` parser, as the words that name it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name)
+                yield from _commands(sub, (*path, name))
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    """README.md: every command has --help with examples (the help each prints is its parser's)."""
+    commands = list(_commands(build_parser()))
+    assert ("service", "install") in commands and ("serve",) in commands
+    for words in commands:
+        result = subprocess.run(
+            [sys.executable, "-m", "mpsd", *words, "--help"],
+            env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},  # one example, one line
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, (words, result.stderr)
+        found = re.search(r"^examples?:\n?\s+(mpsd " + " ".join(words) + ".*)$", result.stdout, re.M)
+        assert found, (words, result.stdout)
+        example = shlex.split(re.split(r"[#|]", found.group(1))[0])
+        build_parser().parse_args(example[1:])  # the example is a valid command line (else SystemExit)
+

@@ -109,11 +109,16 @@ def add_ops_parsers(sub: Any) -> None:
         description="Standard gRPC health check. Without MODEL: the daemon is live. "
         "`inference.GRPCInferenceService` is server readiness (every model ready). "
         "Exit status: 0 serving, 1 not serving or unknown, 69 daemon unreachable.",
+        epilog="example: mpsd health resnet",
     )
     health.add_argument("model", nargs="?", help="a model name (or a gRPC service name)")
     _common(health, 5.0)
     health.set_defaults(func=_health)
 
-    reload = sub.add_parser("reload", help="reconcile the daemon with its model repository now")
+    reload = sub.add_parser(
+        "reload",
+        help="reconcile the daemon with its model repository now",
+        epilog="example: mpsd reload --address unix:///run/mpsd/mpsd.sock",
+    )
     _common(reload, 600.0)
     reload.set_defaults(func=_reload)
