@@ -186,3 +186,16 @@ def test_every_command_has_help_with_an_example() -> None:
         example = shlex.split(re.split(r"[#|]", found.group(1))[0])
         build_parser().parse_args(example[1:])  # the example is a valid command line (else SystemExit)
 
+
+@pytest.mark.parametrize("command", ["reload", "status", "health", "logs", "models"])
+def test_errors_are_one_line_and_a_hint_and_debug_shows_the_traceback(command: str, tmp_path: Path) -> None:
+    """README.md: errors are one line and a hint; --debug shows tracebacks."""
+    args = [command, "--address", f"127.0.0.1:{free_port()}", "--timeout", "2"]  # nothing listens there
+    plain = run([sys.executable, "-m", "mpsd", *args], tmp_path)
+    assert plain.returncode == 69
+    assert "Traceback" not in plain.stderr
+    lines = [line for line in plain.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("mpsd") and lines[1].startswith("hint: "), plain.stderr
+    debug = run([sys.executable, "-m", "mpsd", "--debug", *args], tmp_path)
+    assert debug.returncode != 0
+    assert "Traceback (most recent call last)" in debug.stderr

@@ -1,7 +1,7 @@
 """`mpsd status|logs|health|reload`: arguments and exit statuses; the clients are mpsd.tools.ops.
 
 Expected failures (daemon not running, unknown model) are one line on stderr and a distinct exit status,
-never a traceback.
+never a traceback unless `--debug` asks for one.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return handler(args)
         except grpc.RpcError as exc:
+            if getattr(args, "debug", False):
+                raise
             code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 print(f"mpsd: cannot reach the daemon at {args.address}: {details}", file=sys.stderr)
