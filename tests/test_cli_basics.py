@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 
 import mpsd
 from mpsd.cli import build_parser
@@ -199,3 +201,72 @@ def test_errors_are_one_line_and_a_hint_and_debug_shows_the_traceback(command: s
     debug = run([sys.executable, "-m", "mpsd", "--debug", *args], tmp_path)
     assert debug.returncode != 0
     assert "Traceback (most recent call last)" in debug.stderr
+
+
+def test_config_paths_are_relative_to_its_file_and_flags_override_it(tmp_path: Path) -> None:
+    """docs/daemon-config.md: relative paths (the repository, token files) follow the config file, not the
+    working directory; --grpc-address, --metrics-address and --log-level override the file; a token file
+    others may read is warned about (docs/security.md)."""
+    etc = tmp_path / "etc"
+    marker = tmp_path / "model-imported"
+    marker_model(etc / "models", marker)
+    (etc / "secrets").mkdir()
+    (etc / "secrets" / "app.token").write_text("  s3cret-token \n")
+    (etc / "secrets" / "app.token").chmod(0o644)
+    file_port, flag_port, flag_metrics = free_port(), free_port(), free_port()
+    (etc / "mpsd.yaml").write_text(
+        "model_repository: models\n"
+        f"grpc_address: '127.0.0.1:{file_port}'\n"
+        f"metrics_address: '127.0.0.1:{free_port()}'\n"
+        "log_level: error\n"
+        "auth:\n"
+        "  tokens: [{token_file: secrets/app.token, categories: [inference, health, model-repository]}]\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    flags = ["--grpc-address", f"127.0.0.1:{flag_port}", "--metrics-address", f"127.0.0.1:{flag_metrics}"]
+    log = tmp_path / "daemon.log"
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mpsd",
+                "serve",
+                "--config",
+                "../etc/mpsd.yaml",
+                *flags,
+                "--log-level",
+                "info",
+            ],
+            cwd=elsewhere,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{flag_port}")
+    headers = {"authorization": "Bearer s3cret-token"}  # the file's token, whitespace around it ignored
+    try:
+        wait_for(
+            lambda: client.is_model_ready("probe", headers=headers), 120, f"probe ready\n{log.read_text()}"
+        )
+        assert marker.exists()
+        index = client.get_model_repository_index(headers=headers, as_json=True)["models"]
+        assert [m["name"] for m in index] == ["probe"]
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", file_port)) != 0, "the file's address was used"
+        text = log.read_text()
+        assert f"127.0.0.1:{flag_metrics}" in text  # the metrics endpoint at the flag's address
+        assert '"level": "info"' in text  # --log-level info over the file's error
+        assert "token file is readable by other users" in text
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
