@@ -188,3 +188,56 @@ def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(
     assert daemon.client.infer("bloats", x(0.0)).as_numpy("y").tolist() == [0.0]
     assert daemon.started_workers("bloats")[-1] != first
     assert "over its memory ceiling" in daemon.log()
+
+
+DEAF = """
+import signal, time
+import torch
+
+
+class Model:
+    def __init__(self, config, device):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a model that ignores SIGTERM
+
+    def infer(self, inputs):
+        if float(inputs['x'].sum()) > 0:
+            time.sleep(600)  # busy: it reads no request to exit either
+        return {'y': inputs['x']}
+"""
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_worker_stop_timeout_s(start_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """docs/daemon-config.md: worker_stop_timeout_s is how long a stopped worker gets to exit when asked,
+    and again after SIGTERM, before SIGKILL."""
+    repo = tmp_path / "repo"
+    models.python_model(repo, "deaf", "return {'y': inputs['x']}")
+    (repo / "deaf" / "1" / "model.py").write_text(DEAF)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("metrics_address: ''\nworker_stop_timeout_s: 1\ndrain_timeout_s: 1\n")
+    daemon = start_daemon(repo, config=config)
+    daemon.wait_ready()
+    (pid,) = daemon.started_workers("deaf")
+    errors: list[InferenceServerException] = []
+
+    def call() -> None:
+        try:
+            daemon.client.infer("deaf", x(1.0))
+        except InferenceServerException as exc:
+            errors.append(exc)
+
+    busy = threading.Thread(target=call)
+    busy.start()
+    time.sleep(1.0)  # the request is in the model's sleep
+    started = time.monotonic()
+    daemon.client.unload_model("deaf")
+    wait_for(lambda: not psutil.pid_exists(pid), 30, "the worker gone")
+    elapsed = time.monotonic() - started
+    busy.join(30)
+    assert len(errors) == 1  # the request it was running fails
+    stopped = [
+        json.loads(line)
+        for line in daemon.log().splitlines()
+        if line.startswith("{") and json.loads(line).get("event") == "worker stopped"
+    ]
+    assert [e["exit"] for e in stopped] == ["killed by signal 9 (SIGKILL)"]
+    assert elapsed < 7, elapsed  # drain 1 s, asked 1 s, SIGTERM 1 s; the default 5 s would be 11 s
