@@ -63,6 +63,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
             "max_rss_bytes": 900_000_000,
         },
     )
+    models.python_model(repo, "tiny_ceiling", CRASHY, max_rss_bytes=1000)  # below any worker's footprint
     # Crashes in __init__ once the marker exists: loads fine first, then fails at every restart.
     source = (
         (crashy / "1" / "model.py")
@@ -188,6 +189,24 @@ def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(
     assert daemon.client.infer("bloats", x(0.0)).as_numpy("y").tolist() == [0.0]
     assert daemon.started_workers("bloats")[-1] != first
     assert "over its memory ceiling" in daemon.log()
+
+
+def test_a_ceiling_below_the_loaded_models_footprint_is_logged_once_and_ignored(
+    daemon: RunningDaemon,
+) -> None:
+    """docs/configuration.md: such a ceiling would replace the worker in a loop; it is reported instead."""
+    (pid,) = daemon.started_workers("tiny_ceiling")
+    for _ in range(3):  # each request is followed by a memory report the ceiling is checked against
+        assert daemon.client.infer("tiny_ceiling", x(1.0)).as_numpy("y").tolist() == [1.0]
+    time.sleep(1.0)
+    warnings = [
+        line
+        for line in daemon.log().splitlines()
+        if "memory ceiling is below the loaded model's footprint" in line and "tiny_ceiling/" in line
+    ]
+    assert len(warnings) == 1
+    assert daemon.started_workers("tiny_ceiling") == [pid]
+    assert psutil.pid_exists(pid)
 
 
 DEAF = """
