@@ -270,3 +270,33 @@ def test_config_paths_are_relative_to_its_file_and_flags_override_it(tmp_path: P
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
+    """docs/troubleshooting.md's two messages: gRPC's own without front processes, and the daemon's, found
+    before any front starts, with them."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        serve = [
+            sys.executable,
+            "-m",
+            "mpsd",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--grpc-address",
+            address,
+        ]
+        serve += ["--metrics-address", ""]
+        alone = run([*serve, "--front-processes", "0"], tmp_path)
+        fronts = run([*serve, "--front-processes", "2"], tmp_path)
+    assert alone.returncode != 0
+    assert f"mpsd: Failed to bind to address {address}" in alone.stderr
+    assert fronts.returncode != 0
+    lines = [line for line in fronts.stderr.splitlines() if line.strip()]
+    assert lines[0] == f"mpsd: cannot listen on {address}: the port is in use", fronts.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: ")  # nothing from a front

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import threading
 import time
@@ -207,6 +208,25 @@ def test_a_ceiling_below_the_loaded_models_footprint_is_logged_once_and_ignored(
     assert len(warnings) == 1
     assert daemon.started_workers("tiny_ceiling") == [pid]
     assert psutil.pid_exists(pid)
+
+
+def test_requests_of_one_stream_run_concurrently_and_answer_in_order(daemon: RunningDaemon) -> None:
+    """docs/api.md: ModelStreamInfer runs a stream's requests concurrently; responses keep request order."""
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(daemon.address)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    started = time.monotonic()
+    try:
+        client.async_stream_infer("bystander", x(3.0), request_id="slow")  # two models, one instance each
+        client.async_stream_infer("stoppable", x(2.0), request_id="quick")
+        got = [results.get(timeout=30) for _ in range(2)]
+    finally:
+        client.stop_stream()
+        client.close()
+    elapsed = time.monotonic() - started
+    assert [e for _, e in got] == [None, None]
+    assert [r.get_response().id for r, _ in got] == ["slow", "quick"]  # type: ignore[attr-defined]
+    assert elapsed < 4.3, elapsed  # side by side 3 s; one after the other 5 s
 
 
 DEAF = """

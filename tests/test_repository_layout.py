@@ -121,6 +121,7 @@ def test_version_policies_pick_the_versions_and_a_request_without_one_gets_the_h
     for model in served:
         assert answer(daemon, model) == 35.0  # version 3, and the parameter as the model received it
     assert answer(daemon, "all_versions", "1") == 15.0
+    assert daemon.client.get_model_metadata("all_versions", as_json=True)["platform"] == "python"
     assert answer(daemon, "all_versions", "2") == 25.0
     with pytest.raises(InferenceServerException) as err:
         answer(daemon, "specific", "2")

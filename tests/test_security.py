@@ -650,6 +650,8 @@ def test_exported_program_loads_without_unpickling(daemons: Daemons) -> None:
     x = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
     result = daemons.unix.client.infer("linear", vector_input("x", x))
     np.testing.assert_allclose(result.as_numpy("y"), LINEAR_WEIGHT @ x + LINEAR_BIAS, rtol=1e-6)
+    # docs/api.md: ModelMetadata's platform names the backend
+    assert daemons.unix.client.get_model_metadata("linear", as_json=True)["platform"] == "torch_export"
 
 
 def test_archive_kinds_and_the_unpickling_guard(tmp_path: Path) -> None:
