@@ -367,3 +367,41 @@ def test_ignored_names_trigger_nothing_and_a_failed_model_waits_for_its_files(
         lambda: daemon.client.is_model_ready("broken"), 60, f"the fixed model ready\n{daemon.log()[-2000:]}"
     )
     assert len(daemon.started_workers("broken")) == 2
+
+
+def test_triggers_during_a_reconcile_coalesce_into_one_more_run() -> None:
+    """docs/hot-reload.md: only one reconcile runs at a time, and triggers that arrive meanwhile are merged
+    into one more run."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mpsd.daemon.core.reconcile import Reconciler
+
+    async def scenario() -> tuple[int, int]:
+        release = asyncio.Event()
+        calls, running, most = 0, 0, 0
+
+        async def reconcile(only: object, settle: bool) -> SimpleNamespace:
+            nonlocal calls, running, most
+            calls += 1
+            running += 1
+            most = max(most, running)
+            await release.wait()
+            await asyncio.sleep(0.01)  # a reconcile takes time (and yields, whatever the loop does)
+            running -= 1
+            return SimpleNamespace(deferred=[])
+
+        registry = SimpleNamespace(reconcile=reconcile, quiet_period_s=0.0)
+        reconciler = Reconciler(registry)  # type: ignore[arg-type]
+        loop = asyncio.create_task(reconciler.run_forever())
+        reconciler.wake("first")
+        await asyncio.sleep(0.05)
+        for i in range(5):  # while the first one runs
+            reconciler.wake(f"more {i}")
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.sleep(0.1)
+        loop.cancel()
+        return calls, most
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 30)) == (2, 1)
