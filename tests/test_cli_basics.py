@@ -3,16 +3,23 @@ starts (exit status 78, EX_CONFIG, with one readable line)."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import tritonclient.grpc as grpcclient
 
 import mpsd
+from mpsd.cli import build_parser
 from tests import models
 from tests.conftest import ROOT, free_port, wait_for
 
@@ -151,3 +158,144 @@ def test_serve_waits_for_a_fixed_config_with_on_config_error_wait(tmp_path: Path
         assert "mpsd: configuration fixed; starting" in err.read_text()
     finally:
         stop_cleanly(proc)
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every command and sub-command of the `mpsd` parser, as the words that name it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name)
+                yield from _commands(sub, (*path, name))
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    """README.md: every command has --help with examples (the help each prints is its parser's)."""
+    commands = list(_commands(build_parser()))
+    assert ("service", "install") in commands and ("serve",) in commands
+    for words in commands:
+        result = subprocess.run(
+            [sys.executable, "-m", "mpsd", *words, "--help"],
+            env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},  # one example, one line
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, (words, result.stderr)
+        found = re.search(r"^examples?:\n?\s+(mpsd " + " ".join(words) + ".*)$", result.stdout, re.M)
+        assert found, (words, result.stdout)
+        example = shlex.split(re.split(r"[#|]", found.group(1))[0])
+        build_parser().parse_args(example[1:])  # the example is a valid command line (else SystemExit)
+
+
+@pytest.mark.parametrize("command", ["reload", "status", "health", "logs", "models"])
+def test_errors_are_one_line_and_a_hint_and_debug_shows_the_traceback(command: str, tmp_path: Path) -> None:
+    """README.md: errors are one line and a hint; --debug shows tracebacks."""
+    args = [command, "--address", f"127.0.0.1:{free_port()}", "--timeout", "2"]  # nothing listens there
+    plain = run([sys.executable, "-m", "mpsd", *args], tmp_path)
+    assert plain.returncode == 69
+    assert "Traceback" not in plain.stderr
+    lines = [line for line in plain.stderr.splitlines() if line.strip()]
+    assert len(lines) == 2 and lines[0].startswith("mpsd") and lines[1].startswith("hint: "), plain.stderr
+    debug = run([sys.executable, "-m", "mpsd", "--debug", *args], tmp_path)
+    assert debug.returncode != 0
+    assert "Traceback (most recent call last)" in debug.stderr
+
+
+def test_config_paths_are_relative_to_its_file_and_flags_override_it(tmp_path: Path) -> None:
+    """docs/daemon-config.md: relative paths (the repository, token files) follow the config file, not the
+    working directory; --grpc-address, --metrics-address and --log-level override the file; a token file
+    others may read is warned about (docs/security.md)."""
+    etc = tmp_path / "etc"
+    marker = tmp_path / "model-imported"
+    marker_model(etc / "models", marker)
+    (etc / "secrets").mkdir()
+    (etc / "secrets" / "app.token").write_text("  s3cret-token \n")
+    (etc / "secrets" / "app.token").chmod(0o644)
+    file_port, flag_port, flag_metrics = free_port(), free_port(), free_port()
+    (etc / "mpsd.yaml").write_text(
+        "model_repository: models\n"
+        f"grpc_address: '127.0.0.1:{file_port}'\n"
+        f"metrics_address: '127.0.0.1:{free_port()}'\n"
+        "log_level: error\n"
+        "auth:\n"
+        "  tokens: [{token_file: secrets/app.token, categories: [inference, health, model-repository]}]\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    flags = ["--grpc-address", f"127.0.0.1:{flag_port}", "--metrics-address", f"127.0.0.1:{flag_metrics}"]
+    log = tmp_path / "daemon.log"
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mpsd",
+                "serve",
+                "--config",
+                "../etc/mpsd.yaml",
+                *flags,
+                "--log-level",
+                "info",
+            ],
+            cwd=elsewhere,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{flag_port}")
+    headers = {"authorization": "Bearer s3cret-token"}  # the file's token, whitespace around it ignored
+    try:
+        wait_for(
+            lambda: client.is_model_ready("probe", headers=headers), 120, f"probe ready\n{log.read_text()}"
+        )
+        assert marker.exists()
+        index = client.get_model_repository_index(headers=headers, as_json=True)["models"]
+        assert [m["name"] for m in index] == ["probe"]
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", file_port)) != 0, "the file's address was used"
+        text = log.read_text()
+        assert f"127.0.0.1:{flag_metrics}" in text  # the metrics endpoint at the flag's address
+        assert '"level": "info"' in text  # --log-level info over the file's error
+        assert "token file is readable by other users" in text
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
+    """docs/troubleshooting.md's two messages: gRPC's own without front processes, and the daemon's, found
+    before any front starts, with them."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        serve = [
+            sys.executable,
+            "-m",
+            "mpsd",
+            "serve",
+            "--model-repository",
+            str(repo),
+            "--grpc-address",
+            address,
+        ]
+        serve += ["--metrics-address", ""]
+        alone = run([*serve, "--front-processes", "0"], tmp_path)
+        fronts = run([*serve, "--front-processes", "2"], tmp_path)
+    assert alone.returncode != 0
+    assert f"mpsd: Failed to bind to address {address}" in alone.stderr
+    assert fronts.returncode != 0
+    lines = [line for line in fronts.stderr.splitlines() if line.strip()]
+    assert lines[0] == f"mpsd: cannot listen on {address}: the port is in use", fronts.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: ")  # nothing from a front

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import threading
 import time
@@ -63,6 +64,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
             "max_rss_bytes": 900_000_000,
         },
     )
+    models.python_model(repo, "tiny_ceiling", CRASHY, max_rss_bytes=1000)  # below any worker's footprint
     # Crashes in __init__ once the marker exists: loads fine first, then fails at every restart.
     source = (
         (crashy / "1" / "model.py")
@@ -188,3 +190,93 @@ def test_worker_over_its_memory_ceiling_is_replaced_without_failing_requests(
     assert daemon.client.infer("bloats", x(0.0)).as_numpy("y").tolist() == [0.0]
     assert daemon.started_workers("bloats")[-1] != first
     assert "over its memory ceiling" in daemon.log()
+
+
+def test_a_ceiling_below_the_loaded_models_footprint_is_logged_once_and_ignored(
+    daemon: RunningDaemon,
+) -> None:
+    """docs/configuration.md: such a ceiling would replace the worker in a loop; it is reported instead."""
+    (pid,) = daemon.started_workers("tiny_ceiling")
+    for _ in range(3):  # each request is followed by a memory report the ceiling is checked against
+        assert daemon.client.infer("tiny_ceiling", x(1.0)).as_numpy("y").tolist() == [1.0]
+    time.sleep(1.0)
+    warnings = [
+        line
+        for line in daemon.log().splitlines()
+        if "memory ceiling is below the loaded model's footprint" in line and "tiny_ceiling/" in line
+    ]
+    assert len(warnings) == 1
+    assert daemon.started_workers("tiny_ceiling") == [pid]
+    assert psutil.pid_exists(pid)
+
+
+def test_requests_of_one_stream_run_concurrently_and_answer_in_order(daemon: RunningDaemon) -> None:
+    """docs/api.md: ModelStreamInfer runs a stream's requests concurrently; responses keep request order."""
+    results: queue.Queue[tuple[object, object]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(daemon.address)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    started = time.monotonic()
+    try:
+        client.async_stream_infer("bystander", x(3.0), request_id="slow")  # two models, one instance each
+        client.async_stream_infer("stoppable", x(2.0), request_id="quick")
+        got = [results.get(timeout=30) for _ in range(2)]
+    finally:
+        client.stop_stream()
+        client.close()
+    elapsed = time.monotonic() - started
+    assert [e for _, e in got] == [None, None]
+    assert [r.get_response().id for r, _ in got] == ["slow", "quick"]  # type: ignore[attr-defined]
+    assert elapsed < 4.3, elapsed  # side by side 3 s; one after the other 5 s
+
+
+DEAF = """
+import signal, time
+import torch
+
+
+class Model:
+    def __init__(self, config, device):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a model that ignores SIGTERM
+
+    def infer(self, inputs):
+        if float(inputs['x'].sum()) > 0:
+            time.sleep(600)  # busy: it reads no request to exit either
+        return {'y': inputs['x']}
+"""
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_worker_stop_timeout_s(start_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """docs/daemon-config.md: worker_stop_timeout_s is how long a stopped worker gets to exit when asked,
+    and again after SIGTERM, before SIGKILL."""
+    repo = tmp_path / "repo"
+    models.python_model(repo, "deaf", "return {'y': inputs['x']}")
+    (repo / "deaf" / "1" / "model.py").write_text(DEAF)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("metrics_address: ''\nworker_stop_timeout_s: 1\ndrain_timeout_s: 1\n")
+    daemon = start_daemon(repo, config=config)
+    daemon.wait_ready()
+    (pid,) = daemon.started_workers("deaf")
+    errors: list[InferenceServerException] = []
+
+    def call() -> None:
+        try:
+            daemon.client.infer("deaf", x(1.0))
+        except InferenceServerException as exc:
+            errors.append(exc)
+
+    busy = threading.Thread(target=call)
+    busy.start()
+    time.sleep(1.0)  # the request is in the model's sleep
+    started = time.monotonic()
+    daemon.client.unload_model("deaf")
+    wait_for(lambda: not psutil.pid_exists(pid), 30, "the worker gone")
+    elapsed = time.monotonic() - started
+    busy.join(30)
+    assert len(errors) == 1  # the request it was running fails
+    stopped = [
+        json.loads(line)
+        for line in daemon.log().splitlines()
+        if line.startswith("{") and json.loads(line).get("event") == "worker stopped"
+    ]
+    assert [e["exit"] for e in stopped] == ["killed by signal 9 (SIGKILL)"]
+    assert elapsed < 7, elapsed  # drain 1 s, asked 1 s, SIGTERM 1 s; the default 5 s would be 11 s

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import queue
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from tests import models
-from tests.conftest import RunningDaemon, serving
+from tests.conftest import RunningDaemon, serving, wait_for
 
 NP = models.NUMPY_OF
 
@@ -69,6 +74,14 @@ def test_server_live_ready_and_metadata(daemon: RunningDaemon) -> None:
     assert "model_repository" in meta["extensions"]
     assert "system_shared_memory" in meta["extensions"]
     assert "cuda_shared_memory" not in meta["extensions"]
+    assert set(meta["extensions"]) == {  # docs/api.md lists exactly these
+        "model_repository",
+        "model_configuration",
+        "statistics",
+        "binary_tensor_data",
+        "logging",
+        "system_shared_memory",
+    }
 
 
 def test_model_metadata_includes_batch_dimension(daemon: RunningDaemon) -> None:
@@ -250,6 +263,10 @@ def test_statistics_move(daemon: RunningDaemon) -> None:
         assert int(s[key]["count"]) >= 1, key
         assert int(s[key]["ns"]) > 0, key
     assert int(after["last_inference"]) > 0
+    # memory usage per worker: process RSS as CPU (device memory as GPU on a GPU), from its ~5 s report
+    usage = wait_for(lambda: stats().get("memory_usage"), 30, "memory usage in the statistics")
+    assert [u["type"] for u in usage] == ["CPU"]
+    assert int(usage[0]["byte_size"]) > 10_000_000
     all_stats = daemon.client.get_inference_statistics(as_json=True)["model_stats"]
     assert {m["name"] for m in all_stats} >= {"add_sub", "echo_all"}
     with pytest.raises(InferenceServerException) as err:
@@ -266,6 +283,15 @@ def test_unimplemented_rpcs_say_so(daemon: RunningDaemon) -> None:
             call()
         assert err.value.status() == "StatusCode.UNIMPLEMENTED"
         assert "not implemented by mpsd" in err.value.message()
+    a = np.ones((1, 16), np.float32)
+    with pytest.raises(InferenceServerException) as err:
+        daemon.client.infer(
+            "add_sub",
+            add_sub_inputs(a, a),
+            outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=3)],
+        )
+    assert err.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "classification outputs are not supported" in err.value.message()
 
 
 def test_concurrent_clients(daemon: RunningDaemon) -> None:
@@ -298,6 +324,13 @@ def test_repository_index_and_load_unload(daemon: RunningDaemon, tmp_path: Path)
     assert index["add_sub"]["version"] == "1"
     c.unload_model("failing")
     assert not c.is_model_ready("failing")
+    # the unload sticks: a reconcile with the repository (its files unchanged) leaves the model alone
+    reload = subprocess.run(
+        [sys.executable, "-m", "mpsd", "reload", "--address", daemon.address], capture_output=True, text=True
+    )
+    assert reload.returncode == 0, reload.stderr
+    assert not c.is_model_ready("failing")
+    assert "failing" not in {m["name"] for m in c.get_model_repository_index(as_json=True)["models"]}
     with pytest.raises(InferenceServerException) as err:
         x = grpcclient.InferInput("x", [1], "FP32")
         x.set_data_from_numpy(np.ones(1, np.float32))
@@ -312,6 +345,14 @@ def test_repository_index_and_load_unload(daemon: RunningDaemon, tmp_path: Path)
         c.load_model("add_sub", files={"file:1/model.pt": b"\x00"})
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "repository" in err.value.message()
+    with pytest.raises(InferenceServerException) as err:  # any other parameter too
+        c.load_model("add_sub", config='{"max_batch_size": 4}')
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "'config'" in err.value.message()
+    with pytest.raises(grpc.RpcError) as rpc_err:  # mpsd serves one repository, the unnamed one
+        c._client_stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(repository_name="other"))
+    assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "other" in (rpc_err.value.details() or "")
 
 
 def test_tensors_larger_than_the_shared_memory_regions_grow_them(daemon: RunningDaemon) -> None:
@@ -342,3 +383,12 @@ def test_a_stream_longer_than_its_window_is_answered_in_order(daemon: RunningDae
         client.close()
     assert [e for _, e in got] == [None] * 400
     assert [r.get_response().id for r, _ in got] == [str(i) for i in range(400)]  # type: ignore[union-attr]
+
+
+def test_the_log_is_json_lines_when_stderr_is_not_a_terminal(daemon: RunningDaemon) -> None:
+    """log_format auto: stderr is a file here, as under a service manager, so every line is one JSON event."""
+    lines = daemon.log().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert all(isinstance(e, dict) and "event" in e and "level" in e for e in events)
+    listening = [e for e in events if e["event"] == "listening"]  # docs/troubleshooting.md: names the address
+    assert len(listening) == 1 and daemon.address in json.dumps(listening[0])

@@ -53,6 +53,27 @@ def test_a_slow_subscriber_loses_its_oldest_events_and_is_told() -> None:
     assert asyncio.run(scenario()) == [(3, 2), (4, 0), (5, 0)]
 
 
+def test_the_daemon_keeps_2000_events_and_a_reader_queues_1000() -> None:
+    """docs/observability.md's figures, with the bus's defaults: the last 2000 events replay, and a reader
+    that reads nothing while 1500 arrive loses its oldest 500 and is told so with the next one."""
+
+    async def scenario() -> tuple[list[int], tuple[int, int]]:
+        bus = EventBus()
+        for i in range(2500):
+            bus.publish(log_event(f"old {i}"))
+        past, sub = bus.subscribe(EventFilter(), replay=5000)
+        for i in range(1500):
+            bus.publish(log_event(f"new {i}"))
+        item = await sub.get()
+        assert item is not None
+        bus.close_subscriptions()
+        return [e.seq for e in past], (item[0].seq, item[1])
+
+    past, (first_seq, dropped) = asyncio.run(scenario())
+    assert past == list(range(501, 2501))
+    assert (first_seq, dropped) == (2501 + 500, 500)
+
+
 def test_replay_then_live_without_gap_or_duplicate() -> None:
     async def scenario() -> tuple[list[str], list[str]]:
         bus = EventBus(history=100)

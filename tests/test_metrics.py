@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -156,6 +157,29 @@ def test_address_settings() -> None:
         parse_address("localhost")
     for off in ("", "off", None):
         assert MetricsEndpoint(off, None).address is None  # type: ignore[arg-type]
+
+
+def test_metrics_off_in_the_config_file_and_a_port_in_use_leave_the_daemon_serving(
+    start_daemon, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """`metrics_address: off` as written in YAML (which reads a bare off as false) disables the endpoint;
+    a metrics port some other process holds is logged and the daemon serves without metrics."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("metrics_address: off\n")
+    off = start_daemon(repo, config=config)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = start_daemon(repo, extra_args=["--metrics-address", f"127.0.0.1:{port}"])
+        for daemon in (off, busy):
+            daemon.wait_ready()
+        wait_for(lambda: "metrics endpoint not started" in busy.log(), 30, "the busy port logged")
+    assert "metrics endpoint listening" not in off.log()
+    assert "metrics endpoint listening" not in busy.log()
+    assert off.client.is_server_live() and busy.client.is_server_live()
 
 
 class HoldsDeviceMemory(torch.nn.Module):

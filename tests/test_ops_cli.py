@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -78,6 +79,18 @@ def test_logs_replay_returns(daemon: RunningDaemon) -> None:
     assert events and {(e["model"], e["level"]) for e in events} == {("broken", "error")}
     assert any("broken on purpose" in e["fields"].get("reason", "") for e in events)
 
+    # docs/observability.md: without options, the last 20 events at info level and above, then exit
+    def info_events(*args: str) -> list[str]:
+        run = mpsd("logs", "--json", *args, "--address", daemon.address)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.splitlines()
+
+    while len(everything := info_events("--replay", "2000")) <= 20:
+        assert mpsd("reload", "--address", daemon.address).returncode == 0  # a few more info events
+    default = [json.loads(line) for line in info_events()]
+    assert [e["seq"] for e in default] == [json.loads(line)["seq"] for line in everything[-20:]]
+    assert {e["level"] for e in default} <= {"info", "warning", "error"}
+
 
 def test_health_exit_status(daemon: RunningDaemon) -> None:
     live = mpsd("health", "--address", daemon.address)
@@ -95,5 +108,8 @@ def test_reload(daemon: RunningDaemon) -> None:
     run = mpsd("reload", "--address", daemon.address)
     assert run.returncode == 0, run.stderr
     assert "changed" in run.stdout
+    assert re.fullmatch(r"\d+ changed, \d+ failed, \d+ unloaded, \d+ deferred", run.stdout.strip()), (
+        run.stdout
+    )
     logs = mpsd("logs", "--kind", "reload", "--replay", "10", "--json", "--address", daemon.address)
     assert "reload requested" in {json.loads(line)["message"] for line in logs.stdout.splitlines()}

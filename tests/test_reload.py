@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -316,3 +318,90 @@ def test_sighup_and_repository_load_trigger_the_same_reconcile(
     daemon.client.load_model("const")
     assert served_value(daemon.client) == 3.0
     assert daemon.log().count("reconciled repository") >= 2
+
+
+def test_ignored_names_trigger_nothing_and_a_failed_model_waits_for_its_files(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+) -> None:
+    """docs/hot-reload.md: changes to ignored names trigger nothing; a model that failed to load is not
+    retried by a reconcile until its files change. docs/daemon-config.md: a config file that no longer
+    parses at SIGHUP is logged and the running settings are kept."""
+    repo = tmp_path / "repo"
+    model_dir = constant_model(repo)
+    publish_version(model_dir, 1, 1.0)
+    models.python_model(repo, "broken", "raise ValueError('broken on purpose')")
+    config = write_config_file(tmp_path, model_control="watch", log_level="debug")
+    daemon = start_daemon(repo, config=config)
+    daemon.wait_models_settled()
+    assert not daemon.client.is_model_ready("broken")
+    assert len(daemon.started_workers("broken")) == 1
+    changed = daemon.log().count('"repository changed"')
+
+    (model_dir / ".notes").write_text("x")
+    (model_dir / "config.yaml.swp").write_text("x")
+    (model_dir / "1" / "model.pt.part").write_text("x")
+    (model_dir / "__pycache__").mkdir()
+    (model_dir / "__pycache__" / "m.pyc").write_text("x")
+    (repo / ".staging").mkdir()
+    (repo / "upload.tmp").mkdir()
+    (repo / "backup~").write_text("x")
+    time.sleep(3)  # the quiet period is 0.3 s: a change would have been seen by now
+    assert daemon.log().count('"repository changed"') == changed
+
+    reload = subprocess.run(
+        [sys.executable, "-m", "mpsd", "reload", "--address", daemon.address], capture_output=True, text=True
+    )
+    assert reload.returncode == 0, reload.stderr
+    assert len(daemon.started_workers("broken")) == 1  # unchanged files: not retried
+    assert len(daemon.started_workers("const")) == 1  # and the served model left alone
+
+    config.write_text("log_level: [unclosed\n")
+    os.kill(daemon.pid, signal.SIGHUP)
+    wait_for(lambda: "config not reloaded" in daemon.log(), 30, "the parse error logged")
+    settings = daemon.client.get_log_settings(as_json=True)["settings"]
+    assert settings["log_verbose_level"]["uint32_param"] >= 1  # still debug
+    assert served_value(daemon.client) == 1.0
+
+    models.python_model(repo, "broken", "return {'y': inputs['x']}")  # fixed: a change, so retried
+    wait_for(
+        lambda: daemon.client.is_model_ready("broken"), 60, f"the fixed model ready\n{daemon.log()[-2000:]}"
+    )
+    assert len(daemon.started_workers("broken")) == 2
+
+
+def test_triggers_during_a_reconcile_coalesce_into_one_more_run() -> None:
+    """docs/hot-reload.md: only one reconcile runs at a time, and triggers that arrive meanwhile are merged
+    into one more run."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mpsd.daemon.core.reconcile import Reconciler
+
+    async def scenario() -> tuple[int, int]:
+        release = asyncio.Event()
+        calls, running, most = 0, 0, 0
+
+        async def reconcile(only: object, settle: bool) -> SimpleNamespace:
+            nonlocal calls, running, most
+            calls += 1
+            running += 1
+            most = max(most, running)
+            await release.wait()
+            await asyncio.sleep(0.01)  # a reconcile takes time (and yields, whatever the loop does)
+            running -= 1
+            return SimpleNamespace(deferred=[])
+
+        registry = SimpleNamespace(reconcile=reconcile, quiet_period_s=0.0)
+        reconciler = Reconciler(registry)  # type: ignore[arg-type]
+        loop = asyncio.create_task(reconciler.run_forever())
+        reconciler.wake("first")
+        await asyncio.sleep(0.05)
+        for i in range(5):  # while the first one runs
+            reconciler.wake(f"more {i}")
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.sleep(0.1)
+        loop.cancel()
+        return calls, most
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 30)) == (2, 1)

@@ -42,6 +42,7 @@ BROKEN: dict[str, tuple[str, ...]] = {
     "unknown_key": ("config.yaml", "max_batchsize", "unknown field"),
     "name_mismatch": ("config.yaml", "'name'", "'other_name'", "does not match", "'name_mismatch'"),
     "binary_config": ("config.yaml", "not UTF-8"),
+    "bad_filename": ("config.yaml", "'../model.pt' must be a plain file name inside the version directory"),
 }
 
 
@@ -73,6 +74,10 @@ def build_repository(repo: Path) -> None:
     binary.mkdir()
     (binary / "config.yaml").write_bytes(b"\xff\xfe\x00\x01backend")
     models.save_torchscript(models.Identity(), binary / "1" / "model.pt")
+
+    bad_filename = repo / "bad_filename"  # default_model_filename is a plain file name
+    models.write_config(bad_filename, _valid_config(default_model_filename="../model.pt"))
+    models.save_torchscript(models.Identity(), bad_filename / "1" / "model.pt")
 
 
 # ---- without a daemon ------------------------------------------------------------------------------
@@ -145,6 +150,20 @@ def _doc(in_type: str = "TYPE_FP32", in_dims: str = "[4]", extra: str = "") -> s
         (_doc(extra="max_batch_size: -1\n"), ("field 'max_batch_size'", "greater than or equal to 0")),
         ("- 1\n- 2\n", ("expected a mapping", "list")),
         ("", ("file is empty",)),
+        # docs/configuration.md's field rules
+        (
+            _doc(extra="version_policy: {latest: {num_versions: 1}, all: {}}\n"),
+            ("field 'version_policy'", "choose one of latest, all, specific"),
+        ),
+        (
+            "input: [{name: IN, data_type: TYPE_FP32, dims: [4]},\n"
+            "        {name: IN, data_type: TYPE_FP32, dims: [4]}]\n"
+            "output: [{name: OUT, data_type: TYPE_FP32, dims: [4]}]\n",
+            ("input names must be unique", "IN"),
+        ),
+        (_doc().replace("name: OUT", "name: " + "x" * 257), ("field 'output.0.name'", "at most 256")),
+        (_doc(extra="instance_group: [{kind: KIND_CPU, count: 65}]\n"), ("instance_group.0.count", "64")),
+        (_doc(in_dims="[-2]"), ("field 'input.0.dims'", "dimension -2", "-1 for variable")),
     ],
     ids=[
         "unknown_key",
@@ -157,6 +176,11 @@ def _doc(in_type: str = "TYPE_FP32", in_dims: str = "[4]", extra: str = "") -> s
         "negative_batch",
         "list",
         "empty",
+        "two_policies",
+        "duplicate_names",
+        "long_name",
+        "count_over_64",
+        "negative_dim",
     ],
 )
 def test_parse_model_config_messages(document: str, words: tuple[str, ...]) -> None:

@@ -485,6 +485,24 @@ def test_missing_or_wrong_token_is_unauthenticated(daemons: Daemons) -> None:
     assert "authorization: Bearer" in message
 
 
+def test_a_refused_call_is_answered_before_its_request_is_decoded(daemons: Daemons) -> None:
+    """docs/security.md: bytes that are no ModelInferRequest get UNAUTHENTICATED without a token (they were
+    never decoded), and INVALID_ARGUMENT with one."""
+    pki = daemons.pki
+    credentials = grpc.ssl_channel_credentials(
+        pki.ca.read_bytes(), pki.client_key.read_bytes(), pki.client_cert.read_bytes()
+    )
+    with grpc.secure_channel(daemons.mtls.address, credentials) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")  # raw bytes both ways
+        for metadata, expected in (
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+            (list(bearer(INFER_TOKEN).items()), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(b"\xff\xff\xff\xff not a message", metadata=metadata, timeout=30)
+            assert err.value.code() == expected, err.value.details()
+
+
 def test_each_token_opens_its_categories_only(daemons: Daemons) -> None:
     client = daemons.mtls.client
     infer, reader, admin = bearer(INFER_TOKEN), bearer(READER_TOKEN), bearer(ADMIN_TOKEN)
@@ -650,6 +668,8 @@ def test_exported_program_loads_without_unpickling(daemons: Daemons) -> None:
     x = np.array([1.0, 2.0, -1.0, 0.5], np.float32)
     result = daemons.unix.client.infer("linear", vector_input("x", x))
     np.testing.assert_allclose(result.as_numpy("y"), LINEAR_WEIGHT @ x + LINEAR_BIAS, rtol=1e-6)
+    # docs/api.md: ModelMetadata's platform names the backend
+    assert daemons.unix.client.get_model_metadata("linear", as_json=True)["platform"] == "torch_export"
 
 
 def test_archive_kinds_and_the_unpickling_guard(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """`mpsd status|logs|health|reload`: arguments and exit statuses; the clients are mpsd.tools.ops.
 
 Expected failures (daemon not running, unknown model) are one line on stderr and a distinct exit status,
-never a traceback.
+never a traceback unless `--debug` asks for one.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return handler(args)
         except grpc.RpcError as exc:
+            if getattr(args, "debug", False):
+                raise
             code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 print(f"mpsd: cannot reach the daemon at {args.address}: {details}", file=sys.stderr)
@@ -109,11 +111,16 @@ def add_ops_parsers(sub: Any) -> None:
         description="Standard gRPC health check. Without MODEL: the daemon is live. "
         "`inference.GRPCInferenceService` is server readiness (every model ready). "
         "Exit status: 0 serving, 1 not serving or unknown, 69 daemon unreachable.",
+        epilog="example: mpsd health resnet",
     )
     health.add_argument("model", nargs="?", help="a model name (or a gRPC service name)")
     _common(health, 5.0)
     health.set_defaults(func=_health)
 
-    reload = sub.add_parser("reload", help="reconcile the daemon with its model repository now")
+    reload = sub.add_parser(
+        "reload",
+        help="reconcile the daemon with its model repository now",
+        epilog="example: mpsd reload --address unix:///run/mpsd/mpsd.sock",
+    )
     _common(reload, 600.0)
     reload.set_defaults(func=_reload)

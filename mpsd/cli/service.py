@@ -314,20 +314,33 @@ def add_service_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
         "service",
         help="install and control mpsd as a launchd (macOS) or systemd (Linux) service",
         description="Install and control mpsd as a launchd (macOS) or systemd (Linux) service.",
+        epilog="example: mpsd service install --config config/mpsd.yaml",
     )
     commands = service.add_subparsers(dest="service_command", metavar="COMMAND", required=True)
     common, waiting = _common_options(), _wait_options()
-    table: list[tuple[str, Handler, str, list[argparse.ArgumentParser]]] = [
-        ("install", _install, "write the plist/unit, load it and wait until mpsd serves", [common, waiting]),
-        ("uninstall", _uninstall, "stop the service and remove the plist/unit", [common]),
-        ("start", _start, "start the installed service", [common, waiting]),
-        ("stop", _stop, "stop the service (until the next start, login or boot)", [common]),
-        ("restart", _restart, "restart the service", [common, waiting]),
-        ("status", _status, "show state, pid and last exit status", [common]),
-        ("logs", _logs, "show the service's logs", [common]),
+    table: list[tuple[str, Handler, str, str, list[argparse.ArgumentParser]]] = [
+        (
+            "install",
+            _install,
+            "write the plist/unit, load it and wait until mpsd serves",
+            "--system --config /etc/mpsd/mpsd.yaml",
+            [common, waiting],
+        ),
+        ("uninstall", _uninstall, "stop the service and remove the plist/unit", "--user", [common]),
+        ("start", _start, "start the installed service", "--system", [common, waiting]),
+        ("stop", _stop, "stop the service (until the next start, login or boot)", "--system", [common]),
+        ("restart", _restart, "restart the service", "--no-wait", [common, waiting]),
+        ("status", _status, "show state, pid and last exit status", "--system", [common]),
+        ("logs", _logs, "show the service's logs", "-n 200 -f", [common]),
     ]
-    for name, handler, help_text, parents in table:
-        parser = commands.add_parser(name, help=help_text, description=help_text, parents=parents)
+    for name, handler, help_text, example, parents in table:
+        parser = commands.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=f"example: mpsd service {name} {example}",
+            parents=parents,
+        )
         parser.set_defaults(func=handler)
         if name == "install":
             _add_install_options(parser)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mpsd.config.model_file import format_validation_error, validation_issues, yaml_issue
 from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
@@ -105,6 +105,12 @@ class DaemonConfig(BaseModel):
         description="Follow model, version and file symlinks that point outside the model repository "
         "(refused by default, with the reason shown in RepositoryIndex).",
     )
+
+    @field_validator("metrics_address", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML reads a bare `off` (or `false`, `no`) as false: it means off, as the string does."""
+        return "off" if value is False else value
 
 
 def load_daemon_config(path: Path | None) -> DaemonConfig:
