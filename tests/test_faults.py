@@ -199,7 +199,9 @@ def test_a_ceiling_below_the_loaded_models_footprint_is_logged_once_and_ignored(
     (pid,) = daemon.started_workers("tiny_ceiling")
     for _ in range(3):  # each request is followed by a memory report the ceiling is checked against
         assert daemon.client.infer("tiny_ceiling", x(1.0)).as_numpy("y").tolist() == [1.0]
-    time.sleep(1.0)
+    wait_for(lambda: "memory ceiling is below" in daemon.log(), 30, "the ceiling reported")
+    # The reports of the requests above come on the worker's socket before this answer: all were checked.
+    assert daemon.client.infer("tiny_ceiling", x(1.0)).as_numpy("y").tolist() == [1.0]
     warnings = [
         line
         for line in daemon.log().splitlines()
@@ -240,6 +242,7 @@ class Model:
 
     def infer(self, inputs):
         if float(inputs['x'].sum()) > 0:
+            open(__file__ + '.busy', 'w').close()
             time.sleep(600)  # busy: it reads no request to exit either
         return {'y': inputs['x']}
 """
@@ -266,7 +269,8 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_worker_stop_timeout_s(sta
 
     busy = threading.Thread(target=call)
     busy.start()
-    time.sleep(1.0)  # the request is in the model's sleep
+    busy_mark = repo / "deaf" / "1" / "model.py.busy"
+    wait_for(busy_mark.exists, 60, "the request in the model's sleep")
     started = time.monotonic()
     daemon.client.unload_model("deaf")
     wait_for(lambda: not psutil.pid_exists(pid), 30, "the worker gone")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -335,7 +336,7 @@ def test_ignored_names_trigger_nothing_and_a_failed_model_waits_for_its_files(
     daemon.wait_models_settled()
     assert not daemon.client.is_model_ready("broken")
     assert len(daemon.started_workers("broken")) == 1
-    changed = daemon.log().count('"repository changed"')
+    changed = daemon.log().count('"event": "repository changed"')
 
     (model_dir / ".notes").write_text("x")
     (model_dir / "config.yaml.swp").write_text("x")
@@ -345,8 +346,12 @@ def test_ignored_names_trigger_nothing_and_a_failed_model_waits_for_its_files(
     (repo / ".staging").mkdir()
     (repo / "upload.tmp").mkdir()
     (repo / "backup~").write_text("x")
-    time.sleep(3)  # the quiet period is 0.3 s: a change would have been seen by now
-    assert daemon.log().count('"repository changed"') == changed
+    # A change the watcher must see, after the ignored ones: the events up to it name only that one.
+    (repo / "sentinel.txt").write_text("x")
+    wait_for(lambda: daemon.log().count('"event": "repository changed"') > changed, 60, "the sentinel seen")
+    events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+    seen = [e for e in events if e["event"] == "repository changed"][changed:]
+    assert {name for event in seen for name in event["models"]} == {"sentinel.txt"}
 
     reload = subprocess.run(
         [sys.executable, "-m", "mpsd", "reload", "--address", daemon.address], capture_output=True, text=True
