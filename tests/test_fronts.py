@@ -415,8 +415,12 @@ def test_a_killed_front_is_restarted(setup: Setup) -> None:
         "the front restarted",
     )
     wait_for(lambda: scrape(setup.metrics_port)["mpsd_front_processes"] == FRONTS, 30, "front listening")
-    restarts = {k: v for k, v in scrape(setup.metrics_port).items() if k.startswith("mpsd_front_restarts")}
-    assert sum(restarts.values()) == 1, restarts
+
+    def restarts() -> dict[str, float]:
+        return {k: v for k, v in scrape(setup.metrics_port).items() if k.startswith("mpsd_front_restarts")}
+
+    wait_for(lambda: sum(restarts().values()) == 1, 30, "the restart counted")
+    assert sum(restarts().values()) == 1, restarts()
     a = np.ones((1, 16), np.float32)
     for _ in range(8):  # new connections, wherever the kernel sends them
         fresh = grpcclient.InferenceServerClient(
