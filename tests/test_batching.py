@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import queue
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
@@ -88,8 +92,6 @@ def fire(
 
 
 def executed_rows(log: Path) -> list[int]:
-    import json
-
     return [json.loads(line)["rows"] for line in log.read_text().splitlines()] if log.exists() else []
 
 
@@ -192,3 +194,124 @@ def test_a_single_instance_takes_the_next_batch_while_it_runs_one(setup: tuple[R
         isinstance(errors[4], InferenceServerException)
         and errors[4].status() == "StatusCode.RESOURCE_EXHAUSTED"
     )
+
+
+def _order_of_answers(
+    setup: tuple[RunningDaemon, Path], blockers: int, send_marker: Callable[[Callable[..., None]], None]
+) -> list[tuple[str, object, object]]:
+    """Send `blockers` slow requests to the one instance of 'bounded' (each held by the daemon before the
+    next is sent), then the marker through `send_marker(callback)`; every answer in the order it came."""
+    daemon, tmp = setup
+    metrics = (tmp / "metrics").read_text()
+    done: queue.Queue[tuple[str, object, object]] = queue.Queue()
+    for i in range(blockers):
+        daemon.client.async_infer(
+            "bounded",
+            x(np.full((1, 2 + i), 1000.0 + i, np.float32)),
+            callback=lambda result, error, i=i: done.put((f"b{i}", result, error)),
+        )
+        wait_for(lambda i=i: pending_requests(metrics) == i + 1, 30, f"blocker {i} in the daemon")
+    send_marker(lambda result, error: done.put(("m", result, error)))
+    return [done.get(timeout=30) for _ in range(blockers + 1)]
+
+
+def _marker_expired_first(got: list[tuple[str, object, object]], log: Path, status: str) -> None:
+    assert got[0][0] == "m", [k for k, _, _ in got]  # answered at its timeout, not after the blockers
+    err = got[0][2]
+    assert isinstance(err, InferenceServerException), got[0]
+    assert err.status() == status, err
+    assert "deadline" in str(err.message()), err
+    assert all(e is None for k, _, e in got if k != "m")
+    assert "4242" not in log.read_text()  # dropped, never run
+
+
+def test_a_timeout_parameter_answers_a_request_waiting_in_the_worker_at_once(
+    setup: tuple[RunningDaemon, Path],
+) -> None:
+    """One instance runs a 0.5 s batch; the next request waits in the worker's second slot with a 0.1 s
+    `timeout` parameter (microseconds, as tritonclient sends it): it is answered DEADLINE_EXCEEDED at its
+    timeout, not once the batch ahead of it is done, and it never runs."""
+    daemon, tmp = setup
+
+    def marker(callback: Callable[..., None]) -> None:
+        daemon.client.async_infer(
+            "bounded", x(np.full((1, 7), 4242.0, np.float32)), callback=callback, timeout=100_000
+        )
+
+    _marker_expired_first(
+        _order_of_answers(setup, 1, marker), tmp / "bounded.log", "StatusCode.DEADLINE_EXCEEDED"
+    )
+
+
+def test_a_timeout_parameter_answers_a_queued_request_at_once_over_http(
+    setup: tuple[RunningDaemon, Path],
+) -> None:
+    """The same over HTTP, for a request in the queue (both of the worker's slots are taken): 504 at its
+    timeout, while every instance is still busy."""
+    daemon, tmp = setup
+
+    def marker(callback: Callable[..., None]) -> None:
+        def send() -> None:
+            client = httpclient.InferenceServerClient(daemon.http_address)
+            inp = httpclient.InferInput("x", [1, 7], "FP32")
+            inp.set_data_from_numpy(np.full((1, 7), 4242.0, np.float32))
+            try:
+                callback(client.infer("bounded", [inp], timeout=100_000), None)
+            except InferenceServerException as exc:
+                callback(None, exc)
+            finally:
+                client.close()
+
+        threading.Thread(target=send, daemon=True).start()
+
+    _marker_expired_first(_order_of_answers(setup, 2, marker), tmp / "bounded.log", "504")
+
+
+def test_a_timeout_that_passes_while_the_request_runs_lets_it_finish(
+    setup: tuple[RunningDaemon, Path],
+) -> None:
+    """The timeout bounds the wait for an instance, as Triton's does: a request that started within it
+    (the instance was free) runs its 0.5 s to the end and is answered with its result."""
+    daemon, _ = setup
+    a = np.full((1, 2), 1000.0, np.float32)
+    result = daemon.client.infer("bounded", x(a), timeout=100_000)
+    np.testing.assert_array_equal(result.as_numpy("y"), a * 2)
+
+
+def _http_fire(daemon: RunningDaemon, model: str, arrays: list[np.ndarray]) -> list[tuple[object, object]]:
+    """Send every request at once, each on its own HTTP connection; (result, error) in request order."""
+
+    def one(a: np.ndarray) -> tuple[object, object]:
+        client = httpclient.InferenceServerClient(daemon.http_address)
+        inp = httpclient.InferInput("x", list(a.shape), "FP32")
+        inp.set_data_from_numpy(a)
+        try:
+            return client.infer(model, [inp]), None
+        except InferenceServerException as exc:
+            return None, exc
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(len(arrays)) as pool:
+        return list(pool.map(one, arrays))
+
+
+def test_http_requests_share_the_batching_and_the_queue_limit(setup: tuple[RunningDaemon, Path]) -> None:
+    """HTTP requests go through the same queue as gRPC ones: merged into batches, split back, and refused
+    with 429 (RESOURCE_EXHAUSTED) and the same message once `max_queue_size` requests wait."""
+    daemon, tmp = setup
+    arrays = [np.full((1, 3), 7000.0 + i, np.float32) for i in range(4)]
+    for a, (result, error) in zip(arrays, _http_fire(daemon, "merge", arrays), strict=True):
+        assert error is None, error
+        np.testing.assert_array_equal(result.as_numpy("y"), a * 2)  # type: ignore[union-attr]
+    lines = [json.loads(line) for line in (tmp / "merge.log").read_text().splitlines()]
+    assert max(line["rows"] for line in lines if 7000 <= line["first"][0] < 7004) > 1, lines
+
+    results = _http_fire(daemon, "bounded", [np.full((1, 2), 1000.0 + i, np.float32) for i in range(8)])
+    refused = [e for _, e in results if e is not None]
+    assert refused, "no request was refused"
+    for e in refused:
+        assert isinstance(e, InferenceServerException)
+        assert e.status() == "429", e
+        assert "queue is full" in str(e.message())
+    assert any(e is None for _, e in results)

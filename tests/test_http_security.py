@@ -268,6 +268,42 @@ def test_a_refused_call_is_answered_before_its_body_is_read(daemons: Daemons) ->
     assert reply.startswith("HTTP/1.1 401"), reply
 
 
+def test_expect_100_continue_is_answered_only_once_the_call_is_admitted(daemons: Daemons) -> None:
+    """A client that sends `Expect: 100-continue` holds its body back until told to go on: a call refused
+    by access control, or a body declared over max_message_bytes, gets its final status instead of the
+    go-ahead, so the body is never sent; an admitted one gets 100 Continue, then its answer."""
+    pki = daemons.pki
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    context.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    host, _, port = daemons.mtls.http_address.rpartition(":")
+    tensors = [
+        {"name": n, "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16} for n in ("INPUT0", "INPUT1")
+    ]
+    body = json.dumps({"inputs": tensors}).encode()
+
+    def first_reply(token: str | None, length: int) -> tuple[ssl.SSLSocket, socket.socket, str]:
+        raw = socket.create_connection((host, int(port)), timeout=30)
+        sock = context.wrap_socket(raw, server_hostname=host)
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        head = f"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: x\r\n{auth}Expect: 100-continue\r\n"
+        sock.sendall(f"{head}Content-Length: {length}\r\n\r\n".encode())
+        return sock, raw, sock.recv(65536).decode("latin-1")
+
+    for token, length, status in ((None, len(body), "401"), (INFER_TOKEN, 2**40, "413")):
+        sock, raw, reply = first_reply(token, length)
+        with raw, sock:
+            assert reply.startswith(f"HTTP/1.1 {status}"), reply
+            assert "100 Continue" not in reply
+
+    sock, raw, reply = first_reply(INFER_TOKEN, len(body))
+    with raw, sock:
+        assert reply == "HTTP/1.1 100 Continue\r\n\r\n", reply
+        sock.sendall(body)
+        answer = sock.recv(65536).decode("latin-1")
+    assert answer.startswith("HTTP/1.1 200"), answer
+    assert '"OUTPUT0"' in answer
+
+
 # ---- Unix socket and repository changes -----------------------------------------------------------------
 
 

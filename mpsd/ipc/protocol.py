@@ -113,10 +113,12 @@ class Infer:
 SLOTS = 2
 # The first CONTROL_BYTES of every input region are its slot's control block. Byte 0 is 0 when the daemon
 # sends the execution and is set once nobody waits for it any more; the worker reads it just before running
-# the execution and answers InferFailed instead of running it.
+# the execution and answers InferFailed instead of running it, or marks it STARTED and runs it (the daemon
+# then lets it finish).
 CONTROL_BYTES = 64
 ABANDONED_CANCELLED = 1  # every request of the batch was cancelled
 ABANDONED_EXPIRED = 2  # every request of the batch is past its deadline
+STARTED = 3  # the worker runs it: a deadline that passes now no longer skips it
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def _infer(
         )
     if abandoned:
         raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
+    inputs.buf[0] = p.STARTED
     outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]))
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)

@@ -15,7 +15,7 @@ import structlog
 
 import mpsd
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
-from mpsd.daemon.api.parse import RawEntry, check_name, parse_infer_request
+from mpsd.daemon.api.parse import RawEntry, check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
 from mpsd.daemon.core.request import InferResult
@@ -94,7 +94,7 @@ class Operations:
         mv = self.registry.route(request.model_name, request.model_version)
         with self.client_shm.lease() as shm:  # regions the request names stay open until it is answered
             parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
-            result = await mv.infer(parsed, deadline)
+            result = await mv.infer(parsed, deadline_of(request, deadline))
             shm.write_outputs(result.outputs)
             return Answered(result, frozenset(shm.outputs))
 

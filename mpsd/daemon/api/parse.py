@@ -7,6 +7,7 @@ the expected and the received value.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,9 +42,10 @@ _ALL_TYPED = (
 )
 _KNOWN_OUTPUT_PARAMS = {"binary_data"}
 _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
-# Request parameters Triton clients send, with the value kinds each may have. mpsd has nothing to do for
-# them (no sequence batcher, no priority levels), so they are accepted; any other key is refused, so that
-# a misspelt or unsupported option is never silently ignored.
+# Request parameters Triton clients send, with the value kinds each may have. `timeout` (microseconds) bounds
+# the time to the start of the execution (`deadline_of`); for the others mpsd has nothing to do (no sequence
+# batcher, no priority levels), so they are accepted; any other key is refused, so that a misspelt or
+# unsupported option is never silently ignored.
 REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
     "sequence_id": ("int64_param", "uint64_param", "string_param"),
     "sequence_start": ("bool_param",),
@@ -94,6 +96,19 @@ def check_request_fields(request: Any) -> None:
             raise InvalidArgument(f"request parameter '{key}' must be {expected}, got {got}")
         if key in ("timeout", "priority") and getattr(value, kind) < 0:
             raise InvalidArgument(f"request parameter '{key}' must not be negative")
+
+
+def deadline_of(request: Any, deadline: float | None) -> float | None:
+    """The earlier of the client's deadline (time.monotonic()) and the request's `timeout` parameter
+    (microseconds from now, 0 for none): the time by which the request must have started."""
+    if "timeout" not in request.parameters:
+        return deadline
+    value = request.parameters["timeout"]
+    micros = getattr(value, value.WhichOneof("parameter_choice") or "int64_param")
+    if not isinstance(micros, int) or micros <= 0:
+        return deadline
+    limit = time.monotonic() + micros / 1e6
+    return limit if deadline is None else min(deadline, limit)
 
 
 def _typed_used(tensor: Any) -> list[str]:

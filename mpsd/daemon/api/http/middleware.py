@@ -3,7 +3,8 @@
 - Once shutdown has begun, every request is answered 503 at once (health checks included), while the
   requests already in progress finish: a load balancer stops sending before the port closes.
 - Each route stands for a KServe RPC, whose access category (`net.auth`) decides with the `Authorization:
-  Bearer` header, exactly as on gRPC: the request is refused before its body is read.
+  Bearer` header, exactly as on gRPC: the request is refused before its body is read, and before a client
+  that sent `Expect: 100-continue` is told to send it.
 - An MpsdError becomes its HTTP status (`net.status`, the one table) with Triton's `{"error": "..."}` body;
   aiohttp's own refusals (404, 405, 413) get the same body; anything else is a logged 500.
 """
@@ -43,8 +44,9 @@ class Gate:
 
     __middleware_version__ = 1  # what aiohttp's `web.middleware` marks: a new-style middleware
 
-    def __init__(self, policy: AccessPolicy, shutting_down: Callable[[], bool]) -> None:
+    def __init__(self, policy: AccessPolicy, shutting_down: Callable[[], bool], limit: int) -> None:
         self.policy = policy
+        self.limit = limit  # the largest body accepted, in bytes
         self.shutting_down = shutting_down
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -64,21 +66,44 @@ class Gate:
             if self.in_flight == 0:
                 self._idle.set()
 
+    def _admit(self, request: web.Request) -> None:
+        """Raise what refuses the request before anything of its body is read: the drain, access."""
+        if self.shutting_down() and request.path != LIVE:  # live stays true while in-flight work ends
+            raise Unavailable("the daemon is shutting down")
+        method = rpc_of(request.match_info.handler)
+        if method is not None:
+            credentials = [("authorization", v) for v in request.headers.getall("Authorization", ())]
+            refused = self.policy.check(method, credentials)
+            if refused is not None:
+                log.info("call refused", method=method, code=refused.code.value, reason=refused.message)
+                raise refused
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue`: the client waits for a go-ahead before it sends the body, so the request
+        is admitted (and its declared size checked) first; a refusal is the final answer, and the body is
+        never sent. aiohttp runs this before the middleware, and would otherwise always say continue."""
+        try:
+            self._admit(request)
+        except MpsdError as exc:
+            return _error(exc)
+        declared = request.content_length
+        if declared is not None and declared > self.limit:
+            limit = f"the limit is {self.limit} bytes (max_message_bytes)"
+            return error_response(413, f"the request body is {declared} bytes; {limit}")
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return error_response(417, f"unknown Expect: {expect[:100]!a} (only 100-continue is understood)")
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request.writer.output_size = 0  # what was written is no part of the response
+        return None
+
     async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if self.shutting_down() and request.path != LIVE:  # live stays true while in-flight work ends
-                raise Unavailable("the daemon is shutting down")
-            method = rpc_of(request.match_info.handler)
-            if method is not None:
-                credentials = [("authorization", v) for v in request.headers.getall("Authorization", ())]
-                refused = self.policy.check(method, credentials)
-                if refused is not None:
-                    log.info("call refused", method=method, code=refused.code.value, reason=refused.message)
-                    raise refused
+            self._admit(request)
             return await handler(request)
         except MpsdError as exc:
-            extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
-            return error_response(http_status(exc), exc.message, extra)
+            return _error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -89,6 +114,11 @@ class Gate:
         except Exception as exc:
             log.exception("unexpected error", path=request.path)
             return error_response(500, f"{type(exc).__name__}: {exc}")
+
+
+def _error(exc: MpsdError) -> web.Response:
+    extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
+    return error_response(http_status(exc), exc.message, extra)
 
 
 def _allow(exc: web.HTTPException) -> dict[str, str] | None:

@@ -8,6 +8,7 @@ Triton's JSON error body.
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from mpsd.daemon.api.operations import Operations
 from mpsd.net.auth import AccessPolicy
@@ -23,10 +24,16 @@ SHM = "/v2/systemsharedmemory"
 CUDA_SHM = "/v2/cudasharedmemory"
 
 
-def add_routes(app: web.Application, ops: Operations, limit: int) -> None:
+def add_routes(app: web.Application, ops: Operations, limit: int, gate: Gate) -> None:
     h = Handlers(ops)
     infer = InferHandler(ops, limit)
-    get, post = app.router.add_get, app.router.add_post
+
+    def get(path: str, handler: Handler, allow_head: bool = True) -> None:
+        app.router.add_get(path, handler, allow_head=allow_head, expect_handler=gate.expect)
+
+    def post(path: str, handler: Handler) -> None:
+        app.router.add_post(path, handler, expect_handler=gate.expect)
+
     get("/v2/health/live", h.live)  # HEAD as well, for load balancers' checks
     get("/v2/health/ready", h.ready)
     get("/v2", h.server_metadata, allow_head=False)
@@ -60,7 +67,7 @@ def add_routes(app: web.Application, ops: Operations, limit: int) -> None:
 
 def build_app(ops: Operations, policy: AccessPolicy, limit: int) -> tuple[web.Application, Gate]:
     """The application serving `ops`; bodies over `limit` bytes are refused (413)."""
-    gate = Gate(policy, ops.shutting_down)
+    gate = Gate(policy, ops.shutting_down, limit)
     app = web.Application(middlewares=[gate], client_max_size=limit)
-    add_routes(app, ops, limit)
+    add_routes(app, ops, limit, gate)
     return app, gate

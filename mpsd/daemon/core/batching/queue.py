@@ -27,8 +27,9 @@ class Pending:
     request: InferRequest
     future: asyncio.Future[InferResult]
     enqueued_ns: int
-    deadline: float | None = None  # time.monotonic() after which running it is pointless
+    deadline: float | None = None  # time.monotonic() by which it must have started, or it is not run
     timings: Timings = field(default_factory=Timings)
+    timer: asyncio.TimerHandle | None = None  # answers it at its deadline while it is queued
 
     @property
     def key(self) -> Hashable:
@@ -63,17 +64,46 @@ class RequestQueue:
             limit = time.monotonic() + self.timeout_s
             item.deadline = limit if item.deadline is None else min(item.deadline, limit)
         self._items.append(item)
+        self._arm(item)
         self._arrived.set()
 
     def requeue(self, items: Iterable[Pending]) -> None:
         """Put items back at the front, in their order (their instance went away before running them)."""
-        self._items.extendleft(reversed(list(items)))
+        items = list(items)
+        self._items.extendleft(reversed(items))
+        for item in items:
+            self._arm(item)
         self._arrived.set()
 
     def take_all(self) -> list[Pending]:
         items = list(self._items)
         self._items.clear()
+        _disarm(items)
         return items
+
+    def _arm(self, item: Pending) -> None:
+        """Answer the item at its deadline if it is still queued then: while every instance is busy, nobody
+        takes work from the queue, and the client would otherwise wait for an instance to free up."""
+        if item.deadline is None:
+            return
+        delay = max(0.0, item.deadline - time.monotonic())
+        item.timer = asyncio.get_running_loop().call_later(delay, self._expire, item)
+
+    def _expire(self, item: Pending) -> None:
+        item.timer = None
+        with contextlib.suppress(ValueError):  # taken meanwhile
+            self._items.remove(item)
+            self._expired(item)
+
+    def _expired(self, item: Pending) -> None:
+        if not item.future.done():
+            waited_ms = (time.perf_counter_ns() - item.enqueued_ns) / 1e6
+            item.future.set_exception(
+                DeadlineExceeded(
+                    f"model {self.label}: request waited {waited_ms:.0f} ms in the queue, past its "
+                    "deadline; it was not run"
+                )
+            )
 
     def _prune(self) -> None:
         """Drop requests that were cancelled or whose deadline passed while they waited."""
@@ -81,15 +111,11 @@ class RequestQueue:
         kept: deque[Pending] = deque()
         for item in self._items:
             if item.future.done():
+                _disarm([item])
                 continue
             if item.deadline is not None and now >= item.deadline:
-                waited_ms = (time.perf_counter_ns() - item.enqueued_ns) / 1e6
-                item.future.set_exception(
-                    DeadlineExceeded(
-                        f"model {self.label}: request waited {waited_ms:.0f} ms in the queue, past its "
-                        "deadline; it was not run"
-                    )
-                )
+                _disarm([item])
+                self._expired(item)
                 continue
             kept.append(item)
         self._items = kept
@@ -124,10 +150,18 @@ class RequestQueue:
             if remaining <= 0:
                 taken = {id(i) for i in batch}
                 self._items = deque(i for i in self._items if id(i) not in taken)
+                _disarm(batch)
                 return batch
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), remaining)
+
+
+def _disarm(items: Iterable[Pending]) -> None:
+    for item in items:
+        if item.timer is not None:
+            item.timer.cancel()
+            item.timer = None
 
 
 def fail_all(items: Iterable[Pending], error: MpsdError) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.daemon.supervise.worker.liveness import Liveness
-from mpsd.errors import Internal, WorkerDied, error_from_code
+from mpsd.errors import DeadlineExceeded, Internal, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 
@@ -75,23 +75,32 @@ def _watch(
     waiting: Sequence[asyncio.Future[Any]],
     deadline: float | None,
     loop: asyncio.AbstractEventLoop,
+    expired: asyncio.Future[None] | None = None,
 ) -> Callable[[], None]:
     """Mark the execution abandoned in its control block (byte 0) once every future in `waiting` is done or
     the deadline passes; returns what stops watching. The worker skips an abandoned execution it has not
-    started, so a request cancelled or expired while the previous batch runs does not run after all."""
+    started, so a request cancelled or expired while the previous batch runs does not run after all. When
+    the deadline passes before the worker marked the execution started, `expired` is set: the caller
+    answers at once instead of waiting for the execution ahead of it to end."""
 
-    def mark(why: int) -> None:
+    def mark(why: int) -> bool:
         with contextlib.suppress(ValueError):  # the regions were released (the worker died)
             if control[0] == 0:
                 control[0] = why
+                return True
+        return False
 
     def check(_: object = None) -> None:
         if waiting and all(f.done() for f in waiting):
             mark(p.ABANDONED_CANCELLED)
 
+    def expire() -> None:
+        if mark(p.ABANDONED_EXPIRED) and expired is not None and not expired.done():
+            expired.set_result(None)
+
     for future in waiting:
         future.add_done_callback(check)
-    timer = loop.call_at(deadline, mark, p.ABANDONED_EXPIRED) if deadline is not None else None
+    timer = loop.call_later(max(0.0, deadline - time.monotonic()), expire) if deadline is not None else None
 
     def unwatch() -> None:
         for future in waiting:
@@ -100,6 +109,21 @@ def _watch(
             timer.cancel()
 
     return unwatch
+
+
+def _either(first: asyncio.Future[Any], other: asyncio.Future[None] | None) -> asyncio.Future[Any]:
+    """A future done when `first` or `other` is (just `first` without `other`)."""
+    if other is None:
+        return first
+    gate: asyncio.Future[None] = first.get_loop().create_future()
+
+    def done(_: object) -> None:
+        if not gate.done():
+            gate.set_result(None)
+
+    first.add_done_callback(done)
+    other.add_done_callback(done)
+    return gate
 
 
 class Channel:
@@ -262,9 +286,10 @@ class Channel:
         pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
         self._inflight[req_id] = (pending, slot)
         self._transport.write(encode(msg))
-        unwatch = _watch(buf, waiting, deadline, loop)
+        expired = loop.create_future() if deadline is not None else None
+        unwatch = _watch(buf, waiting, deadline, loop, expired)
         try:
-            reply = await self._wait_reply(req_id, pending)
+            reply = await self._wait_reply(req_id, pending, expired)
         except BaseException as exc:
             if not pending.done():
                 if buf[0] == 0:  # nobody will take the answer: the worker may skip it if not started
@@ -290,23 +315,34 @@ class Channel:
         timings.compute_output_ns = reply.compute_output_ns + read_ns
         return results
 
-    async def _wait_reply(self, req_id: int, pending: asyncio.Future[object]) -> object:
-        """The worker's answer; past the request timeout the worker counts as hung and is killed.
+    async def _wait_reply(
+        self, req_id: int, pending: asyncio.Future[object], expired: asyncio.Future[None] | None = None
+    ) -> object:
+        """The worker's answer; past the request timeout the worker counts as hung and is killed. Once
+        `expired` is set (the deadline passed before the worker started the execution) it raises
+        DeadlineExceeded without waiting for the answer.
 
         The timeout counts from when the execution is the oldest in flight: one sent while another runs
         waits for that first. Shielded: a caller that is cancelled leaves the execution running, and its
         slot stays taken until the worker answers.
         """
         timeout = self.request_timeout_s
-        if not timeout:
-            return await asyncio.shield(pending)
-        for older_id in [i for i in self._inflight if i < req_id]:
-            entry = self._inflight.get(older_id)
-            if entry is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(entry[0])
-        try:
-            return await asyncio.wait_for(asyncio.shield(pending), timeout)
-        except TimeoutError:
-            self._hung(f"no answer within request_timeout_s={timeout:g}")
-            return await asyncio.shield(pending)
+        gate = _either(pending, expired)
+        if timeout:
+            for older_id in [i for i in self._inflight if i < req_id]:
+                entry = self._inflight.get(older_id)
+                if entry is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(_either(entry[0], expired))
+            try:
+                await asyncio.wait_for(asyncio.shield(gate), timeout)
+            except TimeoutError:
+                self._hung(f"no answer within request_timeout_s={timeout:g}")
+        await asyncio.shield(gate)
+        if not pending.done():
+            model = self.model
+            raise DeadlineExceeded(
+                f"model '{model.name}' version {model.version}: the request was past its deadline before "
+                "its worker started it (it waited behind the execution before it); it was not run"
+            )
+        return pending.result()
