@@ -176,6 +176,32 @@ def test_every_datatype_round_trips_exactly(client: httpclient.InferenceServerCl
         assert ("data" in result.get_output(f"OUT_{t}")) is not (binary or t == "BF16")
 
 
+def test_non_finite_floats_travel_in_json_as_triton_writes_them(
+    daemon: RunningDaemon, client: httpclient.InferenceServerClient
+) -> None:
+    """JSON has no NaN or infinity; Triton (rapidjson) reads and writes them as the bare tokens NaN, Infinity
+    and -Infinity, and tritonclient.http does too: the same here, in both directions."""
+    a = np.array([[np.nan, np.inf, -np.inf, 1.5] * 4], np.float32)
+    result = client.infer(
+        "add_sub",
+        add_sub(a, a, binary=False),
+        outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)],
+    )
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+    body = {
+        "inputs": [
+            {"name": n, "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 15 + [float("-inf")]}
+            for n in ("INPUT0", "INPUT1")
+        ],
+        "outputs": [{"name": "OUTPUT0"}],
+    }
+    status, _, raw = http_request(
+        daemon.http_address, "POST", "/v2/models/add_sub/infer", json.dumps(body).encode()
+    )
+    assert status == 200, raw
+    assert b"-Infinity]" in raw, raw
+
+
 def test_bf16_outputs_as_json_are_their_float_values(client: httpclient.InferenceServerClient) -> None:
     values = {f"IN_{t}": _values(t, 3) for t in models.DTYPES}
     result = client.infer(

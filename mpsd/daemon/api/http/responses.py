@@ -25,6 +25,7 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 def dumps(value: Any) -> bytes:
+    """Compact JSON; NaN and infinities as the bare tokens NaN, Infinity, -Infinity, as Triton writes them."""
     return json.dumps(value, separators=(",", ":")).encode()
 
 
