@@ -315,3 +315,33 @@ def test_http_requests_share_the_batching_and_the_queue_limit(setup: tuple[Runni
         assert e.status() == "429", e
         assert "queue is full" in str(e.message())
     assert any(e is None for _, e in results)
+
+
+def test_queue_time_ends_when_the_worker_starts_the_execution(setup: tuple[RunningDaemon, Path]) -> None:
+    """A request handed to a busy worker waits there, behind the execution before it: that wait is queue
+    time in ModelStatistics (Triton's queue time ends when the execution starts), not compute time."""
+    daemon, tmp = setup
+    metrics = (tmp / "metrics").read_text()
+    wait_for(lambda: pending_requests(metrics) == 0, 30, "the earlier tests' requests to settle")
+
+    def queue_ns() -> int:
+        stats = daemon.client.get_inference_statistics("bounded", as_json=True)["model_stats"][0]
+        return int(stats["inference_stats"]["queue"].get("ns", 0))
+
+    before = queue_ns()
+    done: queue.Queue[tuple[str, object, object]] = queue.Queue()
+    daemon.client.async_infer(  # runs for 0.5 s on the only instance
+        "bounded",
+        x(np.full((1, 2), 1777.0, np.float32)),
+        callback=lambda result, error: done.put(("blocker", result, error)),
+    )
+    wait_for(lambda: '"first": [1777.0]' in (tmp / "bounded.log").read_text(), 30, "the blocker running")
+    daemon.client.async_infer(  # another shape, so its own batch: sent to the worker at once, waits there
+        "bounded",
+        x(np.full((1, 3), 1.0, np.float32)),
+        callback=lambda result, error: done.put(("follower", result, error)),
+    )
+    got = {name: error for name, _, error in (done.get(timeout=30) for _ in range(2))}
+    assert got == {"blocker": None, "follower": None}
+    # The follower waited for most of the blocker's 0.5 s; without that wait both queued for microseconds.
+    assert queue_ns() - before > 200_000_000

@@ -201,3 +201,54 @@ def test_readme_quickstart_runs(example_daemon: RunningDaemon, tmp_path: Path) -
             assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
             assert result.stdout.strip(), f"{command} printed nothing"
     assert serve_steps == 1, "the quickstart should start the daemon with `make run` once"
+
+
+# ---- the supported Python versions -------------------------------------------------------------------------
+
+
+def python_floor() -> str:
+    """The oldest Python the project supports, from requires-python (">=3.X")."""
+    text = (ROOT / "pyproject.toml").read_text()
+    match = re.search(r'^requires-python = ">=(3\.\d+)"$', text, re.MULTILINE)
+    assert match is not None, "pyproject.toml: requires-python should read '>=3.X'"
+    return match.group(1)
+
+
+def test_the_oldest_python_supported_is_the_one_checked() -> None:
+    """README.md's "Python 3.X or newer" is requires-python's floor, and the checkers hold the code to it:
+    ruff's target-version (syntax and upgrades) and mypy's python_version (3.11-only names of the standard
+    library, such as datetime.UTC or asyncio.timeout, are errors in `make lint`)."""
+    floor = python_floor()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf"^Python {re.escape(floor)} or newer", README.read_text(), re.MULTILINE), floor
+    assert f'target-version = "py{floor.replace(".", "")}"' in pyproject
+    assert re.search(rf'^python_version = "{re.escape(floor)}"', pyproject, re.MULTILINE)
+
+
+def test_every_module_compiles_with_the_oldest_python_supported() -> None:
+    """Syntax newer than the floor (`except*`, PEP 695 generics, ...) would break every import there."""
+    floor = python_floor()
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    candidates = [*map(str, sorted(pyenv.glob(f"versions/{floor}.*/bin/python{floor}"))), f"python{floor}"]
+
+    def runs(candidate: str) -> bool:  # a pyenv shim on PATH may name a version it will not run
+        path = shutil.which(candidate)
+        return path is not None and subprocess.run([path, "-c", ""], capture_output=True).returncode == 0
+
+    interpreter = next((c for c in candidates if runs(c)), None)
+    if interpreter is None:
+        pytest.skip(f"no Python {floor} on this machine")
+    script = (
+        "import pathlib, sys\n"
+        "for path in sorted(pathlib.Path('mpsd').rglob('*.py')):\n"
+        "    try:\n"
+        "        compile(path.read_text(), str(path), 'exec')\n"
+        "    except SyntaxError as exc:\n"
+        "        print(f'{path}:{exc.lineno}: {exc.msg}')\n"
+        "print(sys.version_info[:2])\n"
+    )
+    done = subprocess.run([interpreter, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    *errors, version = done.stdout.splitlines()
+    assert version == str(tuple(int(n) for n in floor.split("."))), version
+    assert not errors, "\n".join(errors)

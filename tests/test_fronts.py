@@ -135,6 +135,28 @@ def test_every_process_is_named_by_its_role_in_ps(setup: Setup) -> None:
     assert title(worker) == f"mpsd: worker add_sub/1#0 ({ready['device']})"  # cpu here, cuda on a GPU
 
 
+def fixed_mappings(pid: int) -> set[str]:
+    """Where the kernel put a process's stack and vDSO: chosen at random at each exec (ASLR), and kept by
+    fork, so a child that shares them with its parent is a fork that never exec'd."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[0] for line in maps if line.rstrip().endswith(("[stack]", "[vdso]"))}
+
+
+def test_every_child_process_is_started_by_exec_never_forked(setup: Setup) -> None:
+    """docs/architecture.md and docs/devices.md: workers and fronts are exec'd, never forked (a forked
+    process hangs or crashes on its first Metal call)."""
+    if Path("/proc/sys/kernel/randomize_va_space").read_text().strip() == "0":
+        pytest.skip("address space randomisation is off: an exec'd process has its parent's layout too")
+    daemon = setup.daemon
+    parent = fixed_mappings(daemon.pid)
+    assert parent, "the daemon's stack and vDSO are in its maps"
+    children = psutil.Process(daemon.pid).children(recursive=True)
+    fronts = [p.pid for p in children if is_front_command(p.cmdline())]
+    assert len(fronts) == FRONTS and len(children) > FRONTS, [p.cmdline() for p in children]
+    forked = [" ".join(p.cmdline()) for p in children if fixed_mappings(p.pid) & parent]
+    assert not forked, f"forked from the daemon without exec: {forked}"
+
+
 def test_fronts_are_listed_with_the_workers_and_in_mpsd_status(setup: Setup) -> None:
     with grpc.insecure_channel(setup.daemon.address) as channel:
         admin = admin_pb2_grpc.MpsdAdminStub(channel)

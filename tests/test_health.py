@@ -204,3 +204,38 @@ def test_the_server_is_not_ready_before_the_repository_was_read(tmp_path: Path) 
         assert registry.server_ready()  # read, and empty: nothing to wait for
 
     asyncio.run(check())
+
+
+def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
+    """Watches re-evaluate on lifecycle events, and once a second as a safety net: a change of readiness
+    that no event announced still reaches the watcher."""
+    import asyncio
+
+    from mpsd.daemon.api.health import WATCH_RECHECK_S, HealthService
+
+    statuses = {"model": SERVING}
+
+    class Context:
+        def __init__(self) -> None:
+            self.sent: asyncio.Queue[int] = asyncio.Queue()
+
+        async def write(self, reply: health_pb2.HealthCheckResponse) -> None:
+            await self.sent.put(int(reply.status))
+
+    async def scenario() -> tuple[int, float]:
+        service = HealthService(statuses.get)
+        context = Context()
+        loop = asyncio.get_running_loop()
+        watching = asyncio.create_task(service.Watch(health_pb2.HealthCheckRequest(service="model"), context))
+        assert await asyncio.wait_for(context.sent.get(), 5) == SERVING
+        statuses["model"] = NOT_SERVING  # no event, no service.changed()
+        changed_at = loop.time()
+        status = await asyncio.wait_for(context.sent.get(), 5 * WATCH_RECHECK_S)
+        delay = loop.time() - changed_at
+        service.close()
+        await asyncio.wait_for(watching, 5)
+        return status, delay
+
+    status, delay = asyncio.run(scenario())
+    assert status == NOT_SERVING
+    assert delay <= WATCH_RECHECK_S + 0.5

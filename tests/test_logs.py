@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from datetime import datetime
 
 import grpc
 import numpy as np
@@ -220,6 +221,28 @@ def pid_of(admin: admin_pb2_grpc.MpsdAdminStub, model: str) -> int:
 
 def replay(admin: admin_pb2_grpc.MpsdAdminStub, **request: object) -> list[admin_pb2.LogEvent]:
     return list(admin.StreamLogs(admin_pb2.StreamLogsRequest(replay=2000, **request), timeout=30))
+
+
+def test_a_worker_reports_its_memory_about_every_5_s(
+    daemon: RunningDaemon, admin: admin_pb2_grpc.MpsdAdminStub
+) -> None:
+    """`memory` events (debug level) come from each worker about every 5 s: two in a row of one idle
+    worker are 4 to 7.5 s apart by the daemon's time stamps."""
+    pid = pid_of(admin, "chatty")
+    request = admin_pb2.StreamLogsRequest(
+        model="chatty", level="debug", kinds=["memory"], replay=2000, follow=True
+    )
+    stream = admin.StreamLogs(request, timeout=60)
+    times = []
+    for event in stream:  # the past ones first, then live ones until there are two
+        if event.pid == pid:
+            times.append(datetime.fromisoformat(event.time.replace("Z", "+00:00")))
+            assert "rss_bytes" in event.fields
+        if len(times) == 2:
+            break
+    stream.cancel()
+    gap = (times[1] - times[0]).total_seconds()
+    assert 4.0 <= gap <= 7.5, gap
 
 
 def test_a_live_stream_gets_a_workers_print(

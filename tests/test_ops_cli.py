@@ -7,10 +7,13 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent import futures
 
+import grpc
 import pytest
 import yaml
 
+from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port
 
@@ -113,3 +116,28 @@ def test_reload(daemon: RunningDaemon) -> None:
     )
     logs = mpsd("logs", "--kind", "reload", "--replay", "10", "--json", "--address", daemon.address)
     assert "reload requested" in {json.loads(line)["message"] for line in logs.stdout.splitlines()}
+
+
+def test_logs_says_how_many_events_a_slow_reader_lost() -> None:
+    """When the daemon had to drop events for a slow reader, the next event carries the count and `mpsd logs`
+    prints "... N events dropped" (docs/observability.md). A stand-in admin service sends such an event: a
+    real daemon drops only under a flood, which tests/test_logs.py makes."""
+
+    class Admin(admin_pb2_grpc.MpsdAdminServicer):  # type: ignore[misc]
+        def StreamLogs(self, request: object, context: object) -> Iterator[admin_pb2.LogEvent]:
+            common = {"time": "2024-01-01T00:00:00Z", "level": "info", "kind": "daemon"}
+            yield admin_pb2.LogEvent(seq=1, message="before the gap", **common)
+            yield admin_pb2.LogEvent(seq=39, message="after the gap", dropped=37, **common)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    admin_pb2_grpc.add_MpsdAdminServicer_to_server(Admin(), server)
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        run = mpsd("logs", "--address", address)
+    finally:
+        server.stop(None)
+    assert run.returncode == 0, run.stderr
+    assert "before the gap" in run.stdout and "after the gap" in run.stdout
+    assert "... 37 events dropped" in run.stderr

@@ -594,6 +594,30 @@ def test_open_categories_need_no_token_and_unknown_methods_are_denied() -> None:
     assert unknown is not None and unknown.code.value == "PERMISSION_DENIED"
 
 
+def test_tokens_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/security.md: hmac.compare_digest over SHA-256 digests, every configured token compared on every
+    call: whichever token is sent (the first, the last, none of them, a long one), each check makes one
+    compare_digest per configured token, always of two 32-byte digests."""
+    import hmac
+
+    compared: list[tuple[int, int]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    tokens = [Token(f"secret-{i}".encode(), frozenset({"inference"}), f"t{i}") for i in range(3)]
+    policy = AccessPolicy(tokens)
+    infer = "/inference.GRPCInferenceService/ModelInfer"
+    for sent, allowed in (("secret-0", True), ("secret-2", True), ("wrong", False), ("x" * 500, False)):
+        compared.clear()
+        outcome = policy.check(infer, [("authorization", f"Bearer {sent}")])
+        assert (outcome is None) == allowed, sent
+        assert compared == [(32, 32)] * len(tokens), sent
+
+
 # ---- repository changes without tokens -------------------------------------------------------------------
 
 

@@ -2,13 +2,15 @@
 
 Check computes the status from the same predicates as KServe's ServerLive/ServerReady/ModelReady, so the
 two protocols agree at every moment instead of through a cache refreshed now and then. Watch re-evaluates
-whenever the daemon reports a lifecycle event, and ends once shutdown starts: the stock servicer keeps
+whenever the daemon reports a lifecycle event, and once a second as a safety net (a change of readiness
+that no event announced still reaches the watcher), and ends once shutdown starts: the stock servicer keeps
 watches open, and an open watch would hold the gRPC drain for its whole timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +28,9 @@ INFERENCE_SERVICE = "inference.GRPCInferenceService"
 
 # Event kinds that may follow a change of readiness (stdout, memory snapshots and requests never do).
 LIFECYCLE_KINDS = frozenset({"worker", "crash", "device", "load", "reload", "daemon"})
+
+# How often a Watch re-evaluates when no event woke it.
+WATCH_RECHECK_S = 1.0
 
 StatusOf = Callable[[str], "int | None"]
 
@@ -111,4 +116,5 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
                 last = current
             if self._closing:
                 return
-            await wake.wait()
+            with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not yet the builtin TimeoutError
+                await asyncio.wait_for(wake.wait(), WATCH_RECHECK_S)
