@@ -13,6 +13,32 @@ from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
 from mpsd.errors import ConfigError, Issue
 from mpsd.logs.levels import LogLevel
 
+DeviceType = Literal["cpu", "cuda", "mps"]
+DEFAULT_BUDGET: dict[DeviceType, float] = {"cpu": 0.5, "cuda": 0.9, "mps": 0.8}
+
+
+class ResidencyDefaults(BaseModel):
+    """How models come and go from memory, for models whose config does not say (`residency` there)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    load: Literal["startup", "on_demand"] = Field(
+        "startup", description="startup: loaded when the daemon starts; on_demand: at its first request."
+    )
+    keep_alive_s: Annotated[float, Field(ge=0)] | Literal["never"] = Field(
+        "never", description="Idle time (no request in flight or queued) after which a model is unloaded."
+    )
+    pinned: bool = Field(False, description="Pinned models are never evicted to make room.")
+    min_residency_s: Annotated[float, Field(ge=0)] = Field(
+        10.0, description="A model loaded less than this long ago is not evicted (no thrashing)."
+    )
+    load_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        300.0, description="Longest a request waits for its model to load on demand (or its deadline)."
+    )
+    load_queue_size: Annotated[int, Field(ge=1)] = Field(
+        64, description="Requests that may wait for one model's load on demand; more are refused."
+    )
+
 
 class DaemonConfig(BaseModel):
     """Settings of one mpsd daemon. Paths are resolved relative to the config file's directory."""
@@ -66,6 +92,18 @@ class DaemonConfig(BaseModel):
     memory_budget_policy: Literal["refuse", "warn"] = Field(
         "refuse",
         description="What to do when the memory fractions on one device add up to more than 1.0.",
+    )
+    memory_budget: dict[DeviceType, Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: dict(DEFAULT_BUDGET),
+        description="Share of each device's memory that loaded models may hold together: system RAM for "
+        "cpu, each GPU's total memory for cuda, Metal's recommended working set for mps.",
+    )
+    memory_budget_bytes: dict[str, Annotated[int, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="A budget in bytes for a device (cpu, cuda:N, mps), in place of its share.",
+    )
+    residency: ResidencyDefaults = Field(
+        default_factory=ResidencyDefaults, description="Load on demand, idle unload and eviction defaults."
     )
     model_control: Literal["watch", "poll", "explicit", "none"] = Field(
         "watch",

@@ -188,6 +188,15 @@ class Optimization(_Strict):
     gpu_accelerator: Literal["mps"] | None = None
 
 
+class Residency(_Strict):
+    """When the model is in memory. Unset fields take the daemon's `residency` defaults."""
+
+    load: Literal["startup", "on_demand"] | None = None
+    keep_alive_s: Annotated[float, Field(ge=0)] | Literal["never"] | None = None
+    pinned: bool | None = None
+    footprint_bytes: Annotated[int, Field(gt=0)] | None = None
+
+
 class WarmupInput(_Strict):
     """One input of a warm-up sample: type, shape without the batch dimension, and what fills it."""
 
@@ -293,6 +302,7 @@ class ModelConfig(_Strict):
     allow_pickle: bool = False
     model_warmup: list[ModelWarmup] = []
     optimization: Optimization = Optimization()
+    residency: Residency = Residency()
 
     @field_validator("parameters", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from google.protobuf import text_format  # type: ignore[import-untyped]
 
-from mpsd.config.model_config import InstanceGroup, ModelConfig, VersionPolicy
+from mpsd.config.model_config import InstanceGroup, ModelConfig, Residency, VersionPolicy
 from mpsd.config.model_file import check_config_name, config_problem, validate_model_config
 from mpsd.errors import Issue, ModelConfigError
 from mpsd.proto import model_config_pb2 as mc
@@ -29,6 +29,7 @@ MPSD_PREFIX = "mpsd."
 # Written by the ModelConfig RPC about the running workers (`mpsd.instance_group.N.<key>`); read back, they
 # configure nothing, so a config fetched from the daemon converts back.
 REPORTED_PARAMETERS = ("device", "mps_not_used")
+RESIDENCY_FIELDS = tuple(Residency.model_fields)  # mpsd.residency.<field>
 
 # Options of Triton's PyTorch backend: they tune libtorch inside Triton and mean nothing to mpsd.
 _TRITON_PYTORCH_OPTIONS = frozenset(
@@ -303,12 +304,17 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
             _fail(("parameters", key), f"there is no instance_group {parts[1]}")
         groups[int(parts[1])][parts[2]] = value
         return
+    if len(parts) == 2 and parts[0] == "residency" and parts[1] in RESIDENCY_FIELDS:
+        out.setdefault("residency", {})[parts[1]] = value
+        return
     if len(parts) == 3 and parts[0] == "instance_group" and parts[2] in REPORTED_PARAMETERS:
         return  # what the ModelConfig RPC reports of the running workers: nothing to configure
     _fail(
         ("parameters", key),
         "unknown mpsd parameter (known: allow_pickle, max_device_memory_bytes, max_rss_bytes, "
-        "instance_group.N.kind, instance_group.N.memory_fraction)",
+        "instance_group.N.kind, instance_group.N.memory_fraction, "
+        + ", ".join(f"residency.{f}" for f in RESIDENCY_FIELDS)
+        + ")",
     )
 
 
@@ -370,6 +376,11 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             msg.parameters[MPSD_PREFIX + field].string_value = str(getattr(config, field))
     if config.allow_pickle:
         msg.parameters[MPSD_PREFIX + "allow_pickle"].string_value = "true"
+    for field in RESIDENCY_FIELDS:
+        value = getattr(config.residency, field)
+        if value is not None:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            msg.parameters[f"{MPSD_PREFIX}residency.{field}"].string_value = text
     if config.dynamic_batching is not None:
         db = config.dynamic_batching
         msg.dynamic_batching.preferred_batch_size.extend(db.preferred_batch_size)

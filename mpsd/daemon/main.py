@@ -68,6 +68,7 @@ class Daemon:
             config.drain_timeout_s,
             config.memory_budget_policy,
             config.reload_quiet_period_s,
+            config,
         )
         self.registry.allow_symlinks = config.allow_symlinks
         self.reconciler = Reconciler(self.registry)
@@ -201,6 +202,7 @@ class Daemon:
         await self._update_health()
         background = [asyncio.create_task(self._watchdog())]
         await self.reconciler.run_once(settle=False)
+        self.registry.residency.start()
         await self._update_health()
         ready = self.registry.server_ready()
         log.info("ready" if ready else "started with unavailable models", models=len(self.registry.entries))

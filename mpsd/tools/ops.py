@@ -125,6 +125,27 @@ def render_status(data: dict[str, Any]) -> str:
             for skipped, why in w.get("skipped_devices", {}).items()
             if skipped != "cpu"
         ]
+    residency = data.get("residency") or []
+    if residency:
+        rows = [
+            [
+                r["model"],
+                "yes" if r["resident"] else "no",
+                "yes" if r["pinned"] else "no",
+                r["load"],
+                r["keep_alive"],
+                "-" if r["idle_s"] is None else _duration(r["idle_s"]),
+                ", ".join(f"{d} {_bytes(n)}" for d, n in sorted(r["footprint"].items())) or "-",
+                r["footprint_basis"] or "-",
+            ]
+            for r in residency
+        ]
+        headers = ["MODEL", "RESIDENT", "PINNED", "LOAD", "KEEP ALIVE", "IDLE", "FOOTPRINT", "FROM"]
+        parts += ["", table(headers, rows)]
+        parts += [
+            f"{b['device']}: {_bytes(b['resident_bytes'])} held of a {_bytes(b['budget_bytes'])} budget"
+            for b in data.get("budgets") or []
+        ]
     fronts = data.get("fronts") or []
     if fronts:
         keys = ["index", "pid", "state", "requests", "restarts"]
@@ -152,6 +173,27 @@ def status(conn: argparse.Namespace, json_output: bool, timeout: float) -> int:
         "fronts": [
             {"index": f.index, "pid": f.pid, "state": f.state, "requests": f.requests, "restarts": f.restarts}
             for f in workers.fronts
+        ],
+        "residency": [
+            {
+                "model": r.model,
+                "resident": r.resident,
+                "pinned": r.pinned,
+                "load": r.load,
+                "keep_alive": r.keep_alive,
+                "idle_s": round(r.idle_s, 1) if r.HasField("idle_s") else None,
+                "footprint": dict(r.footprint),
+                "footprint_basis": r.footprint_basis or None,
+            }
+            for r in workers.residency
+        ],
+        "budgets": [
+            {
+                "device": b.device,
+                "budget_bytes": b.budget_bytes if b.HasField("budget_bytes") else None,
+                "resident_bytes": b.resident_bytes,
+            }
+            for b in workers.budgets
         ],
     }
     print(json.dumps(data, indent=2) if json_output else render_status(data))

@@ -14,7 +14,7 @@ import structlog
 
 from mpsd.daemon.api.inference import rpc
 from mpsd.daemon.core.model_version import ModelVersion, VersionInstance
-from mpsd.daemon.core.registry import Registry
+from mpsd.daemon.core.registry import ModelEntry, Registry
 from mpsd.errors import InvalidArgument
 from mpsd.logs.events import BUS, Event, EventBus, EventFilter
 from mpsd.proto import admin_pb2 as pb
@@ -42,6 +42,30 @@ def event_message(event: Event, dropped: int = 0, replayed: bool = False) -> Any
         dropped=dropped,
         replayed=replayed,
     )
+
+
+def residency_message(registry: Registry, entry: ModelEntry, now: float) -> Any:
+    residency = registry.residency
+    policy = residency.policy(entry)
+    if entry.versions:
+        fp = residency.entry_footprint(entry)
+    elif entry.source is not None and entry.source.ok:
+        fp = residency.source_footprint(entry.source)
+    else:
+        fp = None
+    msg = pb.Residency(
+        model=entry.name,
+        resident=bool(entry.versions),
+        pinned=policy.pinned,
+        load=policy.load,
+        keep_alive=policy.describe_keep_alive(),
+    )
+    if entry.versions and entry.last_used > 0:
+        msg.idle_s = max(0.0, now - entry.last_used)
+    if fp is not None:
+        msg.footprint.update(fp.by_device)
+        msg.footprint_basis = fp.basis
+    return msg
 
 
 def worker_message(mv: ModelVersion, instance: VersionInstance, now: float) -> Any:
@@ -130,7 +154,19 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
                 pb.Front(index=f.index, pid=f.pid, state=f.state, requests=f.requests, restarts=f.restarts)
                 for f in self.fronts()
             ]
-        return pb.ListWorkersResponse(workers=workers, fronts=fronts)
+        residency = [
+            residency_message(self.registry, entry, now)
+            for name, entry in sorted(self.registry.entries.items())
+            if not request.model or name == request.model
+        ]
+        budgets = []
+        if not request.model:
+            held = self.registry.residency.resident_bytes()
+            for device, budget in self.registry.residency.budgets().items():
+                budgets.append(
+                    pb.MemoryBudget(device=device, budget_bytes=budget, resident_bytes=held.get(device, 0))
+                )
+        return pb.ListWorkersResponse(workers=workers, fronts=fronts, residency=residency, budgets=budgets)
 
     @rpc
     async def Reload(self, request: Any, context: Any) -> Any:

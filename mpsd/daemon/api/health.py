@@ -39,7 +39,8 @@ def registry_status(
     registry: Registry, shutting_down: Callable[[], bool], live_services: set[str]
 ) -> StatusOf:
     """Status of a service name: "" and `live_services` are liveness, the inference service is server
-    readiness, a model name is that model's readiness; None for names the daemon does not know."""
+    readiness, a model name is that model's availability (ready, or loaded by its next request); None for
+    names the daemon does not know."""
 
     def status(service: str) -> int | None:
         if service == "" or service in live_services:
@@ -47,7 +48,7 @@ def registry_status(
         elif service == INFERENCE_SERVICE:
             ok = registry.server_ready()
         elif service in registry.entries:
-            ok = registry.model_ready(service)
+            ok = registry.model_available(service)
         else:
             return None
         return SERVING if ok and not shutting_down() else NOT_SERVING

@@ -77,8 +77,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @rpc
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        mv, versions = self.ops.model(request.name, request.version)
-        return convert.model_metadata(request.name, versions, mv.config)
+        config, versions = self.ops.metadata(request.name, request.version)
+        return convert.model_metadata(request.name, versions, config)
 
     @rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:

@@ -18,6 +18,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mpsd.daemon.api.residency_metrics import ResidencyCollector
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import ModelState, Registry
 from mpsd.daemon.supervise.fronts.pool import FrontPool
@@ -196,6 +197,7 @@ class MetricsEndpoint:
         self.address = None if address is None or address.strip().lower() in DISABLED else address
         self.prometheus = CollectorRegistry(auto_describe=False)
         self.prometheus.register(RegistryCollector(registry))
+        self.prometheus.register(ResidencyCollector(registry))
         self._runner: web.AppRunner | None = None
 
     def add_fronts(self, pool: FrontPool) -> None:

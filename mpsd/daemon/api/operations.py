@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 import mpsd
+from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
 from mpsd.daemon.api.parse import RawEntry, check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
@@ -74,6 +75,24 @@ class Operations:
         mv = self.registry.route(name, version)
         return mv, [str(v.version) for v in self.registry.versions(name)]
 
+    def metadata(self, name: str, version: str) -> tuple[ModelConfig, list[str]]:
+        """The config and served versions for ModelMetadata, also of a model that loads on demand and is
+        not running (from its repository files, without loading it)."""
+        entry = self.registry.entries.get(name)
+        source = entry.source if entry is not None and not entry.versions else None
+        if (
+            source is None
+            or source.config is None
+            or entry is None
+            or not self.registry.residency.cold(entry)
+        ):
+            mv, versions = self.model(name, version)
+            return mv.config, versions
+        served = [str(v) for v in source.versions]
+        if version and version not in served:
+            raise NotFound(f"model '{name}' has no version {version} (available: {', '.join(served)})")
+        return source.config, served
+
     def statistics(self, name: str, version: str) -> list[ModelVersion]:
         """The versions whose statistics are asked for: one, a model's, or every model's ("" names)."""
         if name:
@@ -91,12 +110,16 @@ class Operations:
         """Check a ModelInferRequest against its model, run it, and write the outputs bound to shared
         memory. `raw_contents` stands for its raw_input_contents (see `parse_infer_request`)."""
         check_name("model", request.model_name)
-        mv = self.registry.route(request.model_name, request.model_version)
-        with self.client_shm.lease() as shm:  # regions the request names stay open until it is answered
-            parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
-            result = await mv.infer(parsed, deadline_of(request, deadline))
-            shm.write_outputs(result.outputs)
-            return Answered(result, frozenset(shm.outputs))
+        deadline = deadline_of(request, deadline)
+        mv = await self.registry.acquire(request.model_name, request.model_version, deadline)
+        try:
+            with self.client_shm.lease() as shm:  # regions the request names stay open until answered
+                parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
+                result = await mv.infer(parsed, deadline)
+                shm.write_outputs(result.outputs)
+                return Answered(result, frozenset(shm.outputs))
+        finally:
+            self.registry.touch(request.model_name)
 
     # ---- repository ----------------------------------------------------------------------------------
 

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import structlog
 
+from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.repository import ModelSource, model_name_problem, scan_repository
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
+from mpsd.daemon.core.residency.manager import Residency
 from mpsd.daemon.core.rollout import ModelEntry, ModelState, Rollout
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.placement import BudgetPolicy
-from mpsd.errors import InvalidArgument, LoadError, NotFound, Unavailable
+from mpsd.errors import InvalidArgument, LoadError, NotFound, ResourceExhausted, Unavailable
 
 log = structlog.get_logger("mpsd.daemon.core.registry")
 
@@ -71,6 +73,7 @@ class Registry:
         drain_timeout_s: float,
         budget_policy: BudgetPolicy = "refuse",
         quiet_period_s: float = 0.0,
+        config: DaemonConfig | None = None,
     ) -> None:
         self.repository = repository
         self.quiet_period_s = quiet_period_s
@@ -84,6 +87,9 @@ class Registry:
         # repository is empty: the server is not ready then (front processes and gRPC listen earlier).
         self.scanned = False
         self._locks: dict[str, asyncio.Lock] = {}
+        self.residency = Residency(
+            config or DaemonConfig(), self.entries, self.apply, self._lock, lambda: self.drain_timeout_s
+        )
 
     @property
     def drain_timeout_s(self) -> float:
@@ -109,7 +115,12 @@ class Registry:
         if entry is None:
             raise NotFound(f"unknown model '{name}'")
         if not entry.versions:
-            reason = f": {entry.error}" if entry.error else f" ({entry.state.value.lower()})"
+            if entry.error:
+                reason = f": {entry.error}"
+            elif entry.cold_reason:
+                reason = f" ({entry.cold_reason})"
+            else:
+                reason = f" ({entry.state.value.lower()})"
             raise Unavailable(f"model '{name}' is not available{reason}")
         if version == "":
             return entry.versions[max(entry.versions)]
@@ -121,6 +132,34 @@ class Registry:
             raise NotFound(f"model '{name}' has no version {version} (available: {have})")
         return found
 
+    async def acquire(self, name: str, version: str, deadline: float | None) -> ModelVersion:
+        """`route`, after loading the model first when it loads on demand and is not running."""
+        entry = self.entries.get(name)
+        if entry is not None and self.residency.cold(entry):
+            await self.residency.ensure_loaded(entry, deadline)
+        mv = self.route(name, version)
+        self.touch(name)
+        return mv
+
+    def touch(self, name: str) -> None:
+        """The model served a request now: it is the most recently used."""
+        entry = self.entries.get(name)
+        if entry is not None:
+            entry.last_used = time.monotonic()
+
+    def known(self, name: str, version: str) -> None:
+        """NotFound unless the model (and version) is known, running or loading on demand."""
+        entry = self.entries.get(name)
+        if entry is None or not self.residency.cold(entry):
+            self.route(name, version)
+
+    def model_available(self, name: str) -> bool:
+        """Ready, or loads on its next request (what per-model health reports to load balancers)."""
+        entry = self.entries.get(name)
+        if entry is not None and self.residency.cold(entry) and entry.error is None:
+            return True
+        return self.model_ready(name)
+
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
             return self.route(name, version).ready
@@ -129,7 +168,10 @@ class Registry:
 
     def server_ready(self) -> bool:
         """The repository has been read and every model it holds is ready (Triton's strict readiness)."""
-        return self.scanned and all(e.state is ModelState.READY for e in self.entries.values())
+        return self.scanned and all(
+            e.state is ModelState.READY or (self.residency.cold(e) and e.error is None)
+            for e in self.entries.values()
+        )
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -165,8 +207,15 @@ class Registry:
                     event_kind="reload",
                 )
                 continue
-            self.entries.setdefault(name, ModelEntry(name, loading=True))
-            jobs.append(self._apply_into(source, report))
+            entry = self.entries.get(name)
+            if entry is not None and entry.versions:
+                jobs.append(self._apply_into(source, report))  # running: a change rolls out
+            elif only is None and source.ok and self.residency.on_demand(source):
+                self.residency.keep_cold(name, source)
+            else:  # not running, and to load now: admitted under the memory budget first
+                entry = self.entries.setdefault(name, ModelEntry(name))
+                entry.loading = True
+                jobs.append(self._apply_into(source, report, admit=entry))
         await asyncio.gather(*jobs)
         if only is None:
             self.scanned = True
@@ -187,13 +236,23 @@ class Registry:
         self._warned[source.name] = source.config_fingerprint
         log.warning("config fields ignored by mpsd", model=source.name, fields=list(source.warnings))
 
-    async def _apply_into(self, source: ModelSource, report: ReconcileReport) -> None:
+    async def _apply_into(
+        self, source: ModelSource, report: ReconcileReport, admit: ModelEntry | None = None
+    ) -> None:
         self._warn_ignored(source)
         try:
-            if await self.apply(source):
+            if admit is not None:
+                changed = await self.residency.load(admit, source, "startup" if not self.scanned else "load")
+            else:
+                changed = await self.apply(source)
+            if changed:
                 report.changed.append(source.name)
         except LoadError as exc:  # the reason is logged and kept in the index
             report.failed[source.name] = str(exc)
+        except ResourceExhausted as exc:
+            if admit is not None:
+                admit.loading, admit.error = False, exc.message
+            report.failed[source.name] = exc.message
 
     async def load_model(self, name: str) -> None:
         """Explicit (re)load of one model from the repository: InvalidArgument, NotFound or LoadError."""
@@ -237,6 +296,7 @@ class Registry:
 
     async def shutdown(self) -> None:
         """Stop every worker (requests have already drained through the gRPC server's grace period)."""
+        await self.residency.stop()
         entries = list(self.entries.values())
         self.entries.clear()
         await asyncio.gather(
@@ -253,7 +313,7 @@ class Registry:
             entry = self.entries[name]
             if not entry.versions:
                 state = entry.state.value
-                rows.append(IndexRow(name, "", state, entry.error or ""))
+                rows.append(IndexRow(name, "", state, entry.error or entry.cold_reason or ""))
             for v in sorted(entry.versions):
                 mv = entry.versions[v]
                 reason = mv.reason

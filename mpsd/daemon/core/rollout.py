@@ -42,6 +42,13 @@ class ModelEntry:
     loading: bool = False
     error: str | None = None
     failed_fingerprint: str | None = None
+    # Residency (`core.residency`): why a known model is not running (None while it runs or must run),
+    # when it last served and was loaded (time.monotonic()), its load on demand and who waits for it.
+    cold_reason: str | None = None
+    last_used: float = 0.0
+    loaded_at: float = 0.0
+    load_task: asyncio.Task[bool] | None = None
+    waiting: int = 0
 
     @property
     def state(self) -> ModelState:

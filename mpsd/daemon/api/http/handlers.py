@@ -81,8 +81,8 @@ class Handlers:
     @rpc("ModelMetadata")
     async def model_metadata(self, request: web.Request) -> web.Response:
         name = path(request, "model")
-        mv, versions = self.ops.model(name, path(request, "version"))
-        return json_response(proto_dict(convert.model_metadata(name, versions, mv.config)))
+        config, versions = self.ops.metadata(name, path(request, "version"))
+        return json_response(proto_dict(convert.model_metadata(name, versions, config)))
 
     @rpc("ModelConfig")
     async def model_config(self, request: web.Request) -> web.Response:

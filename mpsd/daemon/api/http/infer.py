@@ -48,7 +48,7 @@ class InferHandler:
     async def infer(self, request: web.Request) -> web.Response:
         model, version = path(request, "model"), path(request, "version")
         check_name("model", model)
-        self.ops.registry.route(model, version)  # an unknown model is answered before its body is read
+        self.ops.registry.known(model, version)  # an unknown model is answered before its body is read
         body = await read_body(request, self.limit)
         parsed = parse_infer_body(body, request.headers.get(HEADER_LENGTH), model, version)
         answered = await self.ops.infer(parsed.request, None, parsed.raw)

@@ -1,0 +1,248 @@
+"""Many models in one memory budget, through the real daemon: load on demand, unload when idle, evict the
+least recently used idle model, never a pinned or busy one, refuse what cannot fit with the figures.
+
+Footprints are declared (`residency.footprint_bytes`) and the CPU budget is given in bytes, so which model
+goes is decided by the test's numbers, not by this machine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningDaemon, free_port, serving, wait_for
+
+MIB = 2**20
+SLOW = """
+if float(inputs['x'].max()) >= 1000:
+    time.sleep(1.5)
+return {'y': inputs['x'] + 1}
+"""
+SLOW_INIT = """
+import time, torch
+
+class Model:
+    def __init__(self, config, device):
+        time.sleep(3)
+
+    def infer(self, inputs):
+        return {'y': inputs['x'] + 1}
+"""
+
+
+def model(repo: Path, name: str, footprint: int, **residency: Any) -> None:
+    models.python_model(
+        repo,
+        name,
+        SLOW,
+        config={
+            "backend": "python",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "instance_group": [{"kind": "KIND_CPU"}],
+            "residency": {"load": "on_demand", "footprint_bytes": footprint, **residency},
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    tmp = tmp_path_factory.mktemp("residency")
+    repo = tmp / "repo"
+    model(repo, "pinned", 100 * MIB, load="startup", pinned=True)
+    for name in ("a", "b", "c"):
+        model(repo, name, 100 * MIB)
+    model(repo, "huge", 1024 * MIB)
+    model(repo, "big", 200 * MIB)
+    model(repo, "idle", 1, keep_alive_s=1)
+    model(repo, "shared", 1)
+    model(repo, "slowload", 1)
+    (repo / "slowload" / "1" / "model.py").write_text(SLOW_INIT)
+    config = tmp / "mpsd.yaml"
+    metrics = f"127.0.0.1:{free_port()}"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "memory_budget_bytes": {"cpu": 301 * MIB},  # the pinned model and two of a, b, c
+                "residency": {"min_residency_s": 0},
+                "metrics_address": metrics,
+            }
+        )
+    )
+    with serving(repo, tmp / "daemon.log", config=config) as running:
+        running.metrics = metrics  # type: ignore[attr-defined]
+        yield running
+
+
+def infer(daemon: RunningDaemon, name: str, value: float = 1.0, **kwargs: Any) -> np.ndarray:
+    inp = grpcclient.InferInput("x", [2], "FP32")
+    inp.set_data_from_numpy(np.full(2, value, np.float32))
+    result = daemon.client.infer(name, [inp], **kwargs)
+    return result.as_numpy("y")  # type: ignore[no-any-return]
+
+
+def events(daemon: RunningDaemon, message: str) -> list[dict[str, Any]]:
+    found = []
+    for line in daemon.log().splitlines():
+        if line.startswith("{") and f'"{message}"' in line:
+            found.append(json.loads(line))
+    return [e for e in found if e.get("event") == message]
+
+
+def unloaded(daemon: RunningDaemon) -> list[tuple[str, str]]:
+    return [(e["model"], e["reason"]) for e in events(daemon, "model unloaded")]
+
+
+def index(daemon: RunningDaemon) -> dict[str, tuple[str, str]]:
+    rows = daemon.client.get_model_repository_index(as_json=True)["models"]
+    return {r["name"]: (r.get("state", ""), r.get("reason", "")) for r in rows}
+
+
+def test_models_that_load_on_demand_are_known_and_the_server_is_ready(daemon: RunningDaemon) -> None:
+    """Not loaded is not broken: the server is ready, per-model health says serving, ModelReady says
+    false (nothing runs), and metadata is answered from the repository without loading."""
+    rows = index(daemon)
+    assert rows["pinned"][0] == "READY"
+    assert rows["a"] == ("UNAVAILABLE", "not loaded yet: loads on its first request")
+    assert daemon.client.is_server_ready()
+    assert not daemon.client.is_model_ready("a")
+    assert daemon.client.get_model_metadata("a", as_json=True)["inputs"][0]["name"] == "x"
+    with grpc.insecure_channel(daemon.address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        assert (
+            check(health_pb2.HealthCheckRequest(service="a")).status == health_pb2.HealthCheckResponse.SERVING
+        )
+    assert "model loaded" not in {e["event"] for e in events(daemon, "model loaded") if e["model"] == "a"}
+
+
+def test_round_robin_evicts_the_least_recently_used_idle_model(daemon: RunningDaemon) -> None:
+    """a, b, c, a in turn all succeed in a budget of the pinned model plus two: c evicts a (least recently
+    used, since the pinned model, loaded first, is never a candidate), then a evicts b."""
+    for name in ("a", "b", "c", "a"):
+        np.testing.assert_array_equal(infer(daemon, name), np.full(2, 2.0, np.float32))
+    assert unloaded(daemon)[:2] == [("a", "evicted for 'c'"), ("b", "evicted for 'a'")]
+    rows = index(daemon)
+    assert rows["b"] == ("UNAVAILABLE", "evicted for 'a'")
+    assert rows["a"][0] == rows["c"][0] == rows["pinned"][0] == "READY"
+    assert all(model != "pinned" for model, _ in unloaded(daemon))
+    assert metric(daemon, 'mpsd_model_unloads_total{model="a",reason="evicted"}') == 1
+    assert metric(daemon, 'mpsd_model_loads_on_demand_total{model="a"}') == 2
+    assert metric(daemon, 'mpsd_model_load_wait_seconds_count{model="a"}') == 2
+    assert metric(daemon, 'mpsd_memory_budget_bytes{device="cpu"}') == 301 * MIB
+    assert metric(daemon, 'mpsd_memory_resident_bytes{device="cpu"}') == 300 * MIB  # pinned, a, c
+    assert metric(daemon, 'mpsd_model_resident{model="b"}') == 0
+
+
+def test_a_model_with_a_request_in_flight_is_never_evicted(daemon: RunningDaemon) -> None:
+    """'big' needs the room of two: with one of them busy, only the idle one could go, which is not enough,
+    so 'big' is refused with the figures (naming the busy one) and nothing is evicted for it."""
+    infer(daemon, "a")
+    infer(daemon, "c")  # resident now: pinned, a, c
+    done: queue.Queue[object] = queue.Queue()
+    busy = threading.Thread(target=lambda: done.put(infer(daemon, "c", 1000.0)))
+    busy.start()
+    wait_for(lambda: pending(daemon, "c") > 0, 30, "a request running on c")
+    with pytest.raises(InferenceServerException) as err:
+        infer(daemon, "big")
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "c (0.10 GiB, in use)" in str(err.value.message()), err.value.message()
+    busy.join(30)
+    np.testing.assert_array_equal(done.get(timeout=1), np.full(2, 1001.0, np.float32))
+    assert not [m for m, reason in unloaded(daemon) if reason == "evicted for 'big'"]
+    assert index(daemon)["a"][0] == "READY"
+
+
+def metric(daemon: RunningDaemon, prefix: str) -> float:
+    """The sum of the samples whose line starts with `prefix` (name and labels)."""
+    with urllib.request.urlopen(f"http://{daemon.metrics}/metrics", timeout=10) as response:  # type: ignore[attr-defined]
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def pending(daemon: RunningDaemon, name: str) -> float:
+    """The model's requests held by the daemon (queued or running), from its pending gauge."""
+    return metric(daemon, f'mpsd_inference_pending_request_count{{model="{name}"')
+
+
+def test_a_model_that_cannot_fit_is_refused_with_the_figures(daemon: RunningDaemon) -> None:
+    with pytest.raises(InferenceServerException) as err:
+        infer(daemon, "huge")
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    message = str(err.value.message())
+    assert "'huge' needs 1.00 GiB on cpu; its budget is 0.29 GiB" in message, message
+    assert "pinned (0.10 GiB, pinned)" in message, message
+    np.testing.assert_array_equal(infer(daemon, "pinned"), np.full(2, 2.0, np.float32))  # still serving
+
+
+def test_an_idle_model_is_unloaded_and_the_next_request_loads_it_again(daemon: RunningDaemon) -> None:
+    infer(daemon, "idle")
+    wait_for(lambda: ("idle", "unloaded after 1 s idle") in unloaded(daemon), 30, "the idle unload")
+    assert index(daemon)["idle"] == ("UNAVAILABLE", "unloaded after 1 s idle")
+    infer(daemon, "idle")
+    assert len([e for e in events(daemon, "model loaded") if e["model"] == "idle"]) == 2
+
+
+def test_concurrent_first_requests_share_one_load(daemon: RunningDaemon) -> None:
+    results: queue.Queue[object] = queue.Queue()
+    threads = [threading.Thread(target=lambda: results.put(infer(daemon, "shared"))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results.qsize() == 6
+    assert len([e for e in events(daemon, "model loaded") if e["model"] == "shared"]) == 1
+
+
+def test_a_deadline_that_ends_during_the_load_is_answered_and_leaks_nothing(daemon: RunningDaemon) -> None:
+    """The model takes 3 s to load; a request with a 0.5 s timeout gets DEADLINE_EXCEEDED at its deadline,
+    the load goes on, and the next request is served; no shared memory is left behind."""
+    with pytest.raises(InferenceServerException) as err:
+        infer(daemon, "slowload", timeout=500_000)
+    assert err.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "was not loaded within" in str(err.value.message())
+    np.testing.assert_array_equal(infer(daemon, "slowload"), np.full(2, 2.0, np.float32))
+    assert len([e for e in events(daemon, "model loaded") if e["model"] == "slowload"]) == 1
+    assert pending(daemon, "slowload") == 0
+
+
+def test_status_shows_what_each_model_holds(daemon: RunningDaemon) -> None:
+    """`mpsd status`: per model resident or not, pinned, footprint and where it comes from; the budget."""
+
+    def status(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "mpsd", "status", *args, "--address", daemon.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    rows = {r["model"]: r for r in json.loads(status("--json"))["residency"]}
+    assert rows["pinned"]["resident"] and rows["pinned"]["pinned"]
+    assert rows["pinned"]["footprint"] == {"cpu": 100 * MIB}
+    assert rows["pinned"]["footprint_basis"] == "declared"
+    assert rows["huge"]["resident"] is False and rows["huge"]["footprint"] == {"cpu": 1024 * MIB}
+    assert rows["huge"]["load"] == "on_demand" and rows["idle"]["keep_alive"] == "1 s"
+    assert rows["pinned"]["idle_s"] is not None
+    budgets = json.loads(status("--json"))["budgets"]
+    assert {"device": "cpu", "budget_bytes": 301 * MIB}.items() <= budgets[0].items()
+    text = status()
+    assert "RESIDENT" in text and "cpu: " in text and "held of a 301.0 MiB budget" in text
