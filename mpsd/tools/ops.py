@@ -125,6 +125,13 @@ def render_status(data: dict[str, Any]) -> str:
             for skipped, why in w.get("skipped_devices", {}).items()
             if skipped != "cpu"
         ]
+    device = data.get("device_compute") or []
+    if device:
+        rows = [
+            [d["model"], str(d["version"]), str(d["executions"]), f"{d['ns'] / d['executions'] / 1e6:.3f} ms"]
+            for d in device
+        ]
+        parts += ["", table(["MODEL", "VERSION", "EXECUTIONS", "DEVICE TIME / EXECUTION"], rows)]
     fronts = data.get("fronts") or []
     if fronts:
         keys = ["index", "pid", "state", "requests", "restarts"]
@@ -152,6 +159,11 @@ def status(conn: argparse.Namespace, json_output: bool, timeout: float) -> int:
         "fronts": [
             {"index": f.index, "pid": f.pid, "state": f.state, "requests": f.requests, "restarts": f.restarts}
             for f in workers.fronts
+        ],
+        # The device's own compute time per version (CUDA, MPS); versions on the CPU have none.
+        "device_compute": [
+            {"model": d.model, "version": d.version, "executions": d.executions, "ns": d.ns}
+            for d in workers.device_compute
         ],
     }
     print(json.dumps(data, indent=2) if json_output else render_status(data))

@@ -124,13 +124,20 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
             for mv in self.registry.versions(name)
             for instance in mv.instances
         ]
+        device = [
+            pb.DeviceCompute(model=mv.name, version=mv.version, executions=d.count, ns=d.ns)
+            for name in sorted(self.registry.entries)
+            if not request.model or name == request.model
+            for mv in self.registry.versions(name)
+            if (d := mv.stats.device_compute).count
+        ]
         fronts = []
         if self.fronts is not None and not request.model:
             fronts = [
                 pb.Front(index=f.index, pid=f.pid, state=f.state, requests=f.requests, restarts=f.restarts)
                 for f in self.fronts()
             ]
-        return pb.ListWorkersResponse(workers=workers, fronts=fronts)
+        return pb.ListWorkersResponse(workers=workers, fronts=fronts, device_compute=device)
 
     @rpc
     async def Reload(self, request: Any, context: Any) -> Any:
