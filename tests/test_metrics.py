@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,9 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from mpsd.config.daemon_config import DaemonConfig
+from mpsd.daemon.api.device_stats import DEVICE_COMPUTE_KEY
 from mpsd.daemon.api.metrics import MetricsEndpoint, parse_address
 from tests import models
-from tests.conftest import RunningDaemon, free_port, serving, wait_for
+from tests.conftest import RunningDaemon, free_port, http_request, serving, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -105,6 +109,39 @@ def test_counters_move_with_requests(daemon: RunningDaemon) -> None:
     )
     assert value(after, "mpsd_inference_pending_request_count", **model) == 0
     assert value(after, "mpsd_models_ready") == 2
+
+
+def test_no_device_time_on_the_cpu(daemon: RunningDaemon) -> None:
+    """The CPU has no device time: absent from the HTTP statistics, the histogram and `mpsd status`, not
+    reported as zero."""
+    daemon.client.infer("add_sub", add_sub_inputs(batch=1))
+    status, stats, _ = http_request(daemon.http_address, "GET", "/v2/models/add_sub/stats")
+    assert status == 200
+    (entry,) = stats["model_stats"]
+    assert entry["execution_count"] >= 1 and entry["inference_stats"]["compute_infer"]["ns"] > 0
+    assert DEVICE_COMPUTE_KEY not in entry["inference_stats"], entry
+    assert all(DEVICE_COMPUTE_KEY not in b for b in entry["batch_stats"]), entry
+    with urllib.request.urlopen(metrics_url(daemon), timeout=10) as response:
+        text = response.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["mpsd_inference_device_compute_seconds"].samples == []
+    assert 'model="add_sub"' in text  # the other families do have it
+    shown = subprocess.run(
+        [sys.executable, "-m", "mpsd", "status", "--json", "--address", daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(shown.stdout)["device_compute"] == []
+    text_status = subprocess.run(
+        [sys.executable, "-m", "mpsd", "status", "--address", daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "add_sub" in text_status and "DEVICE TIME" not in text_status
 
 
 def test_failures_are_counted_by_reason(daemon: RunningDaemon) -> None:

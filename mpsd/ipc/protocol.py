@@ -167,6 +167,8 @@ class InferDone:
     compute_infer_ns: int
     compute_output_ns: int
     waited_ns: int = 0  # from `Infer.sent_ns` until the worker started it (behind the execution before it)
+    # The device's own time for the model call (timing events on CUDA and MPS); None on the CPU.
+    device_compute_ns: int | None = None
 
 
 @dataclass(frozen=True)

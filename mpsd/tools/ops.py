@@ -146,6 +146,13 @@ def render_status(data: dict[str, Any]) -> str:
             f"{b['device']}: {_bytes(b['resident_bytes'])} held of a {_bytes(b['budget_bytes'])} budget"
             for b in data.get("budgets") or []
         ]
+    device = data.get("device_compute") or []
+    if device:
+        rows = [
+            [d["model"], str(d["version"]), str(d["executions"]), f"{d['ns'] / d['executions'] / 1e6:.3f} ms"]
+            for d in device
+        ]
+        parts += ["", table(["MODEL", "VERSION", "EXECUTIONS", "DEVICE TIME / EXECUTION"], rows)]
     fronts = data.get("fronts") or []
     if fronts:
         keys = ["index", "pid", "state", "requests", "restarts"]
@@ -194,6 +201,11 @@ def status(conn: argparse.Namespace, json_output: bool, timeout: float) -> int:
                 "resident_bytes": b.resident_bytes,
             }
             for b in workers.budgets
+        ],
+        # The device's own compute time per version (CUDA, MPS); versions on the CPU have none.
+        "device_compute": [
+            {"model": d.model, "version": d.version, "executions": d.executions, "ns": d.ns}
+            for d in workers.device_compute
         ],
     }
     print(json.dumps(data, indent=2) if json_output else render_status(data))

@@ -24,6 +24,7 @@ import torch
 
 from mpsd.errors import ConfigError
 from mpsd.ipc.dtypes import config_to_wire
+from mpsd.worker.device_time import ExecutionTimer, timing_events
 
 # Substrings of allocator messages that mean "out of memory" even when the exception type was lost, e.g. an
 # OOM raised inside a TorchScript module surfaces as torch.jit.Error, and MPS raises a plain RuntimeError.
@@ -305,6 +306,16 @@ def synchronize(device: torch.device) -> None:
     elif device.type == "mps":
         _device_thread.enter("synchronize")
         torch.mps.synchronize()
+
+
+def execution_timer(device: torch.device) -> ExecutionTimer | None:
+    """Timing events around each model call on CUDA and MPS, read after the worker's own synchronize; None
+    on the CPU, which has no device time to report."""
+    new_event = timing_events(device.type)
+    if new_event is None:
+        return None
+    _device_thread.enter("execution_timer")
+    return ExecutionTimer(new_event)
 
 
 def memory_counters(device: torch.device) -> dict[str, int]:

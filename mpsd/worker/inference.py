@@ -17,7 +17,7 @@ from mpsd.errors import Internal
 from mpsd.ipc.protocol import ModelSpec, TensorRef, TensorSpec, WarmupTensor
 from mpsd.ipc.shm import Region
 from mpsd.worker.backends import Backend
-from mpsd.worker.device import synchronize
+from mpsd.worker.device import execution_timer, synchronize
 from mpsd.worker.dtypes import TO_TORCH, datatype_of
 
 
@@ -161,6 +161,7 @@ class Runner:
         self._outputs = {o.name: o for o in spec.outputs}
         self._batched = spec.max_batch_size > 0
         self._checked: set[tuple[str, torch.dtype, tuple[int, ...]]] = set()
+        self._timer = execution_timer(device)  # None on the CPU: no device time
 
     def _input(self, region: Region, views: Views, ref: TensorRef) -> torch.Tensor:
         if ref.nbytes == 0:
@@ -176,13 +177,19 @@ class Runner:
 
     def compute(
         self, region: Region, refs: Sequence[TensorRef], views: Views
-    ) -> tuple[dict[str, torch.Tensor], int, int]:
-        """Build inputs (zero-copy on CPU), run the model; returns its outputs and input/infer times."""
+    ) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
+        """Build inputs (zero-copy on CPU), run the model; returns its outputs, the input and infer times on
+        the host, and the device's own time for the model call (None on the CPU)."""
         t0 = time.perf_counter_ns()
         inputs = [self._input(region, views, r) for r in refs]
         t1 = time.perf_counter_ns()
+        timer = self._timer
         try:
+            if timer is not None:
+                timer.start()
             outputs = self.backend(inputs)
+            if timer is not None:
+                timer.stop()
         except BaseException:
             # Copies from the (page-locked) region may still be running: let them finish before the region
             # can be reused or unmapped. A failing device must not hide the model's error.
@@ -192,7 +199,10 @@ class Runner:
         synchronize(self.device)
         del inputs
         t2 = time.perf_counter_ns()
-        return outputs, t1 - t0, t2 - t1
+        # After the synchronize the outputs needed anyway: both events are complete, reading them waits for
+        # nothing.
+        device_ns = timer.elapsed_ns() if timer is not None else None
+        return outputs, t1 - t0, t2 - t1, device_ns
 
     def prepare_outputs(self, outputs: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
         """Requested outputs as contiguous CPU tensors, each checked against its config."""

@@ -109,7 +109,9 @@ def _infer(
     if abandoned:
         raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
     inputs.buf[0] = p.STARTED
-    outputs, in_ns, infer_ns = runner.compute(inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]))
+    outputs, in_ns, infer_ns, device_ns = runner.compute(
+        inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot])
+    )
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)
     del outputs
@@ -121,7 +123,8 @@ def _infer(
             early.append(reply)
         out_ref = reply.region
     refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
-    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, time.perf_counter_ns() - t0, waited_ns)
+    output_ns = time.perf_counter_ns() - t0
+    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, waited_ns, device_ns)
 
 
 def _serve(

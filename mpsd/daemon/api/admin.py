@@ -148,6 +148,13 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
             for mv in self.registry.versions(name)
             for instance in mv.instances
         ]
+        device = [
+            pb.DeviceCompute(model=mv.name, version=mv.version, executions=d.count, ns=d.ns)
+            for name in sorted(self.registry.entries)
+            if not request.model or name == request.model
+            for mv in self.registry.versions(name)
+            if (d := mv.stats.device_compute).count
+        ]
         fronts = []
         if self.fronts is not None and not request.model:
             fronts = [
@@ -162,11 +169,13 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
         budgets = []
         if not request.model:
             held = self.registry.residency.resident_bytes()
-            for device, budget in self.registry.residency.budgets().items():
+            for key, budget in self.registry.residency.budgets().items():
                 budgets.append(
-                    pb.MemoryBudget(device=device, budget_bytes=budget, resident_bytes=held.get(device, 0))
+                    pb.MemoryBudget(device=key, budget_bytes=budget, resident_bytes=held.get(key, 0))
                 )
-        return pb.ListWorkersResponse(workers=workers, fronts=fronts, residency=residency, budgets=budgets)
+        return pb.ListWorkersResponse(
+            workers=workers, fronts=fronts, residency=residency, budgets=budgets, device_compute=device
+        )
 
     @rpc
     async def Reload(self, request: Any, context: Any) -> Any:

@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mpsd.daemon.api.residency_metrics import ResidencyCollector
@@ -89,6 +89,11 @@ class RegistryCollector(Collector):
             labels=VERSION_LABELS,
         )
         ready = GaugeMetricFamily("mpsd_model_ready", "1 when the version can serve.", labels=VERSION_LABELS)
+        device = HistogramMetricFamily(
+            "mpsd_inference_device_compute_seconds",
+            "The device's own compute time per execution (timing events on CUDA and MPS; none on the CPU).",
+            labels=VERSION_LABELS,
+        )
         load = GaugeMetricFamily(
             "mpsd_model_load_duration_secs",
             "How long loading and warming up the version took.",
@@ -107,11 +112,24 @@ class RegistryCollector(Collector):
             input_us.add_metric(labels, _us(s.compute_input.ns))
             infer_us.add_metric(labels, _us(s.compute_infer.ns))
             output_us.add_metric(labels, _us(s.compute_output.ns))
+            if s.device_compute.count:
+                device.add_metric(labels, s.device_compute.cumulative(), s.device_compute.ns / 1e9)
             pending.add_metric(labels, mv.inflight)
             ready.add_metric(labels, 1 if mv.ready else 0)
             if mv.load_duration_s is not None:
                 load.add_metric(labels, mv.load_duration_s)
-        yield from (success, failure, count, execs, request_us, queue_us, input_us, infer_us, output_us)
+        yield from (
+            success,
+            failure,
+            count,
+            execs,
+            request_us,
+            queue_us,
+            input_us,
+            infer_us,
+            output_us,
+            device,
+        )
         yield from (pending, ready, load)
 
     def _worker_metrics(self, versions: list[ModelVersion]) -> Iterator[Metric]:

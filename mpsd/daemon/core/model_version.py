@@ -180,7 +180,12 @@ class ModelVersion:
             raise
         rows = sum(item.request.batch_size for item in batch)
         self.stats.record_execution(
-            rows, timings.compute_input_ns, timings.compute_infer_ns, timings.compute_output_ns, len(batch)
+            rows,
+            timings.compute_input_ns,
+            timings.compute_infer_ns,
+            timings.compute_output_ns,
+            len(batch),
+            timings.device_compute_ns,
         )
         # Time spent in the worker's socket behind the execution before it is queueing too (Triton's
         # queue time ends when the execution starts).

@@ -52,6 +52,7 @@ class Timings:
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    device_compute_ns: int | None = None  # of an execution: the device's own time (None on the CPU)
 
 
 @dataclass(frozen=True)

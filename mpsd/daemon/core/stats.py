@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
+
+# Upper bounds, in seconds, of the device-time histogram's buckets (Prometheus `le`); +Inf follows.
+DEVICE_BUCKETS_S = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 
 @dataclass
@@ -17,10 +23,35 @@ class Duration:
 
 
 @dataclass
+class DeviceTime:
+    """The device's own compute time per execution (timing events in the worker, CUDA and MPS): a count
+    of executions, their total, and how many fell in each bucket of DEVICE_BUCKETS_S (the last: above
+    them all). Executions on the CPU have none and are not counted: count 0 means none was reported."""
+
+    count: int = 0
+    ns: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(DEVICE_BUCKETS_S) + 1))
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+        self.buckets[bisect.bisect_left(DEVICE_BUCKETS_S, ns / 1e9)] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus' buckets: (upper bound, executions at or below it), ending with +Inf."""
+        out, total = [], 0
+        for bound, n in zip((*map(str, DEVICE_BUCKETS_S), "+Inf"), self.buckets, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+@dataclass
 class BatchStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+    device_compute: Duration = field(default_factory=Duration)  # per execution; count 0: none reported
 
 
 @dataclass
@@ -36,6 +67,7 @@ class VersionStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+    device_compute: DeviceTime = field(default_factory=DeviceTime)
     batches: dict[int, BatchStats] = field(default_factory=dict)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -51,9 +83,16 @@ class VersionStats:
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_execution(
-        self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, requests: int
+        self,
+        batch_size: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        requests: int,
+        device_ns: int | None = None,
     ) -> None:
-        """One model execution that served `requests` requests with `batch_size` rows in total."""
+        """One model execution that served `requests` requests with `batch_size` rows in total;
+        `device_ns` is the device's own time for it (None on the CPU)."""
         self.execution_count += 1
         self.compute_input.add(input_ns, requests)
         self.compute_infer.add(infer_ns, requests)
@@ -62,3 +101,6 @@ class VersionStats:
         b.compute_input.add(input_ns)
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
+        if device_ns is not None:
+            self.device_compute.add(device_ns)
+            b.device_compute.add(device_ns)

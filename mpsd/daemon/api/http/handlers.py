@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from mpsd.daemon.api import respond as convert
+from mpsd.daemon.api.device_stats import with_device_compute
 from mpsd.daemon.api.operations import Operations, server_metadata
 from mpsd.errors import InvalidArgument
 
@@ -93,7 +94,8 @@ class Handlers:
     @rpc("ModelStatistics")
     async def statistics(self, request: web.Request) -> web.Response:
         versions = self.ops.statistics(path(request, "model"), path(request, "version"))
-        return json_response(proto_dict(convert.statistics(versions)))
+        body = proto_dict(convert.statistics(versions))
+        return json_response(with_device_compute(body, [mv.stats for mv in versions]))
 
     # ---- repository ----------------------------------------------------------------------------------
 

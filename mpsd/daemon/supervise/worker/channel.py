@@ -60,6 +60,7 @@ class PhaseTimes(Protocol):
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
+    device_compute_ns: int | None
 
 
 class _Abandoned(Exception):
@@ -313,6 +314,7 @@ class Channel:
         timings.compute_input_ns = write_ns + reply.compute_input_ns
         timings.compute_infer_ns = reply.compute_infer_ns
         timings.compute_output_ns = reply.compute_output_ns + read_ns
+        timings.device_compute_ns = reply.device_compute_ns
         return results
 
     async def _wait_reply(
