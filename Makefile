@@ -54,6 +54,7 @@ lint: install
 # Overhead benchmarks (bench/README.md); figures land in bench/results/. BENCH_ARGS=--quick: a smoke run.
 bench: install
 	$(BIN)/python -m bench.run $(BENCH_ARGS)
+	$(BIN)/python -m bench.residency --out bench/results $(if $(findstring --quick,$(BENCH_ARGS)),--seconds 3 --name residency-quick,)
 
 clean:
 	rm -rf $(VENV) $(STAMP) mpsd/proto/*_pb2*.py mpsd/proto/*_pb2*.pyi

@@ -106,16 +106,17 @@ def start_mpsd(
     env: dict[str, str] | None = None,
     front_processes: str | None = None,
     event_loop: str | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> Server:
     """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run) and,
-    when given, the number of front processes and the event loop."""
+    when given, the number of front processes, the event loop and other daemon settings."""
     address = f"127.0.0.1:{free_port()}"
     config = workdir / f"{name}.yaml"
     http = f"127.0.0.1:{free_port()}"
-    settings: dict[str, str] = {"model_repository": str(repo), "metrics_address": "", "http_address": http}
+    daemon: dict[str, Any] = {"model_repository": str(repo), "metrics_address": "", "http_address": http}
     if event_loop is not None:
-        settings["event_loop"] = event_loop
-    config.write_text(yaml.safe_dump(settings))
+        daemon["event_loop"] = event_loop
+    config.write_text(yaml.safe_dump({**daemon, **(settings or {})}))
     args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
     if front_processes is not None:
         args += ["--front-processes", front_processes]

@@ -18,13 +18,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import grpc
 import torch
-import tritonclient.grpc as grpcclient
 import yaml
 from torch import nn
 
-from bench.common import Server, machine_info, start_mpsd
+from bench.common import Server, infer_request, machine_info, start_mpsd
 
 WIDTH = 4096
 IMAGE = (3, 224, 224)
@@ -69,17 +68,20 @@ def batch_stats(server: Server, model: str) -> dict[int, dict[str, Any]]:
 
 
 def measure(server: Server, model: str, dims: list[int], requests: int) -> list[dict[str, Any]]:
-    client = grpcclient.InferenceServerClient(server.address)
+    # Serialized requests on a plain channel: tritonclient's protobuf modules cannot share a process with
+    # mpsd's (the same message names in one descriptor pool).
+    limit = 256 * 1024 * 1024
+    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    channel = grpc.insecure_channel(server.address, options=options)
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
     rows = []
-    rng = np.random.default_rng(0)
     for batch in BATCHES:
-        x = grpcclient.InferInput("x", [batch, *dims], "FP16")
-        x.set_data_from_numpy(rng.standard_normal((batch, *dims)).astype(np.float16))
+        request = infer_request(model, [batch, *dims], "FP16", input_name="x")
         for _ in range(5):  # warm-up at this size (cuBLAS and cuDNN choose their kernels)
-            client.infer(model, [x])
+            infer(request)
         before = batch_stats(server, model).get(batch, {})
         for _ in range(requests):
-            client.infer(model, [x])
+            infer(request)
         after = batch_stats(server, model)[batch]
 
         def delta(

@@ -50,7 +50,8 @@ def test_status_table(daemon: RunningDaemon) -> None:
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0] == f"daemon {daemon.address}: 1 of 2 models ready"
-    [broken] = [line for line in lines if line.startswith("broken ")]
+    models = lines[2 : lines.index("", 2)]  # the first table: models and their states
+    [broken] = [line for line in models if line.startswith("broken ")]
     assert "UNAVAILABLE" in broken and "broken on purpose" in broken
     [worker] = [line for line in lines if line.startswith("echo/1#0")]
     [pid] = daemon.worker_pids()
