@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +30,7 @@ import yaml
 from mpsd.config.daemon_config import load_daemon_config
 from mpsd.config.repository import load_model_source
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import ROOT, RunningDaemon
 
 OP_SOURCE = """
 #include <ATen/core/Tensor.h>
@@ -229,3 +231,22 @@ def test_op_library_dirs_resolve_relative_to_the_daemon_config(tmp_path: Path) -
     config = tmp_path / "mpsd.yaml"
     config.write_text("op_library_dirs: [ops, /opt/ops]\n")
     assert load_daemon_config(config).op_library_dirs == [tmp_path / "ops", Path("/opt/ops")]
+
+
+def test_validate_accepts_libraries_from_the_directories_the_daemon_config_allows(tmp_path: Path) -> None:
+    """`mpsd validate --config` judges op libraries as the daemon with that config would."""
+    repo, shared = tmp_path / "models", tmp_path / "shared"
+    shared.mkdir()
+    (shared / "ops.so").write_bytes(b"")
+    models.add_sub(repo, "m", op_libraries=[str(shared / "ops.so")])
+    config = tmp_path / "mpsd.yaml"
+
+    def validate(settings: str) -> subprocess.CompletedProcess[str]:
+        config.write_text(f"model_repository: models\n{settings}")
+        command = [sys.executable, "-m", "mpsd", "validate", "--config", str(config)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    refused = validate("")
+    assert refused.returncode == 1 and "outside the model's folder" in refused.stdout, refused.stdout
+    allowed = validate("op_library_dirs: [shared]\n")
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
