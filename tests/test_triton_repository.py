@@ -254,12 +254,17 @@ def test_kind_gpu_maps_to_our_kind_gpu_and_the_mps_accelerator_to_the_gpu_accele
         ({"instance_group": [{"kind": "KIND_MPS", "count": 2}]}, '"mpsd.instance_group.0.kind"'),
         ({"optimization": {"gpu_accelerator": "mps"}}, 'name: "mps"'),
         (
+            {"op_libraries": ["ops.so", "lib/more_ops.py"]},
+            'model_operations {\n  op_library_filename: "ops.so"',
+        ),
+        ({"optimization": {"autocast": "bfloat16"}}, '"mpsd.autocast"'),
+        (
             {"residency": {"load": "on_demand", "keep_alive_s": 600.0, "pinned": True, "footprint_bytes": 7}},
             '"mpsd.residency.keep_alive_s"',
         ),
         ({"residency": {"keep_alive_s": "never"}}, '"mpsd.residency.keep_alive_s"'),
     ],
-    ids=["kind_mps", "gpu_accelerator", "residency", "keep_alive_never"],
+    ids=["kind_mps", "gpu_accelerator", "op_libraries", "autocast", "residency", "keep_alive_never"],
 )
 def test_yaml_to_pbtxt_and_back_is_the_same_config(
     tmp_path: Path, extra: dict[str, object], kept: str

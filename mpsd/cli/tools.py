@@ -50,10 +50,11 @@ def _validate(args: argparse.Namespace) -> int:
     from mpsd.tools.validate import run
 
     repo, allow_symlinks = args.repository, args.allow_symlinks
+    op_library_dirs: tuple[Path, ...] = ()
     if repo is None:
-        repo, configured = default_repository(args.config)
+        repo, configured, op_library_dirs = default_repository(args.config)
         allow_symlinks = allow_symlinks or configured
-    return run(repo, args.load, args.json, allow_symlinks)
+    return run(repo, args.load, args.json, allow_symlinks, op_library_dirs)
 
 
 @_guarded

@@ -143,6 +143,12 @@ class DaemonConfig(BaseModel):
         description="Follow model, version and file symlinks that point outside the model repository "
         "(refused by default, with the reason shown in RepositoryIndex).",
     )
+    op_library_dirs: list[Path] = Field(
+        [],
+        description="Directories outside the model folders from which models may load op libraries "
+        "(`op_libraries`: shared objects and Python modules that register custom ops). A library is code "
+        "the worker runs, so by default only the model's own folder may hold it.",
+    )
 
     @field_validator("metrics_address", mode="before")
     @classmethod
@@ -172,6 +178,7 @@ def load_daemon_config(path: Path | None) -> DaemonConfig:
         raise ConfigError(format_validation_error(path, exc), issues=validation_issues(path, exc)) from None
     if not cfg.model_repository.is_absolute():
         cfg.model_repository = (path.parent / cfg.model_repository).resolve()
+    cfg.op_library_dirs = [d if d.is_absolute() else (path.parent / d).resolve() for d in cfg.op_library_dirs]
     if cfg.tls is not None:
         cfg.tls.resolve(path.parent)
         cfg.tls.read()  # unreadable files are configuration errors, found before anything starts

@@ -186,6 +186,8 @@ class Optimization(_Strict):
     # KIND_AUTO groups use Apple's GPU where MPS is usable, CUDA where it is not but a CUDA GPU is, and else
     # the CPU with a warning, where plain KIND_GPU would fail to load (docs/devices.md).
     gpu_accelerator: Literal["mps"] | None = None
+    # Run the forward pass under torch.autocast(<device type>, dtype); outputs keep their declared types.
+    autocast: Literal["float16", "bfloat16"] | None = None
 
 
 class Residency(_Strict):
@@ -303,6 +305,9 @@ class ModelConfig(_Strict):
     model_warmup: list[ModelWarmup] = []
     optimization: Optimization = Optimization()
     residency: Residency = Residency()
+    # Shared objects (torch.ops.load_library) and Python files or packages (imported) that register custom
+    # ops, loaded by each worker before the model; paths inside the model's folder (mpsd/config/op_libraries)
+    op_libraries: list[Annotated[str, Field(min_length=1)]] = []
 
     @field_validator("parameters", mode="before")
     @classmethod

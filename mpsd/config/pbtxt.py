@@ -55,7 +55,6 @@ _FATAL = {
     "ensemble_scheduling": "ensembles are not supported by mpsd; chain the models in the client",
     "batch_input": "batch inputs (tensors built by the batcher) are not supported by mpsd",
     "batch_output": "batch outputs (tensors split by the batcher) are not supported by mpsd",
-    "model_operations": "custom operator libraries are not loaded by mpsd",
     "model_repository_agents": "repository agents (which rewrite model files) are not run by mpsd",
 }
 _TENSOR_FATAL = {
@@ -96,6 +95,8 @@ class _Reader:
                 mps = self.optimization(value, out)
             elif field == "model_warmup":
                 out[field] = [_warmup(i, w) for i, w in enumerate(value)]
+            elif field == "model_operations":  # Triton's custom op libraries: mpsd's op_libraries
+                out["op_libraries"] = list(value.op_library_filename)
             elif field == "model_transaction_policy":
                 if value.decoupled:
                     _fail(
@@ -297,6 +298,9 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
     if name in ("allow_pickle", "max_device_memory_bytes", "max_rss_bytes"):
         out[name] = value
         return
+    if name == "autocast":  # no Triton field: Triton's PyTorch backend has no mixed precision setting
+        out.setdefault("optimization", {})["autocast"] = value
+        return
     parts = name.split(".")
     if len(parts) == 3 and parts[0] == "instance_group" and parts[2] in ("kind", "memory_fraction"):
         groups = out.setdefault("instance_group", [{}])
@@ -311,7 +315,7 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
         return  # what the ModelConfig RPC reports of the running workers: nothing to configure
     _fail(
         ("parameters", key),
-        "unknown mpsd parameter (known: allow_pickle, max_device_memory_bytes, max_rss_bytes, "
+        "unknown mpsd parameter (known: allow_pickle, autocast, max_device_memory_bytes, max_rss_bytes, "
         "instance_group.N.kind, instance_group.N.memory_fraction, "
         + ", ".join(f"residency.{f}" for f in RESIDENCY_FIELDS)
         + ")",
@@ -393,6 +397,7 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
         write_cuda_graphs(msg, [g.batch_size for g in config.optimization.cuda.graph_spec])
     if config.optimization.gpu_accelerator == MPS_ACCELERATOR:
         msg.optimization.execution_accelerators.gpu_execution_accelerator.add(name=MPS_ACCELERATOR)
+    write_libraries_and_autocast(config, msg)
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():
@@ -404,6 +409,14 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             else:
                 entry.zero_data = True
     return str(text_format.MessageToString(msg))
+
+
+def write_libraries_and_autocast(config: ModelConfig, msg: Any) -> None:
+    """Op libraries (Triton's `model_operations`) and autocast (an `mpsd.*` parameter) in a ModelConfig."""
+    if config.op_libraries:
+        msg.model_operations.op_library_filename.extend(config.op_libraries)
+    if config.optimization.autocast is not None:
+        msg.parameters[MPSD_PREFIX + "autocast"].string_value = config.optimization.autocast
 
 
 def write_cuda_graphs(msg: Any, batch_sizes: Sequence[int]) -> None:

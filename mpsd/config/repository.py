@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.config.model_file import (
     parse_model_config,
 )
+from mpsd.config.op_libraries import libraries_fingerprint, resolve_op_libraries
 from mpsd.errors import Issue, ModelConfigError
 
 CONFIG_FILE = "config.yaml"
@@ -70,6 +72,7 @@ class ModelSource:
     config_fingerprint: str = ""
     warnings: tuple[str, ...] = ()  # config fields that are ignored, each named with the reason
     issues: tuple[Issue, ...] = ()  # `error` as data: file, field and problem of each part
+    op_libraries: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per version, resolved paths
 
     @property
     def ok(self) -> bool:
@@ -135,11 +138,14 @@ def _broken(name: str, model_dir: Path, issue: Issue, config_fingerprint: str = 
     )
 
 
-def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSource:
+def load_model_source(
+    model_dir: Path, allow_symlinks: bool = False, op_library_dirs: Sequence[Path] = ()
+) -> ModelSource:
     """Read one model directory; problems come back in `error` (and `issues`), never as exceptions.
 
     Unless `allow_symlinks`, the model directory, its config, version directories and model files must
-    all resolve to inside the repository (the directory holding `model_dir`).
+    all resolve to inside the repository (the directory holding `model_dir`). Op libraries must resolve to
+    inside the model directory or one of `op_library_dirs`, whatever `allow_symlinks` says.
     """
     name = model_dir.name
     if not MODEL_NAME_RE.match(name):
@@ -182,6 +188,7 @@ def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSou
         problem = f"'{filename}' must be a plain file name inside the version directory"
         return _broken(name, model_dir, Issue(str(cfg_path), ("default_model_filename",), problem), cfg_fp)
     fingerprints: dict[int, str] = {}
+    libraries: dict[int, tuple[str, ...]] = {}
     for v in versions:
         model_file = model_dir / str(v) / filename
         if not allow_symlinks and model_file.exists():
@@ -192,7 +199,14 @@ def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSou
                 return _broken(name, model_dir, escape, cfg_fp)
         if not model_file.is_file():
             return _broken(name, model_dir, Issue(str(model_file), (), "model file is missing"), cfg_fp)
+        libraries[v], refused = resolve_op_libraries(
+            model_dir, v, config.op_libraries, op_library_dirs, cfg_path
+        )
+        if refused is not None:
+            return _broken(name, model_dir, refused, cfg_fp)
         fingerprints[v] = _fingerprint_dir(model_dir / str(v))
+        if libraries[v]:
+            fingerprints[v] += ":" + libraries_fingerprint(libraries[v])
     return ModelSource(
         name,
         model_dir,
@@ -201,13 +215,16 @@ def load_model_source(model_dir: Path, allow_symlinks: bool = False) -> ModelSou
         version_fingerprints=fingerprints,
         config_fingerprint=cfg_fp,
         warnings=warnings,
+        op_libraries=libraries,
     )
 
 
-def scan_repository(repo: Path, allow_symlinks: bool = False) -> dict[str, ModelSource]:
+def scan_repository(
+    repo: Path, allow_symlinks: bool = False, op_library_dirs: Sequence[Path] = ()
+) -> dict[str, ModelSource]:
     """Every model directory in the repository, broken ones included (with their reason)."""
     models: dict[str, ModelSource] = {}
     for entry in sorted(repo.iterdir()):
         if entry.is_dir() and not is_ignored_name(entry.name):
-            models[entry.name] = load_model_source(entry, allow_symlinks)
+            models[entry.name] = load_model_source(entry, allow_symlinks, op_library_dirs)
     return models

@@ -71,6 +71,7 @@ class Daemon:
             config,
         )
         self.registry.allow_symlinks = config.allow_symlinks
+        self.registry.op_library_dirs = tuple(config.op_library_dirs)
         self.reconciler = Reconciler(self.registry)
         self.notifier = SdNotifier()
         self.shutting_down = False

@@ -59,6 +59,10 @@ class ModelSpec:
     allow_pickle: bool = False
     warmup: tuple[WarmupSample, ...] = ()  # none configured: one request of zeros
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # record CUDA graphs at these sizes (on a CUDA device)
+    # Shared objects and Python files or packages that register custom ops, loaded before the model in this
+    # order: absolute paths the daemon has checked (inside the model's folder or an allowed directory)
+    op_libraries: tuple[str, ...] = ()
+    autocast: str | None = None  # "float16" or "bfloat16": the forward runs under torch.autocast
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ class ToolError(Exception):
         self.status = status
 
 
-def default_repository(config: Path | None) -> tuple[Path, bool]:
-    """The repository a daemon started with `config` (default config/mpsd.yaml) would serve, and whether
-    that daemon follows symlinks out of it."""
+def default_repository(config: Path | None) -> tuple[Path, bool, tuple[Path, ...]]:
+    """The repository a daemon started with `config` (default config/mpsd.yaml) would serve, whether that
+    daemon follows symlinks out of it, and the directories outside the models it loads op libraries from."""
     from mpsd.config.daemon_config import load_daemon_config
     from mpsd.errors import ConfigError
 
@@ -36,7 +36,7 @@ def default_repository(config: Path | None) -> tuple[Path, bool]:
         settings = load_daemon_config(path)
     except ConfigError as exc:
         raise ToolError(exc.message, "fix the daemon config file, or pass the repository directory") from None
-    return settings.model_repository, settings.allow_symlinks
+    return settings.model_repository, settings.allow_symlinks, tuple(settings.op_library_dirs)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -30,14 +30,18 @@ def load_and_warm_up(source: ModelSource, version: int) -> None:
     import torch
 
     from mpsd.daemon.supervise.launch import model_spec
-    from mpsd.worker.backends import load_backend
+    from mpsd.worker.autocast import AutocastBackend, check_autocast
     from mpsd.worker.inference import warmup_mismatch
+    from mpsd.worker.op_libraries import load_model
 
     spec = model_spec(source, version)
     device = torch.device("cpu")
     torch.set_grad_enabled(False)  # as in the worker: a loaded model never trains
     try:
-        backend = load_backend(spec, device)
+        check_autocast(spec, device)
+        backend = load_model(spec, device)
+        if spec.autocast is not None:
+            backend = AutocastBackend(backend, spec, device)
     except Exception as exc:
         raise TrialError("load", f"{type(exc).__name__}: {exc}") from exc
     try:

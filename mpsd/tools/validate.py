@@ -10,6 +10,7 @@ only the serving host can tell: whether its devices work and whether all models 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -134,7 +135,9 @@ def _read_yaml_config(name: str, cfg_path: Path, report: ModelReport) -> tuple[M
         return None
 
 
-def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelReport, ModelSource | None]:
+def check_model(
+    model_dir: Path, allow_symlinks: bool = False, op_library_dirs: Sequence[Path] = ()
+) -> tuple[ModelReport, ModelSource | None]:
     """Every problem of one model directory that can be found without loading it."""
     from mpsd.daemon.supervise.placement import plan_instances
 
@@ -149,7 +152,7 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
     if conflict is not None:
         add(Problem(name, str(model_dir), "", conflict.problem, "remove one of them"))
         return report, None
-    source = load_model_source(model_dir, allow_symlinks)
+    source = load_model_source(model_dir, allow_symlinks, op_library_dirs)
     report.warnings = list(source.warnings)
     text = ""
     if cfg_path.name == PBTXT_FILE:  # Triton's format: the daemon's reader gives the verdict
@@ -216,7 +219,11 @@ def check_model(model_dir: Path, allow_symlinks: bool = False) -> tuple[ModelRep
 
 
 def check_repository(
-    repo: Path, load: bool, allow_symlinks: bool = False, progress: Progress = stderr_progress
+    repo: Path,
+    load: bool,
+    allow_symlinks: bool = False,
+    progress: Progress = stderr_progress,
+    op_library_dirs: Sequence[Path] = (),
 ) -> list[ModelReport]:
     """Reports for every model directory, in the order the daemon scans them."""
     if not repo.is_dir():
@@ -227,7 +234,7 @@ def check_repository(
     loadable: list[tuple[ModelReport, ModelSource]] = []
     for entry in sorted(repo.iterdir()):
         if entry.is_dir() and not is_ignored_name(entry.name):
-            report, source = check_model(entry, allow_symlinks)
+            report, source = check_model(entry, allow_symlinks, op_library_dirs)
             reports.append(report)
             if source is not None:
                 loadable.append((report, source))
@@ -236,9 +243,15 @@ def check_repository(
     return reports
 
 
-def run(repo: Path, load: bool, json_output: bool, allow_symlinks: bool = False) -> int:
+def run(
+    repo: Path,
+    load: bool,
+    json_output: bool,
+    allow_symlinks: bool = False,
+    op_library_dirs: Sequence[Path] = (),
+) -> int:
     """Exit status 0 only when every model is valid (and, with `load`, loads and warms up)."""
-    reports = check_repository(repo, load, allow_symlinks)
+    reports = check_repository(repo, load, allow_symlinks, op_library_dirs=op_library_dirs)
     ok = bool(reports) and all(r.ok for r in reports)
     if json_output:
         print(json.dumps(as_json(repo, reports, load), indent=2))

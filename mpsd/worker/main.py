@@ -34,9 +34,10 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     """Select the device, load and warm up the model; report Ready or LoadFailed."""
     import torch
 
-    from mpsd.worker.backends import load_backend
+    from mpsd.worker.autocast import AutocastBackend, check_autocast
     from mpsd.worker.device import DeviceUnavailable, limit_host_threads, select_device
     from mpsd.worker.inference import run_warmup
+    from mpsd.worker.op_libraries import load_model
 
     spec = init.model
     t0 = time.perf_counter()
@@ -46,7 +47,10 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
         setproctitle(f"mpsd: worker {spec.name}/{spec.version}#{init.instance} ({info.kind})")
         limit_host_threads(device)
         torch.set_grad_enabled(False)
-        backend = load_backend(spec, device)
+        check_autocast(spec, device)
+        backend = load_model(spec, device)
+        if spec.autocast is not None:
+            backend = AutocastBackend(backend, spec, device)
         t1 = time.perf_counter()
         run_warmup(spec, backend, device)
         t2 = time.perf_counter()

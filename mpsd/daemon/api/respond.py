@@ -6,7 +6,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.pbtxt import write_cuda_graphs
+from mpsd.config.pbtxt import write_cuda_graphs, write_libraries_and_autocast
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.request import InferResult
 from mpsd.daemon.core.stats import Duration
@@ -106,6 +106,7 @@ def model_config_proto(
         msg.optimization.execution_accelerators.gpu_execution_accelerator.add(
             name=config.optimization.gpu_accelerator
         )
+    write_libraries_and_autocast(config, msg)
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():

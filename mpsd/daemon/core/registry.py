@@ -78,6 +78,7 @@ class Registry:
         self.repository = repository
         self.quiet_period_s = quiet_period_s
         self.allow_symlinks = False  # follow symlinks that leave the repository
+        self.op_library_dirs: tuple[Path, ...] = ()  # op libraries may also come from these directories
         self._warned: dict[str, str] = {}  # model -> config fingerprint whose ignored fields were logged
         self.unloaded: set[str] = set()
         self.reconcile_lock = asyncio.Lock()
@@ -185,7 +186,7 @@ class Registry:
             return await self._reconcile(only, settle)
 
     async def _reconcile(self, only: Collection[str] | None, settle: bool) -> ReconcileReport:
-        desired = scan_repository(self.repository, self.allow_symlinks)
+        desired = scan_repository(self.repository, self.allow_symlinks, self.op_library_dirs)
         report = ReconcileReport()
         names = sorted(set(only) if only is not None else set(desired) | set(self.entries))
         jobs = []

@@ -49,6 +49,8 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         allow_pickle=config.allow_pickle,
         warmup=_warmup_samples(config),
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes(),
+        op_libraries=source.op_libraries.get(version, ()),
+        autocast=config.optimization.autocast,
     )
 
 
