@@ -117,10 +117,13 @@ def markdown(results: dict[str, Any]) -> str:
     n, k = results["settings"]["models"], results["settings"]["fit"]
     cold = results["cold_and_warm"]
     lines = [
-        f"# Load on demand and eviction, {m.get('cpu_model', '')} ({m.get('cpus', '?')} CPUs)",
+        f"# Load on demand and eviction, {m.get('cpu', '')} ({m.get('logical_cores', '?')} logical cores)",
         "",
         f"{n} identity models of 100 MiB (declared); the budget holds {k}. One client, one request at a",
         "time.",
+        "",
+        f"torch {m.get('torch')}, Python {m.get('python')}, {m.get('os')}. Concurrent load on the machine "
+        "during the run is not controlled.",
         "",
         "| model | cold: time to first response (s) | warm p50 (ms) | cold / warm |",
         "|---|---|---|---|",

@@ -246,3 +246,62 @@ def test_status_shows_what_each_model_holds(daemon: RunningDaemon) -> None:
     assert {"device": "cpu", "budget_bytes": 301 * MIB}.items() <= budgets[0].items()
     text = status()
     assert "RESIDENT" in text and "cpu: " in text and "held of a 301.0 MiB budget" in text
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """Room for two 100 MiB models, which may not be evicted within 600 s of their load; at most two
+    requests may wait for one model's load."""
+    tmp = tmp_path_factory.mktemp("residency-strict")
+    repo = tmp / "repo"
+    for name in ("x", "y", "z"):
+        model(repo, name, 100 * MIB)
+    model(repo, "slow", 1)
+    (repo / "slow" / "1" / "model.py").write_text(SLOW_INIT)
+    config = tmp / "mpsd.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "memory_budget_bytes": {"cpu": 201 * MIB},
+                "residency": {"min_residency_s": 600, "load_queue_size": 2},
+                "metrics_address": "off",
+            }
+        )
+    )
+    with serving(repo, tmp / "daemon.log", config=config) as running:
+        yield running
+
+
+def test_a_model_loaded_less_than_min_residency_ago_is_not_evicted(strict: RunningDaemon) -> None:
+    infer(strict, "x")
+    infer(strict, "y")
+    with pytest.raises(InferenceServerException) as err:
+        infer(strict, "z")
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    message = str(err.value.message())
+    assert "x (0.10 GiB, loaded" in message and "min_residency_s 600" in message, message
+    assert unloaded(strict) == []
+    infer(strict, "x")  # still serving
+
+
+def test_at_most_load_queue_size_requests_wait_for_one_load(strict: RunningDaemon) -> None:
+    """Four requests for a model that takes 3 s to load: two wait and are served, two are refused at once."""
+    results: queue.Queue[object] = queue.Queue()
+
+    def call() -> None:
+        try:
+            results.put(infer(strict, "slow"))
+        except InferenceServerException as exc:
+            results.put(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    answers = [results.get_nowait() for _ in range(4)]
+    refused = [a for a in answers if isinstance(a, InferenceServerException)]
+    assert len(refused) == 2, answers
+    for exc in refused:
+        assert exc.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "2 requests already wait for it (load_queue_size 2)" in str(exc.message())
