@@ -305,3 +305,16 @@ def test_at_most_load_queue_size_requests_wait_for_one_load(strict: RunningDaemo
     for exc in refused:
         assert exc.status() == "StatusCode.RESOURCE_EXHAUSTED"
         assert "2 requests already wait for it (load_queue_size 2)" in str(exc.message())
+
+
+def test_explicit_unload_and_load_work_on_models_that_load_on_demand(strict: RunningDaemon) -> None:
+    """RepositoryModelUnload frees the model's room at once; RepositoryModelLoad loads an on-demand model
+    now, without a request, admitted under the budget like any load."""
+    assert index(strict)["z"][0] == "UNAVAILABLE"
+    strict.client.unload_model("x")
+    strict.client.load_model("z")
+    assert index(strict)["z"][0] == "READY"
+    assert strict.client.is_model_ready("z")
+    with pytest.raises(InferenceServerException) as err:
+        strict.client.load_model("x")  # y and z are young: no room
+    assert "min_residency_s 600" in str(err.value.message())
