@@ -162,7 +162,7 @@ class ModelVersion:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
-        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
+        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size, responses.delivered)
 
     def _why(self) -> str:
         if self.state is not VersionState.READY:
