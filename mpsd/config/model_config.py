@@ -190,6 +190,12 @@ class Optimization(_Strict):
     autocast: Literal["float16", "bfloat16"] | None = None
 
 
+class TransactionPolicy(_Strict):
+    """Triton's `model_transaction_policy`: a decoupled model answers with any number of responses."""
+
+    decoupled: bool = False
+
+
 class Residency(_Strict):
     """When the model is in memory. Unset fields take the daemon's `residency` defaults."""
 
@@ -305,6 +311,7 @@ class ModelConfig(_Strict):
     model_warmup: list[ModelWarmup] = []
     optimization: Optimization = Optimization()
     residency: Residency = Residency()
+    model_transaction_policy: TransactionPolicy = TransactionPolicy()
     # Shared objects (torch.ops.load_library) and Python files or packages (imported) that register custom
     # ops, loaded by each worker before the model; paths inside the model's folder (mpsd/config/op_libraries)
     op_libraries: list[Annotated[str, Field(min_length=1)]] = []
@@ -329,6 +336,17 @@ class ModelConfig(_Strict):
             raise RuleError(("output",), "output: at least one output is required")
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise RuleError(("dynamic_batching",), "dynamic_batching needs max_batch_size > 0")
+        if self.model_transaction_policy.decoupled:
+            if self.backend != "python":
+                raise RuleError(
+                    ("model_transaction_policy", "decoupled"),
+                    "decoupled models are python models whose infer yields its responses (backend: python)",
+                )
+            if self.dynamic_batching is not None:
+                raise RuleError(
+                    ("dynamic_batching",),
+                    "a decoupled model runs each request on its own: remove dynamic_batching",
+                )
         _check_warmup(self)
         _check_graphs(self)
         return self

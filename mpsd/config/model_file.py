@@ -27,7 +27,7 @@ def format_validation_error(path: Path, exc: ValidationError) -> str:
     """One line per problem, each naming the file and the field."""
     problems = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in error_loc(err)) or "(top level)"
         problems.append(f"{path}: field '{loc}': {error_text(err)}")
     return "; ".join(problems)
 

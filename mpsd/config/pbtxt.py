@@ -98,11 +98,7 @@ class _Reader:
             elif field == "model_operations":  # Triton's custom op libraries: mpsd's op_libraries
                 out["op_libraries"] = list(value.op_library_filename)
             elif field == "model_transaction_policy":
-                if value.decoupled:
-                    _fail(
-                        ("model_transaction_policy", "decoupled"),
-                        "decoupled models are not supported by mpsd",
-                    )
+                out[field] = {"decoupled": value.decoupled}
             elif field != "parameters":
                 self.ignore(field)
         backend = _backend(msg.platform, msg.backend)
@@ -369,6 +365,8 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             if t.optional:
                 tensor.optional = True
     _write_version_policy(config.version_policy, msg)
+    if config.model_transaction_policy.decoupled:
+        msg.model_transaction_policy.decoupled = True
     if config.instance_group != [InstanceGroup()]:
         _write_instance_groups(config.instance_group, msg)
     if config.default_model_filename:

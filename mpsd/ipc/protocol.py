@@ -63,6 +63,7 @@ class ModelSpec:
     # order: absolute paths the daemon has checked (inside the model's folder or an allowed directory)
     op_libraries: tuple[str, ...] = ()
     autocast: str | None = None  # "float16" or "bfloat16": the forward runs under torch.autocast
+    decoupled: bool = False  # infer yields responses: each goes back as a StreamPart, acknowledged in turn
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,17 @@ class InferDone:
 
 
 @dataclass(frozen=True)
+class StreamPart:
+    """One response of a decoupled model's request `req_id`, in its slot's output region. The worker waits
+    for the StreamAck before it reuses the region or resumes the model: one unacknowledged part at a time.
+    The request ends with InferDone (no outputs: the final flag) or InferFailed."""
+
+    req_id: int
+    index: int  # 0, 1, ... in the order the model yielded them
+    outputs: tuple[TensorRef, ...]
+
+
+@dataclass(frozen=True)
 class InferFailed:
     req_id: int
     code: str
@@ -189,5 +201,15 @@ class MemorySnapshot:
     memory: dict[str, int]
 
 
-ToWorker = Init | Infer | OutputRegion | Shutdown
-FromWorker = Ready | LoadFailed | NeedOutput | InferDone | InferFailed | MemorySnapshot
+@dataclass(frozen=True)
+class StreamAck:
+    """The daemon has copied part `index` of request `req_id` out of the region; `stop`: nobody wants more,
+    so the model's generator is closed instead of resumed."""
+
+    req_id: int
+    index: int
+    stop: bool = False
+
+
+ToWorker = Init | Infer | OutputRegion | StreamAck | Shutdown
+FromWorker = Ready | LoadFailed | NeedOutput | StreamPart | InferDone | InferFailed | MemorySnapshot

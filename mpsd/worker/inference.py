@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,17 +98,20 @@ def _warmup_runs(spec: ModelSpec, device: torch.device) -> Iterator[tuple[str, l
 def warmup_mismatch(spec: ModelSpec, backend: Backend, device: torch.device) -> WarmupMismatch | None:
     """Run the configured samples (else one request of zeros), checking every output against the config
     (dims, datatype); the first sample whose outputs do not match, or None."""
+    stream = getattr(backend, "stream", None) if spec.decoupled else None
     for label, inputs in _warmup_runs(spec, device):
         with torch.inference_mode():
-            outputs = backend(inputs)
+            # A decoupled model's every response is checked; it may also answer with none.
+            responses = list(stream(inputs)) if stream is not None else [backend(inputs)]
             synchronize(device)
-        mismatches = tuple(
-            m
-            for o in spec.outputs
-            if (m := output_mismatch(o, outputs[o.name], spec.max_batch_size > 0)) is not None
-        )
-        if mismatches:
-            return WarmupMismatch(label, mismatches)
+        for outputs in responses:
+            mismatches = tuple(
+                m
+                for o in spec.outputs
+                if (m := output_mismatch(o, outputs[o.name], spec.max_batch_size > 0)) is not None
+            )
+            if mismatches:
+                return WarmupMismatch(label, mismatches)
     return None
 
 
@@ -203,6 +206,26 @@ class Runner:
         # nothing.
         device_ns = timer.elapsed_ns() if timer is not None else None
         return outputs, t1 - t0, t2 - t1, device_ns
+
+    def compute_stream(
+        self, region: Region, refs: Sequence[TensorRef], views: Views
+    ) -> Generator[dict[str, torch.Tensor], None, None]:
+        """A decoupled model's responses, each on the host's side of a synchronize; closing this closes the
+        model's generator. The inputs stay views of the region, which the slot holds until the request
+        ends."""
+        stream = getattr(self.backend, "stream", None)
+        if stream is None:
+            raise Internal(f"backend {type(self.backend).__name__} cannot stream responses")
+        inputs = [self._input(region, views, r) for r in refs]
+        parts = stream(inputs)
+        try:
+            for outputs in parts:
+                synchronize(self.device)
+                yield outputs
+        finally:
+            parts.close()
+            with contextlib.suppress(Exception):
+                synchronize(self.device)
 
     def prepare_outputs(self, outputs: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
         """Requested outputs as contiguous CPU tensors, each checked against its config."""

@@ -22,6 +22,7 @@ from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.dtypes import wire_to_config
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
+from mpsd.ipc.shm import Region
 from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import RegionCache
@@ -113,6 +114,8 @@ def _infer(
     if abandoned:
         raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
     inputs.buf[0] = p.STARTED
+    if runner.spec.decoupled:
+        return _stream(reader, sock, runner, regions, msg, early, inputs, waited_ns)
     outputs, in_ns, infer_ns, device_ns = runner.compute(
         inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot])
     )
@@ -129,6 +132,61 @@ def _infer(
     refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
     output_ns = time.perf_counter_ns() - t0
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, waited_ns, device_ns)
+
+
+def _output_region(
+    reader: FrameReader,
+    sock: socket.socket,
+    msg: p.Infer,
+    current: p.RegionRef,
+    needed: int,
+    early: deque[object],
+) -> p.RegionRef:
+    """The slot's output region, asking the daemon for a larger one when `needed` bytes do not fit."""
+    if needed <= current.size:
+        return current
+    send_blocking(sock, p.NeedOutput(msg.req_id, needed))
+    while not isinstance(reply := reader.recv_wait(), p.OutputRegion):
+        early.append(reply)
+    return reply.region
+
+
+def _stream(
+    reader: FrameReader,
+    sock: socket.socket,
+    runner: Runner,
+    regions: RegionCache,
+    msg: p.Infer,
+    early: deque[object],
+    inputs: Region,
+    waited_ns: int,
+) -> p.InferDone:
+    """A decoupled model's request: each response goes to the daemon as a StreamPart through the slot's
+    output region, and the model is resumed only once the daemon acknowledges it (so a slow client holds
+    the model back); a `stop` in the acknowledgement closes the model's generator. The InferDone at the
+    end carries no outputs: it is the final flag."""
+    from mpsd.worker.inference import write_outputs
+
+    t0 = time.perf_counter_ns()
+    out_ref = msg.output_region
+    parts = runner.compute_stream(inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]))
+    index = 0
+    try:
+        for outputs in parts:
+            tensors = runner.prepare_outputs(outputs, msg.outputs)
+            del outputs
+            needed = sum(t.numel() * t.element_size() for t in tensors)
+            out_ref = _output_region(reader, sock, msg, out_ref, needed, early)
+            refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+            send_blocking(sock, p.StreamPart(msg.req_id, index, refs))
+            while not (isinstance(ack := reader.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id):
+                early.append(ack)
+            index += 1
+            if ack.stop:
+                raise MpsdError(f"the stream was stopped after {index} responses", ErrorCode.CANCELLED)
+    finally:
+        parts.close()  # the model's generator: its `finally` runs now
+    return p.InferDone(msg.req_id, (), 0, time.perf_counter_ns() - t0, 0, waited_ns, None)
 
 
 def _serve(

@@ -137,43 +137,102 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: Any
     ) -> AsyncIterator[Any]:
-        """Requests of one stream run concurrently; responses come back in request order, errors in-band.
+        """Requests of one stream run concurrently, errors in-band. Responses of ordinary models come back in
+        request order; a decoupled model's responses come back as the model yields them, interleaved with
+        the rest, each marked with Triton's `triton_final_response` parameter (false), and with an empty
+        final response (true) when the request set `triton_enable_empty_final_response`.
 
-        At most STREAM_WINDOW requests of a stream are in progress: past that the stream stops reading,
+        At most STREAM_WINDOW requests of a stream are in progress and at most STREAM_WINDOW responses wait
+        to be written: past that the stream stops reading, a decoupled model is held at its next response,
         and HTTP/2 flow control holds the client back, so one stream cannot fill the daemon's memory.
         """
-        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+        out: asyncio.Queue[Any] = asyncio.Queue(maxsize=STREAM_WINDOW)
         window = asyncio.Semaphore(STREAM_WINDOW)
+        tasks: set[asyncio.Task[None]] = set()
+        loop = asyncio.get_running_loop()
 
-        async def one(request: Any) -> Any:
+        async def unary(
+            request: Any, before: asyncio.Future[None] | None, sent: asyncio.Future[None]
+        ) -> None:
             try:
-                return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
-            except MpsdError as exc:
-                return self._stream_error(request, exc.message)
-            except Exception as exc:
-                log.exception("unexpected error in stream")
-                return self._stream_error(request, f"{type(exc).__name__}: {exc}")
+                try:
+                    response = pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+                except MpsdError as exc:
+                    response = self._stream_error(request, exc.message)
+                except Exception as exc:
+                    log.exception("unexpected error in stream")
+                    response = self._stream_error(request, f"{type(exc).__name__}: {exc}")
+                if before is not None:
+                    await before  # request order among the ordinary models' responses
+                await out.put(response)
+            finally:
+                if not sent.done():
+                    sent.set_result(None)
+                window.release()
+
+        async def decoupled(request: Any) -> None:
+            try:
+                async for response in self._stream_responses(request):
+                    await out.put(response)
+            finally:
+                window.release()
 
         async def read() -> None:
+            before: asyncio.Future[None] | None = None
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    pending.put_nowait(asyncio.create_task(one(request)))
+                    if self.ops.decoupled(request.model_name, request.model_version):
+                        task = asyncio.create_task(decoupled(request))
+                    else:
+                        sent: asyncio.Future[None] = loop.create_future()
+                        task = asyncio.create_task(unary(request, before, sent))
+                        before = sent
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*tasks, return_exceptions=True)
             finally:
-                pending.put_nowait(None)
+                await out.put(None)
 
         reader = asyncio.create_task(read())
         try:
-            while (task := await pending.get()) is not None:
-                response = await task
-                window.release()
+            while (response := await out.get()) is not None:
                 yield response
         finally:
             reader.cancel()
-            while not pending.empty():
-                leftover = pending.get_nowait()
-                if leftover is not None:
-                    leftover.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _stream_responses(self, request: Any) -> AsyncIterator[Any]:
+        """One request to a decoupled model, as the stream's responses: each of its responses, then the
+        empty final one if asked for; an error in-band."""
+        params = request.parameters
+        wants_final = "triton_enable_empty_final_response" in params and (
+            params["triton_enable_empty_final_response"].bool_param
+        )
+        version = request.model_version
+        try:
+            responses = self.ops.stream(request)
+            try:
+                async for answered in responses:
+                    response, raw = convert.infer_response_parts(answered.result, request.id, answered.in_shm)
+                    response.raw_output_contents.extend(raw)
+                    response.parameters["triton_final_response"].bool_param = False
+                    version = response.model_version
+                    yield pb.ModelStreamInferResponse(infer_response=response)
+            finally:
+                await responses.aclose()
+        except MpsdError as exc:
+            yield self._stream_error(request, exc.message)
+            return
+        except Exception as exc:
+            log.exception("unexpected error in stream")
+            yield self._stream_error(request, f"{type(exc).__name__}: {exc}")
+            return
+        if wants_final:
+            final = pb.ModelInferResponse(model_name=request.model_name, model_version=version, id=request.id)
+            final.parameters["triton_final_response"].bool_param = True
+            yield pb.ModelStreamInferResponse(infer_response=final)
 
     @staticmethod
     def _stream_error(request: Any, message: str) -> Any:

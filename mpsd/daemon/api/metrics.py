@@ -72,6 +72,9 @@ class RegistryCollector(Collector):
         )
         count = counter("mpsd_inference_count", "Inferences performed (a batch of N counts N).")
         execs = counter("mpsd_inference_exec_count", "Model executions (a batch counts once).")
+        responses = counter(
+            "mpsd_inference_responses", "Responses sent: one per request, each of a decoupled model's."
+        )
         request_us = counter(
             "mpsd_inference_request_duration_us", "Cumulative end-to-end time of successful requests."
         )
@@ -107,6 +110,7 @@ class RegistryCollector(Collector):
                 failure.add_metric([*labels, reason], n)
             count.add_metric(labels, s.inference_count)
             execs.add_metric(labels, s.execution_count)
+            responses.add_metric(labels, s.responses)
             request_us.add_metric(labels, _us(s.success.ns))
             queue_us.add_metric(labels, _us(s.queue.ns))
             input_us.add_metric(labels, _us(s.compute_input.ns))
@@ -123,6 +127,7 @@ class RegistryCollector(Collector):
             failure,
             count,
             execs,
+            responses,
             request_us,
             queue_us,
             input_us,

@@ -7,7 +7,7 @@ the same errors, the same batching, queues and statistics), and neither is a sec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,12 +112,52 @@ class Operations:
         check_name("model", request.model_name)
         deadline = deadline_of(request, deadline)
         mv = await self.registry.acquire(request.model_name, request.model_version, deadline)
+        if mv.config.model_transaction_policy.decoupled:
+            raise Unimplemented(
+                f"model '{mv.name}' is decoupled (it answers with a stream of responses): call it with "
+                "ModelStreamInfer, or over HTTP with /generate_stream or /generate"
+            )
         try:
             with self.client_shm.lease() as shm:  # regions the request names stay open until answered
                 parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
                 result = await mv.infer(parsed, deadline)
                 shm.write_outputs(result.outputs)
                 return Answered(result, frozenset(shm.outputs))
+        finally:
+            self.registry.touch(request.model_name)
+
+    def decoupled(self, name: str, version: str) -> bool:
+        """Whether the model answers with a stream of responses (False for a model not known: its request
+        goes the unary way and gets the unary way's error)."""
+        entry = self.registry.entries.get(name)
+        source = entry.source if entry is not None else None
+        if entry is not None and entry.versions:
+            try:
+                return self.registry.route(name, version).config.model_transaction_policy.decoupled
+            except MpsdError:
+                return False
+        return bool(source and source.config and source.config.model_transaction_policy.decoupled)
+
+    async def stream(
+        self, request: Any, deadline: float | None = None, raw_contents: Sequence[RawEntry] | None = None
+    ) -> AsyncGenerator[Answered, None]:
+        """A decoupled model's responses to one ModelInferRequest, each as the model yields it; outputs
+        bound to shared memory are written there by each response in turn. Closing the iterator early
+        stops the model at its next response."""
+        check_name("model", request.model_name)
+        deadline = deadline_of(request, deadline)
+        mv = await self.registry.acquire(request.model_name, request.model_version, deadline)
+        try:
+            with self.client_shm.lease() as shm:
+                parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
+                responses = mv.stream(parsed, deadline)
+                try:
+                    async for result in responses:
+                        shm.write_outputs(result.outputs)
+                        yield Answered(result, frozenset(shm.outputs))
+                        self.registry.touch(request.model_name)
+                finally:
+                    await responses.aclose()
         finally:
             self.registry.touch(request.model_name)
 

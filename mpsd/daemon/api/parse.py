@@ -53,6 +53,7 @@ REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
     "priority": ("uint64_param", "int64_param"),
     "timeout": ("int64_param", "uint64_param"),
     "binary_data_output": ("bool_param",),
+    "triton_enable_empty_final_response": ("bool_param",),
     "headers": ("string_param",),
 }
 INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}

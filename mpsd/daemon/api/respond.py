@@ -91,6 +91,8 @@ def model_config_proto(
         msg.version_policy.latest.num_versions = policy.latest.num_versions if policy.latest else 1
     for key, value in config.parameters.items():
         msg.parameters[key].string_value = value
+    if config.model_transaction_policy.decoupled:
+        msg.model_transaction_policy.decoupled = True
     if config.dynamic_batching is not None:
         db = config.dynamic_batching
         msg.dynamic_batching.max_queue_delay_microseconds = db.max_queue_delay_microseconds

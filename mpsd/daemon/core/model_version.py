@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import structlog
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.core.batching.marshal import BatchTensors
 from mpsd.daemon.core.batching.queue import Pending, RequestQueue, fail_all
-from mpsd.daemon.core.request import InferRequest, InferResult, Timings
+from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor, Timings
 from mpsd.daemon.core.stats import VersionStats
+from mpsd.daemon.core.streaming import ResponseStream
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
 from mpsd.daemon.supervise.worker.handle import WorkerProcess
@@ -131,6 +133,37 @@ class ModelVersion:
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
 
+    async def stream(
+        self, request: InferRequest, deadline: float | None = None
+    ) -> AsyncGenerator[InferResult, None]:
+        """A decoupled model's responses to one request, each as the model yields it. Closing the iterator
+        early (the client went away) stops the model at its next response."""
+        if not self.ready:
+            raise Unavailable(f"model '{self.name}' version {self.version} is not ready{self._why()}")
+        start = time.perf_counter_ns()
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        responses = ResponseStream()
+        try:
+            self.queue.put(Pending(request, future, start, deadline, stream=responses))
+        except MpsdError as exc:
+            self.stats.record_failure(0, exc.code.value)
+            raise
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            async for result in responses.responses(future):
+                yield result
+        except MpsdError as exc:
+            self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
+            raise
+        finally:
+            if not future.done():
+                future.cancel()
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size, responses.delivered)
+
     def _why(self) -> str:
         if self.state is not VersionState.READY:
             return f" ({self.state.value.lower()})"
@@ -154,7 +187,7 @@ class ModelVersion:
             latest = None if None in deadlines else max(d for d in deadlines if d is not None)
             waiting = [item.future for item in batch]
             tensors = BatchTensors([item.request for item in batch], waiting)
-            outputs = await worker.infer_batch(tensors, timings, waiting, latest)
+            outputs = await worker.infer_batch(tensors, timings, waiting, latest, self._sink(batch))
         except MpsdError as exc:
             fail_all(batch, exc)
             skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited
@@ -190,6 +223,8 @@ class ModelVersion:
         # Time spent in the worker's socket behind the execution before it is queueing too (Triton's
         # queue time ends when the execution starts).
         self.stats.queue.add(timings.worker_wait_ns * len(batch), count=0)
+        if outputs is None:  # a decoupled model's request: its responses went out as they came
+            outputs = [()] * len(batch)
         for item, result in zip(batch, outputs, strict=True):
             item.timings.queue_ns += timings.worker_wait_ns
             item.timings.compute_input_ns = timings.compute_input_ns
@@ -197,6 +232,21 @@ class ModelVersion:
             item.timings.compute_output_ns = timings.compute_output_ns
             if not item.future.done():
                 item.future.set_result(InferResult(self.name, self.version, result, item.timings))
+
+    def _sink(
+        self, batch: list[Pending]
+    ) -> Callable[[list[tuple[OutputTensor, ...]]], Awaitable[bool]] | None:
+        """Where a decoupled model's parts go: its one request's response stream (None otherwise)."""
+        item = batch[0]
+        responses = item.stream
+        if responses is None:
+            return None
+
+        async def deliver(parts: list[tuple[OutputTensor, ...]]) -> bool:
+            result = InferResult(self.name, self.version, parts[0], item.timings)
+            return await responses.deliver(result, item.future)
+
+        return deliver
 
     async def resize(
         self,

@@ -60,6 +60,7 @@ class VersionStats:
 
     inference_count: int = 0
     execution_count: int = 0
+    responses: int = 0  # responses sent: one per request, or each of a decoupled model's
     last_inference_ms: int = 0
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
@@ -71,9 +72,11 @@ class VersionStats:
     batches: dict[int, BatchStats] = field(default_factory=dict)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
 
-    def record_success(self, total_ns: int, batch_size: int) -> None:
+    def record_success(self, total_ns: int, batch_size: int, responses: int = 1) -> None:
+        """A request answered in full: with one response, or a decoupled model's `responses`."""
         self.success.add(total_ns)
         self.inference_count += batch_size
+        self.responses += responses
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_failure(self, total_ns: int, reason: str) -> None:

@@ -51,6 +51,7 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes(),
         op_libraries=source.op_libraries.get(version, ()),
         autocast=config.optimization.autocast,
+        decoupled=config.model_transaction_policy.decoupled,
     )
 
 

@@ -13,6 +13,7 @@ from aiohttp.typedefs import Handler
 from mpsd.daemon.api.operations import Operations
 from mpsd.net.auth import AccessPolicy
 
+from .generate import GenerateHandler
 from .handlers import Handlers
 from .infer import InferHandler
 from .middleware import Gate
@@ -27,6 +28,7 @@ CUDA_SHM = "/v2/cudasharedmemory"
 def add_routes(app: web.Application, ops: Operations, limit: int, gate: Gate) -> None:
     h = Handlers(ops)
     infer = InferHandler(ops, limit)
+    generate = GenerateHandler(ops, limit)
 
     def get(path: str, handler: Handler, allow_head: bool = True) -> None:
         app.router.add_get(path, handler, allow_head=allow_head, expect_handler=gate.expect)
@@ -44,6 +46,8 @@ def add_routes(app: web.Application, ops: Operations, limit: int, gate: Gate) ->
         get(f"{model}/config", h.model_config, allow_head=False)
         get(f"{model}/stats", h.statistics, allow_head=False)
         post(f"{model}/infer", infer.infer)
+        post(f"{model}/generate", generate.generate)
+        post(f"{model}/generate_stream", generate.generate_stream)
     for repository in REPOSITORY:
         post(f"{repository}/index", h.index)
         post(f"{repository}/models/{{model}}/load", h.load)

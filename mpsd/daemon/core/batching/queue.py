@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.core.request import InferRequest, InferResult, Timings
+from mpsd.daemon.core.streaming import ResponseStream
 from mpsd.errors import DeadlineExceeded, MpsdError, ResourceExhausted
 
 
@@ -30,6 +31,7 @@ class Pending:
     deadline: float | None = None  # time.monotonic() by which it must have started, or it is not run
     timings: Timings = field(default_factory=Timings)
     timer: asyncio.TimerHandle | None = None  # answers it at its deadline while it is queued
+    stream: ResponseStream | None = None  # a decoupled model's request: where its responses go
 
     @property
     def key(self) -> Hashable:

@@ -13,12 +13,14 @@ import contextlib
 import itertools
 import socket
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.daemon.supervise.worker.watch import either as _either
+from mpsd.daemon.supervise.worker.watch import watch as _watch
 from mpsd.errors import DeadlineExceeded, Internal, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
@@ -71,62 +73,6 @@ class _Abandoned(Exception):
         self.cause = cause
 
 
-def _watch(
-    control: memoryview,
-    waiting: Sequence[asyncio.Future[Any]],
-    deadline: float | None,
-    loop: asyncio.AbstractEventLoop,
-    expired: asyncio.Future[None] | None = None,
-) -> Callable[[], None]:
-    """Mark the execution abandoned in its control block (byte 0) once every future in `waiting` is done or
-    the deadline passes; returns what stops watching. The worker skips an abandoned execution it has not
-    started, so a request cancelled or expired while the previous batch runs does not run after all. When
-    the deadline passes before the worker marked the execution started, `expired` is set: the caller
-    answers at once instead of waiting for the execution ahead of it to end."""
-
-    def mark(why: int) -> bool:
-        with contextlib.suppress(ValueError):  # the regions were released (the worker died)
-            if control[0] == 0:
-                control[0] = why
-                return True
-        return False
-
-    def check(_: object = None) -> None:
-        if waiting and all(f.done() for f in waiting):
-            mark(p.ABANDONED_CANCELLED)
-
-    def expire() -> None:
-        if mark(p.ABANDONED_EXPIRED) and expired is not None and not expired.done():
-            expired.set_result(None)
-
-    for future in waiting:
-        future.add_done_callback(check)
-    timer = loop.call_later(max(0.0, deadline - time.monotonic()), expire) if deadline is not None else None
-
-    def unwatch() -> None:
-        for future in waiting:
-            future.remove_done_callback(check)
-        if timer is not None:
-            timer.cancel()
-
-    return unwatch
-
-
-def _either(first: asyncio.Future[Any], other: asyncio.Future[None] | None) -> asyncio.Future[Any]:
-    """A future done when `first` or `other` is (just `first` without `other`)."""
-    if other is None:
-        return first
-    gate: asyncio.Future[None] = first.get_loop().create_future()
-
-    def done(_: object) -> None:
-        if not gate.done():
-            gate.set_result(None)
-
-    first.add_done_callback(done)
-    other.add_done_callback(done)
-    return gate
-
-
 class Channel:
     """`hung(reason)` is called when an execution gets no answer within `request_timeout_s` (0: no limit);
     every message counts as a sign of life for `liveness`, and memory snapshots go to it."""
@@ -149,6 +95,7 @@ class Channel:
         self._free_slots = list(range(p.SLOTS))[::-1]
         self._slot_freed = asyncio.Event()
         self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
+        self._parts: dict[int, asyncio.Queue[p.StreamPart]] = {}  # req_id -> a stream's parts not yet read
 
     def expect_reply(self) -> asyncio.Future[object]:
         """The next message from the worker, whatever it is (the answer to Init); fails with ConnectionError
@@ -187,6 +134,10 @@ class Channel:
                 self._grow_output(entry[1], msg.nbytes)
         elif isinstance(msg, p.MemorySnapshot):
             self.liveness.snapshot(msg.memory)
+        elif isinstance(msg, p.StreamPart):
+            parts = self._parts.get(msg.req_id)
+            if parts is not None:
+                parts.put_nowait(msg)
         elif isinstance(msg, (p.InferDone, p.InferFailed)):
             entry = self._inflight.pop(msg.req_id, None)
             if entry is not None and not entry[0].done():
@@ -239,6 +190,7 @@ class Channel:
         timings: PhaseTimes,
         waiting: Sequence[asyncio.Future[Any]] = (),
         deadline: float | None = None,
+        on_part: Callable[[T], Awaitable[bool]] | None = None,
     ) -> T:
         """Run one execution: `tensors` writes its inputs straight into the slot's shared memory and reads
         its results out of it; `timings` gets the phases (the daemon's own writing and reading included).
@@ -250,7 +202,7 @@ class Channel:
         slot = await self._take_slot()
         kept = False  # the worker still uses the slot after this call ends: it is freed when it answers
         try:
-            return await self._run_in_slot(slot, tensors, timings, waiting, deadline)
+            return await self._run_in_slot(slot, tensors, timings, waiting, deadline, on_part)
         except _Abandoned as abandoned:
             kept = True
             abandoned.pending.add_done_callback(lambda _: self._give_slot(slot))
@@ -266,6 +218,7 @@ class Channel:
         timings: PhaseTimes,
         waiting: Sequence[asyncio.Future[Any]],
         deadline: float | None,
+        on_part: Callable[[T], Awaitable[bool]] | None = None,
     ) -> T:
         model = self.model
         if self.refusing or self._transport is None:
@@ -290,7 +243,10 @@ class Channel:
         expired = loop.create_future() if deadline is not None else None
         unwatch = _watch(buf, waiting, deadline, loop, expired)
         try:
-            reply = await self._wait_reply(req_id, pending, expired)
+            if on_part is None:
+                reply = await self._wait_reply(req_id, pending, expired)
+            else:
+                reply = await self._stream_parts(req_id, pending, expired, tensors, slot, on_part)
         except BaseException as exc:
             if not pending.done():
                 if buf[0] == 0:  # nobody will take the answer: the worker may skip it if not started
@@ -303,6 +259,10 @@ class Channel:
             raise error_from_code(reply.code, reply.message)
         if not isinstance(reply, p.InferDone) or reply.req_id != req_id:
             raise Internal(f"protocol error: unexpected reply {type(reply).__name__} from worker")
+        if on_part is not None:  # a stream's end: its parts went to `on_part`, the end carries no outputs
+            timings.worker_wait_ns = reply.waited_ns
+            timings.compute_infer_ns = reply.compute_infer_ns
+            return cast(T, None)
         if regions.output is None:  # released: the worker died right after answering
             raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
         regions.mapped_by_worker()
@@ -316,6 +276,50 @@ class Channel:
         timings.compute_output_ns = reply.compute_output_ns + read_ns
         timings.device_compute_ns = reply.device_compute_ns
         return results
+
+    async def _stream_parts(
+        self,
+        req_id: int,
+        pending: asyncio.Future[object],
+        expired: asyncio.Future[None] | None,
+        tensors: Tensors[T],
+        slot: int,
+        on_part: Callable[[T], Awaitable[bool]],
+    ) -> object:
+        """A decoupled model's request: each part is read out of the slot's output region, handed to
+        `on_part` (which may take its time: the worker waits for the acknowledgement, so a slow consumer
+        holds the model back), and acknowledged, with `stop` once `on_part` says nobody wants more. Returns
+        the worker's final answer."""
+        parts: asyncio.Queue[p.StreamPart] = asyncio.Queue()
+        self._parts[req_id] = parts
+        waits: set[asyncio.Future[Any]] = {pending} | ({expired} if expired is not None else set())
+        try:
+            while True:
+                getter = asyncio.ensure_future(parts.get())
+                try:
+                    await asyncio.wait({getter, *waits}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    part = getter.result()
+                    regions = self.slots[slot]
+                    if regions.output is None:
+                        raise WorkerDied(
+                            f"model '{self.model.name}' version {self.model.version}: worker died"
+                        )
+                    results = tensors.read(part.outputs, regions.output_region().buf)
+                    keep = await on_part(results)
+                    if self._transport is not None:
+                        self._transport.write(encode(p.StreamAck(req_id, part.index, stop=not keep)))
+                    continue
+                if pending.done():
+                    return pending.result()
+                raise DeadlineExceeded(
+                    f"model '{self.model.name}' version {self.model.version}: the request was past its "
+                    "deadline before its worker started it; it was not run"
+                )
+        finally:
+            self._parts.pop(req_id, None)
 
     async def _wait_reply(
         self, req_id: int, pending: asyncio.Future[object], expired: asyncio.Future[None] | None = None
