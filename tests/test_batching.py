@@ -8,16 +8,16 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
 from tests import models
-from tests.conftest import RunningDaemon, free_port, pending_requests, wait_for
+from tests.conftest import RunningDaemon, free_port, http_request, pending_requests, wait_for
 
 ROWS = """
 import json
@@ -251,16 +251,14 @@ def test_a_timeout_parameter_answers_a_queued_request_at_once_over_http(
     daemon, tmp = setup
 
     def marker(callback: Callable[..., None]) -> None:
-        def send() -> None:
-            client = httpclient.InferenceServerClient(daemon.http_address)
-            inp = httpclient.InferInput("x", [1, 7], "FP32")
-            inp.set_data_from_numpy(np.full((1, 7), 4242.0, np.float32))
-            try:
-                callback(client.infer("bounded", [inp], timeout=100_000), None)
-            except InferenceServerException as exc:
-                callback(None, exc)
-            finally:
-                client.close()
+        def send() -> None:  # plain http.client: tritonclient.http's clients must not cross threads
+            tensor = {"name": "x", "shape": [1, 7], "datatype": "FP32", "data": [4242.0] * 7}
+            body = json.dumps({"inputs": [tensor], "parameters": {"timeout": 100_000}}).encode()
+            status, answer, _ = http_request(daemon.http_address, "POST", "/v2/models/bounded/infer", body)
+            if status == 200:
+                callback(answer, None)
+            else:
+                callback(None, InferenceServerException(answer["error"], status=str(status)))
 
         threading.Thread(target=send, daemon=True).start()
 
@@ -278,19 +276,15 @@ def test_a_timeout_that_passes_while_the_request_runs_lets_it_finish(
     np.testing.assert_array_equal(result.as_numpy("y"), a * 2)
 
 
-def _http_fire(daemon: RunningDaemon, model: str, arrays: list[np.ndarray]) -> list[tuple[object, object]]:
-    """Send every request at once, each on its own HTTP connection; (result, error) in request order."""
+def _http_fire(daemon: RunningDaemon, model: str, arrays: list[np.ndarray]) -> list[tuple[int, Any]]:
+    """Send every request at once, each on its own HTTP connection, as JSON; (status, body) in request
+    order. Plain http.client: tritonclient.http's clients are gevent-bound and must not cross threads."""
 
-    def one(a: np.ndarray) -> tuple[object, object]:
-        client = httpclient.InferenceServerClient(daemon.http_address)
-        inp = httpclient.InferInput("x", list(a.shape), "FP32")
-        inp.set_data_from_numpy(a)
-        try:
-            return client.infer(model, [inp]), None
-        except InferenceServerException as exc:
-            return None, exc
-        finally:
-            client.close()
+    def one(a: np.ndarray) -> tuple[int, Any]:
+        tensor = {"name": "x", "shape": list(a.shape), "datatype": "FP32", "data": a.reshape(-1).tolist()}
+        body = json.dumps({"inputs": [tensor], "outputs": [{"name": "y"}]}).encode()
+        status, answer, _ = http_request(daemon.http_address, "POST", f"/v2/models/{model}/infer", body)
+        return status, answer
 
     with ThreadPoolExecutor(len(arrays)) as pool:
         return list(pool.map(one, arrays))
@@ -301,20 +295,20 @@ def test_http_requests_share_the_batching_and_the_queue_limit(setup: tuple[Runni
     with 429 (RESOURCE_EXHAUSTED) and the same message once `max_queue_size` requests wait."""
     daemon, tmp = setup
     arrays = [np.full((1, 3), 7000.0 + i, np.float32) for i in range(4)]
-    for a, (result, error) in zip(arrays, _http_fire(daemon, "merge", arrays), strict=True):
-        assert error is None, error
-        np.testing.assert_array_equal(result.as_numpy("y"), a * 2)  # type: ignore[union-attr]
+    for a, (status, answer) in zip(arrays, _http_fire(daemon, "merge", arrays), strict=True):
+        assert status == 200, answer
+        np.testing.assert_array_equal(np.array(answer["outputs"][0]["data"], np.float32), (a * 2).reshape(-1))
     lines = [json.loads(line) for line in (tmp / "merge.log").read_text().splitlines()]
     assert max(line["rows"] for line in lines if 7000 <= line["first"][0] < 7004) > 1, lines
 
     results = _http_fire(daemon, "bounded", [np.full((1, 2), 1000.0 + i, np.float32) for i in range(8)])
-    refused = [e for _, e in results if e is not None]
+    refused = [answer for status, answer in results if status != 200]
     assert refused, "no request was refused"
-    for e in refused:
-        assert isinstance(e, InferenceServerException)
-        assert e.status() == "429", e
-        assert "queue is full" in str(e.message())
-    assert any(e is None for _, e in results)
+    for status, answer in results:
+        if status != 200:
+            assert status == 429, answer
+            assert "queue is full" in answer["error"]
+    assert any(status == 200 for status, _ in results)
 
 
 def test_queue_time_ends_when_the_worker_starts_the_execution(setup: tuple[RunningDaemon, Path]) -> None:

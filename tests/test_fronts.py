@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     models.add_sub(repo, "add_sub_big", dims=BIG_DIMS, max_batch_size=0)
     models.python_model(repo, "slow", SLOW)
     models.python_model(repo, "doubled", "return {'y': torch.cat([inputs['x'], inputs['x']])}")
+    models.python_model(
+        repo,
+        "countdown",
+        "for k in range(int(inputs['x'].numel())):\n    time.sleep(0.2)\n    yield {'y': inputs['x'][k:]}",
+        config={
+            "backend": "python",
+            "max_batch_size": 0,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "model_transaction_policy": {"decoupled": True},
+        },
+    )
     metrics_port = free_port()
     args = ["--front-processes", str(FRONTS), "--metrics-address", f"127.0.0.1:{metrics_port}"]
     with serving(repo, base / "daemon.log", extra_args=args) as daemon:
@@ -225,6 +238,31 @@ def test_every_rpc_shape_through_a_front(setup: Setup) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_decoupled_model_streams_through_a_front(setup: Setup) -> None:
+    """A front relays ModelStreamInfer as it is: each of a decoupled model's responses reaches the client,
+    in order, then the empty final response."""
+    client = grpcclient.InferenceServerClient(setup.daemon.address)
+    got: list[tuple[float, object]] = []
+    finished = threading.Event()
+
+    def on_response(result: object, error: object) -> None:
+        got.append((time.monotonic(), error or result))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:  # type: ignore[attr-defined]
+            finished.set()
+
+    x = grpcclient.InferInput("x", [3], "FP32")
+    x.set_data_from_numpy(np.array([1, 2, 3], np.float32))
+    client.start_stream(callback=on_response)
+    try:
+        client.async_stream_infer("countdown", [x], enable_empty_final_response=True)
+        assert finished.wait(30)
+    finally:
+        client.stop_stream()
+        client.close()
+    sizes = [len(r.as_numpy("y")) if r.as_numpy("y") is not None else 0 for _, r in got]  # type: ignore[attr-defined]
+    assert sizes == [3, 2, 1, 0], got
 
 
 def arena_transfers(setup: Setup) -> tuple[float, float]:
