@@ -51,6 +51,9 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes(),
         op_libraries=source.op_libraries.get(version, ()),
         autocast=config.optimization.autocast,
+        compile_mode=compiled.mode if (compiled := config.optimization.compile) is not None else None,
+        compile_dynamic=compiled.dynamic if compiled is not None else None,
+        compile_batch_sizes=config.compile_batch_sizes(),
     )
 
 

@@ -33,6 +33,9 @@ class Liveness:
         self._beats: socket.socket | None = None
         self._off = False
         self._watchdog: asyncio.Task[None] | None = None
+        # Longer silence allowed for now (a profile: stopping torch.profiler and exporting its trace hold the
+        # worker's interpreter, heartbeat thread included, for seconds on a busy model); 0: just the timeout
+        self.patience_s = 0.0
 
     @property
     def interval_s(self) -> float:
@@ -88,7 +91,7 @@ class Liveness:
         while not died.is_set():
             await asyncio.sleep(min(1.0, self.timeout_s / 4))
             silent = loop.time() - self.last_seen
-            if silent > self.timeout_s and not died.is_set() and not self._off:
+            if silent > max(self.timeout_s, self.patience_s) and not died.is_set() and not self._off:
                 self._hung(f"no heartbeat for {silent:.1f} s")
                 return
 
