@@ -286,3 +286,38 @@ def test_on_mps_the_worker_emits_signposts_around_the_window_and_says_how_to_rec
     archive = zipfile.ZipFile(io.BytesIO(b"".join(c.data for c in chunks)))
     assert archive.read("model.gputrace/capture.bin") == b"metal"
     assert not Path(api.calls[1][1]["fname"]).exists()  # the private copy is deleted
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_profile_on_a_cuda_gpu_holds_its_kernels(tmp_path: Path) -> None:
+    models.add_sub(tmp_path / "repo", dims=DIMS, instance_group=[{"kind": "KIND_GPU"}])
+    with serving(tmp_path / "repo", tmp_path / "daemon.log") as daemon:
+        stub = _stub(daemon)
+        call = stub.Profile(admin_pb2.ProfileRequest(model="add_sub", requests=10), timeout=120)
+        client = grpcclient.InferenceServerClient(daemon.address)
+        chunks: list[bytes] = []
+        done: list[Any] = []
+
+        def read() -> None:
+            for event in call:
+                if event.WhichOneof("event") == "data":
+                    chunks.append(event.data.data)
+                elif event.WhichOneof("event") == "done":
+                    done.append(event.done)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            while reader.is_alive():
+                _infer(client)
+        finally:
+            reader.join(120)
+            client.close()
+        assert done and done[0].ended_by == "requests"
+        events = json.loads(b"".join(chunks))["traceEvents"]
+        assert any(e.get("cat") == "kernel" for e in events)
+        assert any(e.get("name") == "aten::add" for e in events)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -137,10 +138,13 @@ def add_ops_parsers(sub: Any) -> None:
     profile = sub.add_parser(
         "profile",
         help="profile one worker of a model while it serves (a Chrome trace; MPS: Instruments signposts)",
-        description="The model's worker profiles its executions for the window while it goes on answering "
-        "requests; the result comes back here. CUDA and CPU: a torch.profiler Chrome trace (shapes "
-        "recorded) saved to --out. MPS: os_signposts for Instruments, and how to record them. Needs a token "
-        "with the model-repository category where tokens are configured.",
+        description=textwrap.fill(
+            "The model's worker profiles its executions for the window while it goes on answering "
+            "requests; the result comes back here. CUDA and CPU: a torch.profiler Chrome trace (shapes "
+            "recorded) saved to --out. MPS: os_signposts for Instruments, and how to record them. Needs a "
+            "token with the model-repository category where tokens are configured.",
+            width=100,
+        ),
         epilog="examples:\n  mpsd profile resnet --requests 200 --out resnet.json\n"
         "  mpsd profile resnet --version 2 --seconds 10",
         formatter_class=argparse.RawDescriptionHelpFormatter,
