@@ -10,7 +10,8 @@ Promises checked here:
   true inside it);
 - a package compiled for another device than the instance's is refused with the reason (a copy of the CPU
   package whose metadata says cuda stands in for a CUDA package: there is no GPU here);
-- on a CUDA GPU (skipped elsewhere): both kinds answer close to eager in float16.
+- on a CUDA GPU (skipped elsewhere): both kinds answer close to eager, an AOTInductor package also under
+  CUDA graphs, and a CPU package is refused there.
 
 AOTInductor and Inductor compile C++ with the system compiler: artifacts are cached per test session
 (TORCHINDUCTOR_CACHE_DIR in a session directory), and one daemon serves every model of the module.
@@ -238,6 +239,12 @@ def test_compiled_models_on_a_cuda_gpu(tmp_path: Path, inductor_cache: dict[str,
     )
     (repo / "tiny_compiled" / "1").mkdir()
     shutil.copyfile(program, repo / "tiny_compiled" / "1" / "model.pt2")
+    graphed = {**tiny_config("aoti"), **gpu, "optimization": {"cuda": {"graphs": True}}}
+    models.write_config(repo / "tiny_aoti_graphs", graphed)
+    (repo / "tiny_aoti_graphs" / "1").mkdir()
+    shutil.copyfile(
+        repo / "tiny_aoti" / "1" / "model.aoti.pt2", repo / "tiny_aoti_graphs" / "1" / "model.aoti.pt2"
+    )
     models.write_config(repo / "cpu_package", {**tiny_config("aoti"), **gpu})
     (repo / "cpu_package" / "1").mkdir()
     with_device_key(
@@ -247,7 +254,7 @@ def test_compiled_models_on_a_cuda_gpu(tmp_path: Path, inductor_cache: dict[str,
     try:
         daemon.wait_models_settled(timeout=600)
         x = np.random.default_rng(2).standard_normal((3, FEATURES)).astype(np.float32)
-        for model in ("tiny_aoti", "tiny_compiled"):
+        for model in ("tiny_aoti", "tiny_compiled", "tiny_aoti_graphs"):
             np.testing.assert_allclose(infer(daemon, model, x), eager(x), rtol=1e-3, atol=1e-3)
         index = daemon.client.get_model_repository_index(as_json=True)["models"]
         entry = next(m for m in index if m["name"] == "cpu_package")

@@ -6,7 +6,9 @@ Promises checked here:
   with their input shapes; the worker's private temporary files are gone afterwards;
 - a second profile of the same worker while one runs is refused with RESOURCE_EXHAUSTED and says why;
 - a token without the model-repository category is refused (PERMISSION_DENIED naming the category);
+  without tokens, Profile follows auth.repository_changes_without_token (refused on a reachable address);
 - a window out of bounds (too long, too many requests, none at all) is INVALID_ARGUMENT;
+- a profiling worker may be silent for up to 120 s (exporting a long trace) until its ProfileDone;
 - on MPS (a stand-in for torch.mps.profiler here, there is no Apple GPU), the worker calls start(mode,
   wait_until_completed) and stop() around the window and says how to record the signposts, with its pid;
   a GPU trace is captured with metal_capture and comes back zipped.
@@ -14,6 +16,7 @@ Promises checked here:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -34,7 +37,11 @@ import torch
 import tritonclient.grpc as grpcclient
 import yaml
 
+from mpsd.daemon.supervise.worker.channel import Channel
+from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.ipc import protocol as p
+from mpsd.net.auth import AccessPolicy
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from mpsd.worker.profiling import Profiler
 from tests import models
@@ -208,6 +215,16 @@ def test_a_token_without_the_model_repository_category_is_refused(setup: Setup) 
     assert "'model-repository'" in str(refused.value.details())
 
 
+def test_without_tokens_profile_follows_the_repository_changes_policy() -> None:
+    profile = "/mpsd.v1.MpsdAdmin/Profile"
+    reachable = AccessPolicy([], local_only=False, address="0.0.0.0:8001")
+    refused = reachable.check(profile, None)
+    assert refused is not None and refused.code.value == "PERMISSION_DENIED"
+    assert "Profile is switched off" in refused.message
+    assert AccessPolicy([], local_only=True).check(profile, None) is None
+    assert AccessPolicy([], repository_changes="allow", local_only=False).check(profile, None) is None
+
+
 @pytest.mark.parametrize(
     ("seconds", "requests", "says"),
     [
@@ -226,6 +243,32 @@ def test_a_window_out_of_bounds_is_refused(setup: Setup, seconds: float, request
         list(call)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in str(refused.value.details())
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.sent.append(data)
+
+
+def test_a_profiling_worker_may_be_silent_longer_until_its_profile_is_done() -> None:
+    """Stopping torch.profiler and exporting a long window's trace hold the worker's interpreter (its
+    heartbeat thread too) for seconds: from StartProfile to ProfileDone the watchdog allows 120 s."""
+
+    async def scenario() -> None:
+        spec = p.ModelSpec("m", 1, "torchscript", "/nowhere", 8, (), ())
+        liveness = Liveness(WorkerLaunch(spec, 0, "KIND_CPU", None, {}), 10.0, lambda _: None)
+        channel = Channel(spec, liveness, 0.0, lambda _: None)
+        channel._transport = _Transport()  # type: ignore[assignment]
+        assert liveness.too_silent(13.0)
+        run = channel.start_profile(0, False)
+        assert not liveness.too_silent(13.0) and liveness.too_silent(121.0)
+        channel._on_message(p.ProfileDone(run.profile_id, 0, 0, 1.0, "stopped"))
+        assert liveness.too_silent(13.0)
+
+    asyncio.run(scenario())
 
 
 # ---- MPS, with a stand-in for torch.mps.profiler ------------------------------------------------------

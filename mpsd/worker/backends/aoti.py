@@ -70,7 +70,11 @@ class AotiBackend:
         check_package(package_metadata(spec.model_path), device)
         self._names = [o.name for o in spec.outputs]
         index = device.index if device.index is not None else -1
-        self._model = torch._inductor.aoti_load_package(spec.model_path, device_index=index)
+        # Without the runner's thread synchronization when CUDA graphs record it (aoti_load_package's advice).
+        graphs = bool(spec.cuda_graph_batch_sizes) and device.type == "cuda"
+        self._model = torch._inductor.aoti_load_package(
+            spec.model_path, run_single_threaded=graphs, device_index=index
+        )
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return map_outputs(self._model(*inputs), self._names)
