@@ -4,6 +4,7 @@ Promises checked here:
 - `mpsd profile MODEL --requests N --out FILE`, while a client keeps sending requests: every request is
   answered, the window ends after N requests, and FILE is a Chrome trace JSON holding the model's operators
   with their input shapes; the worker's private temporary files are gone afterwards;
+- a request window counts every request of a batch, not executions;
 - a second profile of the same worker while one runs is refused with RESOURCE_EXHAUSTED and says why;
 - a token without the model-repository category is refused (PERMISSION_DENIED naming the category);
   without tokens, Profile follows auth.repository_changes_without_token (refused on a reachable address);
@@ -67,6 +68,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     repo = base / "repo"
     models.add_sub(repo, dims=DIMS)
     models.add_sub(repo, "other", dims=DIMS)
+    # Batches form: requests wait up to 0.2 s for a batch of 4.
+    batching = {"max_queue_delay_microseconds": 200_000, "preferred_batch_size": [4]}
+    models.add_sub(repo, "batched", dims=DIMS, dynamic_batching=batching)
     admin, reader = base / "admin.token", base / "reader.token"
     admin.write_text(ADMIN_TOKEN)
     reader.write_text(READER_TOKEN)
@@ -170,6 +174,34 @@ def test_profile_command_returns_a_chrome_trace_of_live_requests(setup: Setup, t
     assert adds and subs
     assert [[1, DIMS], [1, DIMS], []] in [e.get("args", {}).get("Input Dims") for e in adds]
     assert not [f for f in setup.tmpdir.iterdir() if f.name.startswith("mpsd-profile-")]
+
+
+def test_a_request_window_counts_the_requests_of_each_batch(setup: Setup) -> None:
+    call = _stub(setup.daemon).Profile(
+        admin_pb2.ProfileRequest(model="batched", requests=8), metadata=_auth(ADMIN_TOKEN), timeout=120
+    )
+    events = iter(call)
+    assert next(events).WhichOneof("event") == "started"
+    done: list[Any] = []
+    reader = threading.Thread(target=lambda: done.extend(e.done for e in events if e.HasField("done")))
+    reader.start()
+
+    def send() -> None:  # four clients at once: the batcher forms batches of up to 4
+        client = grpcclient.InferenceServerClient(setup.daemon.address)
+        try:
+            while reader.is_alive():
+                _infer(client, "batched")
+        finally:
+            client.close()
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    for t in senders:
+        t.start()
+    reader.join(120)
+    for t in senders:
+        t.join(60)
+    assert done and done[0].ended_by == "requests"
+    assert done[0].requests >= 8 and done[0].executions < done[0].requests
 
 
 def test_a_second_profile_of_the_same_worker_is_refused(setup: Setup) -> None:
