@@ -165,7 +165,7 @@ def test_reflection_lists_every_service(channel: grpc.Channel) -> None:
     )
     [service] = proto.service
     assert (proto.package, service.name) == ("mpsd.v1", "MpsdAdmin")
-    assert {m.name for m in service.method} == {"StreamLogs", "ListWorkers", "Reload"}
+    assert {m.name for m in service.method} == {"StreamLogs", "ListWorkers", "Reload", "Profile"}
 
 
 def test_sigterm_turns_watches_not_serving_and_ends_them(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -568,7 +568,7 @@ def test_every_rpc_of_the_served_services_has_a_category() -> None:
         for service in service_pb2.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }
-    served |= {f"/mpsd.v1.MpsdAdmin/{m}" for m in ("StreamLogs", "ListWorkers", "Reload")}
+    served |= {f"/mpsd.v1.MpsdAdmin/{m}" for m in ("StreamLogs", "ListWorkers", "Reload", "Profile")}
     served |= {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"}
     served |= {"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"}
     assert {m for m in served if category_of(m) is None} == set()
@@ -578,6 +578,7 @@ def test_every_rpc_of_the_served_services_has_a_category() -> None:
     assert category_of("/inference.GRPCInferenceService/ModelConfig") == "health"
     assert category_of("/inference.GRPCInferenceService/RepositoryIndex") == "model-repository"
     assert category_of("/mpsd.v1.MpsdAdmin/StreamLogs") == "logs-statistics"
+    assert category_of("/mpsd.v1.MpsdAdmin/Profile") == "model-repository"
 
 
 def test_open_categories_need_no_token_and_unknown_methods_are_denied() -> None:

@@ -1,8 +1,8 @@
 """The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks.
 
 One module per command group parses its arguments and reports its errors: serve, ops (status, logs, health,
-reload), tools (validate, infer, models, init-model), convert (convert-config) and service. What the commands
-do lives with the code they drive (mpsd.tools, mpsd.service, mpsd.daemon).
+reload, profile), tools (validate, infer, models, init-model), convert (convert-config) and service. What the
+commands do lives with the code they drive (mpsd.tools, mpsd.service, mpsd.daemon).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`mpsd status|logs|health|reload`: arguments and exit statuses; the clients are mpsd.tools.ops.
+"""`mpsd status|logs|health|reload|profile`: arguments and exit statuses; the clients are mpsd.tools.ops.
 
 Expected failures (daemon not running, unknown model) are one line on stderr and a distinct exit status,
 never a traceback unless `--debug` asks for one.
@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -66,6 +68,14 @@ def _reload(args: argparse.Namespace) -> int:
     return ops.reload(args, args.timeout)
 
 
+@_guarded
+def _profile(args: argparse.Namespace) -> int:
+    from mpsd.tools import profile
+
+    window = (args.seconds, args.requests)
+    return profile.run(args, args.model, args.version, args.instance, *window, args.out, args.mps_gpu_trace)
+
+
 # ---- parsers ---------------------------------------------------------------------------------------
 
 
@@ -74,7 +84,7 @@ def _common(parser: argparse.ArgumentParser, timeout: float) -> None:
 
 
 def add_ops_parsers(sub: Any) -> None:
-    """Register status, logs, health and reload on the `mpsd` sub-command parser."""
+    """Register status, logs, health, reload and profile on the `mpsd` sub-command parser."""
     status = sub.add_parser(
         "status",
         help="models, versions and workers of a running daemon",
@@ -124,3 +134,36 @@ def add_ops_parsers(sub: Any) -> None:
     )
     _common(reload, 600.0)
     reload.set_defaults(func=_reload)
+
+    profile = sub.add_parser(
+        "profile",
+        help="profile one worker of a model while it serves (a Chrome trace; MPS: Instruments signposts)",
+        description=textwrap.fill(
+            "The model's worker profiles its executions for the window while it goes on answering "
+            "requests; the result comes back here. CUDA and CPU: a torch.profiler Chrome trace (shapes "
+            "recorded) saved to --out. MPS: os_signposts for Instruments, and how to record them. Needs a "
+            "token with the model-repository category where tokens are configured.",
+            width=100,
+        ),
+        epilog="examples:\n  mpsd profile resnet --requests 200 --out resnet.json\n"
+        "  mpsd profile resnet --version 2 --seconds 10",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_argument("model")
+    profile.add_argument("--version", type=int, default=0, help="model version (default: the latest ready)")
+    profile.add_argument("--instance", type=int, default=0, help="which instance of the version (default 0)")
+    window = profile.add_mutually_exclusive_group(required=True)
+    window.add_argument("--seconds", type=float, metavar="N", help="profile for N seconds (at most 300)")
+    window.add_argument(
+        "--requests", type=int, metavar="N", help="profile until N requests have run (at most 60 s)"
+    )
+    profile.add_argument(
+        "--out", type=Path, metavar="FILE", help="where the trace goes (default MODEL-profile-TIME.json)"
+    )
+    profile.add_argument(
+        "--mps-gpu-trace",
+        action="store_true",
+        help="MPS: also a Metal GPU trace (the daemon needs MTL_CAPTURE_ENABLED=1), saved beside --out",
+    )
+    _common(profile, 10.0)
+    profile.set_defaults(func=_profile)

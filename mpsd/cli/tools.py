@@ -87,7 +87,8 @@ def _init_model(args: argparse.Namespace) -> int:
     from mpsd.tools.init_model import run
 
     repo: Path = args.repository if args.repository is not None else default_repository(args.config)[0]
-    return run(args.name, args.source, args.example_input or [], repo, args.max_batch_size, args.version)
+    examples = args.example_input or []
+    return run(args.name, args.source, examples, repo, args.max_batch_size, args.version, args.aoti)
 
 
 def _wrap(text: str) -> str:
@@ -207,7 +208,8 @@ def add_tool_parsers(sub: Any) -> None:
         epilog="examples:\n"
         "  mpsd init-model add_sub --from add_sub.pt --example-input 16:FP32 --example-input 16:FP32 "
         "--max-batch-size 8\n"
-        "  mpsd init-model classifier --from classifier.pt2 --repository config/models",
+        "  mpsd init-model classifier --from classifier.pt2 --repository config/models\n"
+        "  mpsd init-model classifier_aoti --from classifier.pt2 --aoti cuda",
         formatter_class=raw,
     )
     init.add_argument("name", help="model name (the directory name)")
@@ -236,6 +238,15 @@ def add_tool_parsers(sub: Any) -> None:
         help="0: no batching (default for .pt); .pt2 default: the program's batch bound, at most 64",
     )
     init.add_argument("--version", type=int, default=1, help="version directory to create (default 1)")
+    init.add_argument(
+        "--aoti",
+        nargs="?",
+        const="cpu",
+        choices=("cpu", "cuda", "mps"),
+        metavar="DEVICE",
+        help="compile the .pt2 program with AOTInductor for DEVICE (cpu, cuda or mps; default cpu) and write "
+        "model.aoti.pt2 with backend aoti (needs a C++ compiler; cuda needs that GPU here)",
+    )
     _config(init)
     _debug(init)
     init.set_defaults(func=_init_model)

@@ -29,18 +29,24 @@ DataType = Literal[
     "TYPE_FP64",
 ]
 Kind = Literal["KIND_AUTO", "KIND_GPU", "KIND_MPS", "KIND_CPU"]
-Backend = Literal["torchscript", "torch_export", "python"]
+Backend = Literal["torchscript", "torch_export", "aoti", "python"]
 
 DEFAULT_FILENAMES: dict[str, str] = {
     "torchscript": "model.pt",
     "torch_export": "model.pt2",
+    # AOTInductor packages are .pt2 files too: a distinct default name keeps a version folder that holds
+    # both (the exported program and its compiled package) unambiguous.
+    "aoti": "model.aoti.pt2",
     "python": "model.py",
 }
 PLATFORMS: dict[str, str] = {
     "torchscript": "pytorch_libtorch",
     "torch_export": "torch_export",
+    "aoti": "torch_aoti",  # Triton has no AOTInductor backend: mpsd's own name, as torch_export is
     "python": "python",
 }
+# Backends whose model torch.compile can compile at load (optimization.compile).
+COMPILABLE = ("torch_export", "python")
 # Default CUDA graph sizes are multiples of a step at least this large (see cuda_graph_batch_sizes).
 GRAPH_STEP_MIN = 8
 
@@ -180,8 +186,18 @@ class CudaOptimization(_Strict):
     graph_spec: list[GraphSpec] = []
 
 
+class CompileOptimization(_Strict):
+    """`torch.compile` at load (`optimization.compile`), for torch_export and python models."""
+
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    # None: torch's default (static shapes first, dynamic after a second shape); True: dynamic from the
+    # start; False: one static graph per batch size.
+    dynamic: bool | None = None
+
+
 class Optimization(_Strict):
     cuda: CudaOptimization = CudaOptimization()
+    compile: CompileOptimization | None = None
     # Triton's `execution_accelerators { gpu_execution_accelerator [{ name: "mps" }] }`: KIND_GPU and
     # KIND_AUTO groups use Apple's GPU where MPS is usable, CUDA where it is not but a CUDA GPU is, and else
     # the CPU with a warning, where plain KIND_GPU would fail to load (docs/devices.md).
@@ -258,6 +274,27 @@ def _check_graphs(config: ModelConfig) -> None:
         raise ValueError(
             f"optimization.cuda.graph_spec batch_size {too_large[0]} exceeds max_batch_size "
             f"{config.max_batch_size}"
+        )
+
+
+def _check_compile(config: ModelConfig) -> None:
+    if config.optimization.compile is None:
+        return
+    if config.optimization.cuda.graphs:
+        raise RuleError(
+            ("optimization", "compile"),
+            "optimization.compile and optimization.cuda.graphs do not go together: use compile mode "
+            "reduce-overhead, which records CUDA graphs of the compiled model itself",
+        )
+    if config.backend not in COMPILABLE:
+        why = (
+            "an AOTInductor package is compiled already"
+            if config.backend == "aoti"
+            else "TorchScript runs in its own interpreter, which torch.compile cannot trace"
+        )
+        raise RuleError(
+            ("optimization", "compile"),
+            f"optimization.compile is for torch_export and python models, not {config.backend}: {why}",
         )
 
 
@@ -349,7 +386,21 @@ class ModelConfig(_Strict):
                 )
         _check_warmup(self)
         _check_graphs(self)
+        _check_compile(self)
         return self
+
+    def compile_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes warm-up compiles at under optimization.compile, ascending; () when off or for a
+        model without batching (its one warm-up request compiles it).
+
+        1, max_batch_size and the preferred batch sizes: with torch's default (or `dynamic: true`) a second
+        size makes the batch dimension dynamic, so one graph then serves every size up to max_batch_size;
+        with `dynamic: false` other sizes compile on their first request.
+        """
+        if self.optimization.compile is None or self.max_batch_size == 0:
+            return ()
+        preferred = self.dynamic_batching.preferred_batch_size if self.dynamic_batching else []
+        return tuple(sorted({1, self.max_batch_size, *(p for p in preferred if p <= self.max_batch_size)}))
 
     def cuda_graph_batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes to record CUDA graphs at, ascending; () when graphs are off.

@@ -22,8 +22,10 @@ from mpsd.errors import Issue, ModelConfigError
 from mpsd.proto import model_config_pb2 as mc
 
 # Triton's platform and backend names that mean a model mpsd serves, and which of its backends that is.
-_PLATFORMS = {"pytorch_libtorch": "torchscript", "torch_export": "torch_export"}
-_BACKENDS = {"pytorch": "torchscript", "torch_export": "torch_export"}
+# Triton has no AOTInductor backend: "aoti" (backend) and "torch_aoti" (platform) are mpsd's own names.
+_PLATFORMS = {"pytorch_libtorch": "torchscript", "torch_export": "torch_export", "torch_aoti": "aoti"}
+_BACKENDS = {"pytorch": "torchscript", "torch_export": "torch_export", "aoti": "aoti"}
+COMPILE_FIELDS = ("mode", "dynamic")  # mpsd.compile.<field>: optimization.compile (no Triton field)
 MPS_ACCELERATOR = "mps"
 MPSD_PREFIX = "mpsd."
 # Written by the ModelConfig RPC about the running workers (`mpsd.instance_group.N.<key>`); read back, they
@@ -288,6 +290,12 @@ def _warmup(i: int, sample: Any) -> dict[str, Any]:
     return out
 
 
+def _boolean(loc: Loc, value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        _fail(loc, f"'{value}' is not true or false")
+    return value.lower() == "true"
+
+
 def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
     """mpsd's own settings, which have no Triton field, travel as `mpsd.*` parameters."""
     name = key.removeprefix(MPSD_PREFIX)
@@ -304,6 +312,10 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
             _fail(("parameters", key), f"there is no instance_group {parts[1]}")
         groups[int(parts[1])][parts[2]] = value
         return
+    if len(parts) == 2 and parts[0] == "compile" and parts[1] in COMPILE_FIELDS:
+        compiled = out.setdefault("optimization", {}).setdefault("compile", {})
+        compiled[parts[1]] = value if parts[1] == "mode" else _boolean(("parameters", key), value)
+        return
     if len(parts) == 2 and parts[0] == "residency" and parts[1] in RESIDENCY_FIELDS:
         out.setdefault("residency", {})[parts[1]] = value
         return
@@ -313,6 +325,8 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
         ("parameters", key),
         "unknown mpsd parameter (known: allow_pickle, autocast, max_device_memory_bytes, max_rss_bytes, "
         "instance_group.N.kind, instance_group.N.memory_fraction, "
+        + ", ".join(f"compile.{f}" for f in COMPILE_FIELDS)
+        + ", "
         + ", ".join(f"residency.{f}" for f in RESIDENCY_FIELDS)
         + ")",
     )
@@ -410,11 +424,17 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
 
 
 def write_libraries_and_autocast(config: ModelConfig, msg: Any) -> None:
-    """Op libraries (Triton's `model_operations`) and autocast (an `mpsd.*` parameter) in a ModelConfig."""
+    """Op libraries (Triton's `model_operations`), autocast and compile (`mpsd.*` parameters) in a
+    ModelConfig."""
     if config.op_libraries:
         msg.model_operations.op_library_filename.extend(config.op_libraries)
     if config.optimization.autocast is not None:
         msg.parameters[MPSD_PREFIX + "autocast"].string_value = config.optimization.autocast
+    compiled = config.optimization.compile
+    if compiled is not None:
+        msg.parameters[MPSD_PREFIX + "compile.mode"].string_value = compiled.mode
+        if compiled.dynamic is not None:
+            msg.parameters[MPSD_PREFIX + "compile.dynamic"].string_value = str(compiled.dynamic).lower()
 
 
 def write_cuda_graphs(msg: Any, batch_sizes: Sequence[int]) -> None:

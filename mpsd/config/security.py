@@ -102,8 +102,8 @@ class AuthConfig(_Settings):
     repository_changes_without_token: Literal["loopback", "allow", "refuse"] = Field(
         "loopback",
         description="With no tokens configured: whether RepositoryModelLoad/Unload and the admin Reload "
-        "are accepted. loopback: only when listening on 127.0.0.1/::1/localhost or a Unix socket, or "
-        "with mutual TLS; allow: always; refuse: never.",
+        "and Profile are accepted. loopback: only when listening on 127.0.0.1/::1/localhost or a Unix "
+        "socket, or with mutual TLS; allow: always; refuse: never.",
     )
 
     def resolve(self, base: Path) -> None:

@@ -64,6 +64,11 @@ class ModelSpec:
     op_libraries: tuple[str, ...] = ()
     autocast: str | None = None  # "float16" or "bfloat16": the forward runs under torch.autocast
     decoupled: bool = False  # infer yields responses: each goes back as a StreamPart, acknowledged in turn
+    # torch.compile at load: its mode ("default", "reduce-overhead", ...), None when off; `compile_dynamic`
+    # is torch.compile's `dynamic`; warm-up compiles at `compile_batch_sizes` (none: the one warm-up request)
+    compile_mode: str | None = None
+    compile_dynamic: bool | None = None
+    compile_batch_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class Infer:
     output_region: RegionRef
     slot: int = 0
     sent_ns: int = 0  # time.monotonic_ns() when the daemon sent it (a clock both processes share)
+    requests: int = 1  # client requests batched into this execution (a profile's request window counts them)
 
 
 SLOTS = 2
@@ -138,6 +144,26 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class StartProfile:
+    """Profile the executions from now until `requests` requests have run (0: no request limit) or the
+    daemon sends StopProfile (its time window ends), whichever comes first. The worker starts between
+    executions and answers ProfileStarted (or ProfileFailed); when the window ends it sends ProfileChunk
+    frames and ProfileDone."""
+
+    profile_id: int
+    requests: int = 0
+    mps_gpu_trace: bool = False  # MPS: also a Metal GPU trace (torch.mps.profiler.metal_capture)
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    """End the profile now (the client went away, or the daemon stops the worker); the worker still answers
+    with ProfileDone, which the daemon may ignore."""
+
+    profile_id: int
+
+
 # worker -> daemon
 
 
@@ -149,6 +175,7 @@ class Ready:
     warmup_ms: float
     cuda_graphs: tuple[int, ...] = ()  # the batch sizes CUDA graphs were recorded at
     cuda_graphs_ms: float = 0.0
+    compile_ms: float | None = None  # torch.compile (optimization.compile): the compiling warm-up's time
 
 
 @dataclass(frozen=True)
@@ -211,5 +238,54 @@ class StreamAck:
     stop: bool = False
 
 
-ToWorker = Init | Infer | OutputRegion | StreamAck | Shutdown
-FromWorker = Ready | LoadFailed | NeedOutput | StreamPart | InferDone | InferFailed | MemorySnapshot
+@dataclass(frozen=True)
+class ProfileStarted:
+    profile_id: int
+    kind: str  # "torch" (a Chrome trace follows) or "mps" (os_signposts; see ProfileDone.notes)
+
+
+@dataclass(frozen=True)
+class ProfileFailed:
+    """The profile could not start, or failed while it ran; nothing more comes for it."""
+
+    profile_id: int
+    reason: str
+
+
+PROFILE_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ProfileChunk:
+    """Up to PROFILE_CHUNK_BYTES of the result, in order: `name` is "trace.json" (Chrome trace) or a Metal
+    GPU trace's file name."""
+
+    profile_id: int
+    name: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ProfileDone:
+    profile_id: int
+    requests: int  # requests run in the window
+    executions: int
+    seconds: float
+    ended_by: str  # "seconds", "requests" or "stopped"
+    notes: tuple[str, ...] = ()  # what the client should know (MPS: how to see the signposts)
+
+
+ToWorker = Init | Infer | OutputRegion | StreamAck | Shutdown | StartProfile | StopProfile
+FromWorker = (
+    Ready
+    | LoadFailed
+    | NeedOutput
+    | StreamPart
+    | InferDone
+    | InferFailed
+    | MemorySnapshot
+    | ProfileStarted
+    | ProfileFailed
+    | ProfileChunk
+    | ProfileDone
+)

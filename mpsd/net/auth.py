@@ -54,6 +54,8 @@ METHOD_CATEGORY: dict[str, Category] = {
     _ADMIN + "StreamLogs": "logs-statistics",
     _ADMIN + "ListWorkers": "logs-statistics",
     _ADMIN + "Reload": "model-repository",
+    # An operator's tool: it slows the profiled worker and shows the model's operators and shapes.
+    _ADMIN + "Profile": "model-repository",
 }
 # Whole services whose every method is in one category.
 SERVICE_CATEGORY: dict[str, Category] = {
@@ -65,6 +67,8 @@ SERVICE_CATEGORY: dict[str, Category] = {
 REPOSITORY_CHANGES = frozenset(
     {_KSERVE + "RepositoryModelLoad", _KSERVE + "RepositoryModelUnload", _ADMIN + "Reload"}
 )
+# Without tokens, the operator RPCs follow the same policy as the repository changes.
+OPERATOR_ONLY = REPOSITORY_CHANGES | {_ADMIN + "Profile"}
 
 Metadata = Sequence[tuple[str, str | bytes]]
 
@@ -159,7 +163,7 @@ class AccessPolicy:
         return found
 
     def _check_without_tokens(self, method: str) -> MpsdError | None:
-        if method not in REPOSITORY_CHANGES:
+        if method not in OPERATOR_ONLY:
             return None
         policy = self._repository_changes
         if policy == "allow":

@@ -1,4 +1,5 @@
-"""`mpsd init-model`: turn a TorchScript or torch.export file into a model directory that serves.
+"""`mpsd init-model`: turn a TorchScript or torch.export file into a model directory that serves; with
+`--aoti`, a torch.export program is compiled into an AOTInductor package on the way.
 
 The config is inferred, not guessed: input names come from the model's signature, output names, datatypes
 and dims from trial runs on the CPU. The result is built beside the repository's models in a hidden
@@ -312,8 +313,11 @@ def config_text(
     return "\n".join(lines) + "\n"
 
 
-def draft_config(name: str, source: Path, examples: Sequence[str], max_batch_size: int | None) -> str:
-    """Load the file on the CPU, read its signature, run it, and return the config text."""
+def draft_config(
+    name: str, source: Path, examples: Sequence[str], max_batch_size: int | None, aoti: str | None = None
+) -> str:
+    """Load the file on the CPU, read its signature, run it, and return the config text (backend aoti when
+    the program is to be compiled into an AOTInductor package)."""
     import torch
 
     from mpsd.worker.dtypes import datatype_of
@@ -324,6 +328,11 @@ def draft_config(name: str, source: Path, examples: Sequence[str], max_batch_siz
             f"{source}: cannot tell the backend from the suffix '{source.suffix}'",
             "give a TorchScript file (.pt, from torch.jit.save) or a torch.export program "
             "(.pt2, from torch.export.save)",
+        )
+    if aoti is not None and backend != "torch_export":
+        raise ToolError(
+            f"--aoti compiles a torch.export program, and {source.name} is {backend}",
+            "export the model with torch.export.export and torch.export.save it to a .pt2 file first",
         )
     _progress(f"loading {source} ({backend}) on the CPU")
     try:
@@ -359,11 +368,14 @@ def draft_config(name: str, source: Path, examples: Sequence[str], max_batch_siz
         TensorDraft(i.name, wire_to_config(datatype_of(torch.empty(0, dtype=i.dtype))), i.dims)
         for i in inputs
     ]
-    return config_text(name, backend, source, max_batch_size, drafts, outputs)
+    return config_text(name, "aoti" if aoti else backend, source, max_batch_size, drafts, outputs)
 
 
-def publish(repo: Path, name: str, version: int, text: str, source: Path) -> Path:
-    """Write the model into a hidden directory, check it as a worker would, then rename it into place."""
+def publish(repo: Path, name: str, version: int, text: str, source: Path, aoti: str | None = None) -> Path:
+    """Write the model into a hidden directory, check it as a worker would, then rename it into place.
+
+    With `aoti` (a device type), the program is compiled into an AOTInductor package for that device
+    instead of copied, and checked on that device."""
     target = repo / name
     staging = repo / f".{name}.init-{os.getpid()}"
     backend = yaml.safe_load(text)["backend"]
@@ -371,13 +383,21 @@ def publish(repo: Path, name: str, version: int, text: str, source: Path) -> Pat
         model_dir = staging / name
         (model_dir / str(version)).mkdir(parents=True)
         (model_dir / CONFIG_FILE).write_text(text)
-        shutil.copyfile(source, model_dir / str(version) / DEFAULT_FILENAMES[backend])
+        target_file = model_dir / str(version) / DEFAULT_FILENAMES[backend]
+        if aoti is not None:
+            from mpsd.tools.aoti import compile_package
+
+            _progress(f"compiling {source.name} with AOTInductor for {aoti} (this takes a while)")
+            seconds = compile_package(source, target_file, aoti)
+            _progress(f"compiled in {seconds:.1f} s")
+        else:
+            shutil.copyfile(source, target_file)
         model = load_model_source(model_dir)
         if model.error is not None:
             raise ToolError(f"the written config is invalid: {model.error}", "please report this as a bug")
         _progress("checking the new model with the worker's loading and warm-up code")
         try:
-            load_and_warm_up(model, version)
+            load_and_warm_up(model, version, aoti or "cpu")
         except TrialError as exc:
             raise ToolError(
                 f"the new model fails its {exc.stage}: {exc.message}",
@@ -392,7 +412,13 @@ def publish(repo: Path, name: str, version: int, text: str, source: Path) -> Pat
 
 
 def run(
-    name: str, source: Path, examples: Sequence[str], repo: Path, max_batch_size: int | None, version: int
+    name: str,
+    source: Path,
+    examples: Sequence[str],
+    repo: Path,
+    max_batch_size: int | None,
+    version: int,
+    aoti: str | None = None,
 ) -> int:
     if not MODEL_NAME_RE.match(name):
         raise ToolError(
@@ -410,9 +436,9 @@ def run(
             f"{target} already exists",
             f"choose another NAME or remove it; to add a version, copy the file to {target}/<N>/",
         )
-    text = draft_config(name, source, examples, max_batch_size)
+    text = draft_config(name, source, examples, max_batch_size, aoti)
     repo.mkdir(parents=True, exist_ok=True)
-    written = publish(repo, name, version, text, source)
+    written = publish(repo, name, version, text, source, aoti)
     print(text, end="")
     example = " ".join(f"--input {t['name']}=0" for t in yaml.safe_load(text)["input"])
     _progress(

@@ -25,8 +25,9 @@ class TrialError(Exception):
         self.mismatches = mismatches
 
 
-def load_and_warm_up(source: ModelSource, version: int) -> None:
-    """Raise TrialError unless the version loads on the CPU and its warm-up outputs match the config."""
+def load_and_warm_up(source: ModelSource, version: int, device_type: str = "cpu") -> None:
+    """Raise TrialError unless the version loads on the device (the CPU unless an AOTInductor package for
+    another device is checked) and its warm-up outputs match the config."""
     import torch
 
     from mpsd.daemon.supervise.launch import model_spec
@@ -35,7 +36,7 @@ def load_and_warm_up(source: ModelSource, version: int) -> None:
     from mpsd.worker.op_libraries import load_model
 
     spec = model_spec(source, version)
-    device = torch.device("cpu")
+    device = torch.device(device_type)
     torch.set_grad_enabled(False)  # as in the worker: a loaded model never trains
     try:
         check_autocast(spec, device)

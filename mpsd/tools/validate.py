@@ -35,6 +35,11 @@ from mpsd.tools.validate_report import ModelReport, Problem, as_json, render
 BACKEND_BY_SUFFIX = {".pt": "torchscript", ".pt2": "torch_export", ".py": "python"}
 
 
+def _backend_of(name: str) -> str | None:
+    """The backend a file's name suggests (an AOTInductor package is a .aoti.pt2 file)."""
+    return "aoti" if name.endswith(".aoti.pt2") else BACKEND_BY_SUFFIX.get(Path(name).suffix)
+
+
 def _schema_problems(model: str, cfg_path: Path, text: str, exc: ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
@@ -61,10 +66,10 @@ def _missing_file_hint(config: ModelConfig, version_dir: Path) -> str:
     except OSError:
         present = []
     for name in present:
-        backend = BACKEND_BY_SUFFIX.get(Path(name).suffix)
+        backend = _backend_of(name)
         if backend is not None and backend != config.backend and name == DEFAULT_FILENAMES[backend]:
             return f"found {name}: set `backend: {backend}`"
-    candidates = [n for n in present if BACKEND_BY_SUFFIX.get(Path(n).suffix) == config.backend]
+    candidates = [n for n in present if _backend_of(n) == config.backend]
     if candidates:
         found = candidates[0]
         return f"found {found}: rename it to {expected} or set `default_model_filename: {found}`"

@@ -21,7 +21,8 @@ FIELD_HINTS: dict[str, str] = {
     "(max_batch_size > 0 adds it)",
     "data_type": "one of " + ", ".join(get_args(DataType)),
     "kind": "one of " + ", ".join(get_args(Kind)),
-    "backend": "torchscript (reads model.pt), torch_export (model.pt2) or python (model.py)",
+    "backend": "torchscript (reads model.pt), torch_export (model.pt2), aoti (model.aoti.pt2) or python "
+    "(model.py)",
     "max_batch_size": "0 turns batching off; N > 0 makes the first dimension of every input and output the "
     "batch, up to N",
     "count": "1 to 64 worker processes per instance group",

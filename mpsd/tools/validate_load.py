@@ -17,6 +17,8 @@ from mpsd.tools.validate_report import ModelReport, Problem
 LOAD_HINTS = {
     "torchscript": "model.pt must be written by torch.jit.save (a scripted or traced module), not torch.save",
     "torch_export": "model.pt2 must be written by torch.export.save from the same major PyTorch version",
+    "aoti": "model.aoti.pt2 must be written by torch._inductor.aoti_compile_and_package with this PyTorch "
+    "version, for the instance's device type (`mpsd init-model --aoti` writes one)",
     "python": "model.py must define `class Model` with __init__(self, config, device) and "
     "infer(self, inputs)",
 }

@@ -36,6 +36,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     import torch
 
     from mpsd.worker.autocast import AutocastBackend, check_autocast
+    from mpsd.worker.compiled import compile_backend, compile_warmup
     from mpsd.worker.device import DeviceUnavailable, limit_host_threads, select_device
     from mpsd.worker.inference import run_warmup
     from mpsd.worker.op_libraries import load_model
@@ -50,9 +51,12 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
         torch.set_grad_enabled(False)
         check_autocast(spec, device)
         backend = load_model(spec, device)
+        if spec.compile_mode is not None:
+            compile_backend(backend, spec)
         if spec.autocast is not None:
             backend = AutocastBackend(backend, spec, device)
         t1 = time.perf_counter()
+        compile_ms = compile_warmup(spec, backend, device) if spec.compile_mode is not None else None
         run_warmup(spec, backend, device)
         t2 = time.perf_counter()
         recorded: tuple[int, ...] = ()
@@ -69,7 +73,15 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
         _fail_load(sock, f"{type(exc).__name__}: {exc}")
     send_blocking(
         sock,
-        p.Ready(os.getpid(), info.as_dict(), (t1 - t0) * 1e3, (t2 - t1) * 1e3, recorded, (t3 - t2) * 1e3),
+        p.Ready(
+            os.getpid(),
+            info.as_dict(),
+            (t1 - t0) * 1e3,
+            (t2 - t1) * 1e3,
+            recorded,
+            (t3 - t2) * 1e3,
+            compile_ms,
+        ),
     )
     from mpsd.worker.inference import Runner
 
@@ -200,11 +212,13 @@ def _serve(
     import torch
 
     from mpsd.worker.device import host_pinner, is_out_of_memory, memory_counters, release_cached_memory
+    from mpsd.worker.profiling import Profiler
 
     regions = RegionCache(host_pinner(runner.device))
     reader = FrameReader(sock, snapshot_interval_s / 5)
     early: deque[object] = deque()
     last_snapshot = 0.0
+    profiler = Profiler(runner.device, lambda m: send_blocking(sock, m))
     with torch.inference_mode():
         while True:
             if time.monotonic() - last_snapshot >= snapshot_interval_s:
@@ -235,7 +249,13 @@ def _serve(
                         release_cached_memory(runner.device)
                         last_snapshot = 0.0
                     send_blocking(sock, failure)
+                profiler.executed(msg.requests)
+            elif isinstance(msg, p.StartProfile):
+                profiler.start(msg)
+            elif isinstance(msg, p.StopProfile):
+                profiler.stop(msg.profile_id)
             elif isinstance(msg, p.Shutdown):
+                profiler.stop(profiler.profile_id)
                 return
 
 

@@ -178,6 +178,13 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
         )
 
     @rpc
+    async def Profile(self, request: Any, context: Any) -> None:
+        from mpsd.daemon.api.profile import profile
+
+        async for event in profile(self.registry, request):
+            await context.write(event)
+
+    @rpc
     async def Reload(self, request: Any, context: Any) -> Any:
         log.info("reload requested", trigger="admin")
         summary = await self._reload()

@@ -98,8 +98,16 @@ class ModelVersion:
             raise LoadError(self.reason)
         self.state = VersionState.READY
         self.load_duration_s = time.perf_counter() - t0
+        compiled = [
+            ready.compile_ms
+            for i in self.instances
+            if i.worker is not None and (ready := i.worker.ready) is not None and ready.compile_ms is not None
+        ]
+        # optimization.compile: the slowest instance's compile time (instances compile side by side)
+        extra = {"compile_ms": round(max(compiled), 1)} if compiled else {}
         log.info(
             "model version ready",
+            **extra,
             model=self.name,
             version=self.version,
             load_s=round(self.load_duration_s, 3),

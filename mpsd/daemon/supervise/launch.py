@@ -52,6 +52,9 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         op_libraries=source.op_libraries.get(version, ()),
         autocast=config.optimization.autocast,
         decoupled=config.model_transaction_policy.decoupled,
+        compile_mode=compiled.mode if (compiled := config.optimization.compile) is not None else None,
+        compile_dynamic=compiled.dynamic if compiled is not None else None,
+        compile_batch_sizes=config.compile_batch_sizes(),
     )
 
 

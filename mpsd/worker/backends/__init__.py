@@ -27,6 +27,10 @@ def load_backend(spec: ModelSpec, device: torch.device) -> Backend:
             return TorchExportBackend(spec, device)
         with no_unpickling(spec.model_path):
             return TorchExportBackend(spec, device)
+    if spec.backend == "aoti":
+        from mpsd.worker.backends.aoti import AotiBackend
+
+        return AotiBackend(spec, device)
     if spec.backend == "python":
         from mpsd.worker.backends.python_model import PythonBackend
 

@@ -34,6 +34,10 @@ class PythonBackend:
             raise AttributeError(f"{spec.model_path} defines no class Model")
         self._model = model_cls(asdict(spec), device)
 
+    def compile(self, mode: str, dynamic: bool | None) -> None:
+        """torch.compile the model's `infer` (optimization.compile); it compiles on its first calls."""
+        self._model.infer = torch.compile(self._model.infer, mode=mode, dynamic=dynamic)
+
     def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         result = self._model.infer(dict(zip(self._input_names, inputs, strict=True)))
         if inspect.isgenerator(result) or inspect.isasyncgen(result):

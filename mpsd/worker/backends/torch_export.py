@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -15,7 +16,11 @@ class TorchExportBackend:
         self._names = [o.name for o in spec.outputs]
         program = torch.export.load(spec.model_path)
         module = program.module()
-        self._module = module.to(device)
+        self._module: Callable[..., Any] = module.to(device)
+
+    def compile(self, mode: str, dynamic: bool | None) -> None:
+        """torch.compile the program's module (optimization.compile); it compiles on its first calls."""
+        self._module = torch.compile(self._module, mode=mode, dynamic=dynamic)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         return map_outputs(self._module(*inputs), self._names)

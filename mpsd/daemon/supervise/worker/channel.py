@@ -19,11 +19,16 @@ from typing import Any, Protocol, TypeVar, cast
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.daemon.supervise.worker.profiling import ProfileRun
 from mpsd.daemon.supervise.worker.watch import either as _either
 from mpsd.daemon.supervise.worker.watch import watch as _watch
-from mpsd.errors import DeadlineExceeded, Internal, WorkerDied, error_from_code
+from mpsd.errors import DeadlineExceeded, Internal, ResourceExhausted, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
+
+# Silence allowed of a worker from the start of a profile until its ProfileDone: ending the profile and
+# exporting its trace hold the worker's interpreter for seconds after a long window on a busy model.
+PROFILE_PATIENCE_S = 120.0
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -96,6 +101,8 @@ class Channel:
         self._slot_freed = asyncio.Event()
         self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
         self._parts: dict[int, asyncio.Queue[p.StreamPart]] = {}  # req_id -> a stream's parts not yet read
+        self.profile: ProfileRun | None = None  # the one profile of this worker under way
+        self._profile_ids = itertools.count(1)
 
     def expect_reply(self) -> asyncio.Future[object]:
         """The next message from the worker, whatever it is (the answer to Init); fails with ConnectionError
@@ -142,6 +149,12 @@ class Channel:
             entry = self._inflight.pop(msg.req_id, None)
             if entry is not None and not entry[0].done():
                 entry[0].set_result(msg)
+        elif isinstance(msg, (p.ProfileStarted, p.ProfileChunk, p.ProfileDone, p.ProfileFailed)):
+            current = self.profile is not None and msg.profile_id == self.profile.profile_id
+            if isinstance(msg, (p.ProfileDone, p.ProfileFailed)) and (current or self.profile is None):
+                self.liveness.patience_s = 0.0  # the worker's profile is over: the usual timeout again
+            if current and self.profile is not None:
+                self.profile.deliver(msg)
 
     def _on_closed(self, exc: Exception | None) -> None:
         if self._reply is not None and not self._reply.done():
@@ -152,11 +165,39 @@ class Channel:
         """The worker is gone: every execution in flight fails with WorkerDied(message), and no other is
         sent."""
         self.refusing = True
+        if self.profile is not None:
+            self.profile.fail(WorkerDied(message.replace("while running the request", "while profiling")))
         inflight = list(self._inflight.values())
         self._inflight.clear()
         for pending, _ in inflight:
             if not pending.done():
                 pending.set_exception(WorkerDied(message))
+
+    def start_profile(self, requests: int, mps_gpu_trace: bool) -> ProfileRun:
+        """Ask the worker to start profiling; ResourceExhausted while another profile of it is under way."""
+        model = self.model
+        if self.profile is not None:
+            raise ResourceExhausted(
+                f"model '{model.name}' version {model.version}: this worker is already being profiled; "
+                "wait for that profile to end (one at a time per worker)"
+            )
+        if self.refusing or self._transport is None:
+            raise WorkerDied(f"model '{model.name}' version {model.version}: worker is not running")
+        run = self.profile = ProfileRun(next(self._profile_ids))
+        self.liveness.patience_s = PROFILE_PATIENCE_S
+        self.send(p.StartProfile(run.profile_id, requests, mps_gpu_trace))
+        return run
+
+    def stop_profile(self, run: ProfileRun) -> None:
+        """End the window now (its time is up, or its client went away)."""
+        if self.profile is run and not run.finished and not self.refusing and self._transport is not None:
+            self.send(p.StopProfile(run.profile_id))
+
+    def end_profile(self, run: ProfileRun) -> None:
+        """The caller is done with the run: the next profile may start (stopping it first if needed)."""
+        if self.profile is run:
+            self.stop_profile(run)
+            self.profile = None
 
     def close(self) -> None:
         """Close the socket and unmap the slots' regions."""
@@ -236,7 +277,9 @@ class Channel:
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
         in_ref, out_ref = region_ref(in_region), region_ref(out)
-        msg = p.Infer(req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns())
+        msg = p.Infer(
+            req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns(), max(1, len(waiting))
+        )
         pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
         self._inflight[req_id] = (pending, slot)
         self._transport.write(encode(msg))

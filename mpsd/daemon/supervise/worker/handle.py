@@ -100,6 +100,8 @@ class WorkerProcess:
             off = f"off: not on a CUDA device ({device.get('kind')})"
             extra["cuda_graphs"] = list(reply.cuda_graphs) or off
             extra["cuda_graphs_ms"] = round(reply.cuda_graphs_ms, 1)
+        if reply.compile_ms is not None:  # optimization.compile: the compiling warm-up's time
+            extra["compile_ms"] = round(reply.compile_ms, 1)
         log.info(
             "worker ready",
             **extra,

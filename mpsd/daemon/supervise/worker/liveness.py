@@ -33,6 +33,9 @@ class Liveness:
         self._beats: socket.socket | None = None
         self._off = False
         self._watchdog: asyncio.Task[None] | None = None
+        # Longer silence allowed for now (a profile: stopping torch.profiler and exporting its trace hold the
+        # worker's interpreter, heartbeat thread included, for seconds on a busy model); 0: just the timeout
+        self.patience_s = 0.0
 
     @property
     def interval_s(self) -> float:
@@ -88,9 +91,14 @@ class Liveness:
         while not died.is_set():
             await asyncio.sleep(min(1.0, self.timeout_s / 4))
             silent = loop.time() - self.last_seen
-            if silent > self.timeout_s and not died.is_set() and not self._off:
+            if self.too_silent(silent) and not died.is_set() and not self._off:
                 self._hung(f"no heartbeat for {silent:.1f} s")
                 return
+
+    def too_silent(self, silent_s: float) -> bool:
+        """Whether silence this long makes the worker hung (the heartbeat timeout, or the patience allowed
+        for now if longer)."""
+        return silent_s > max(self.timeout_s, self.patience_s)
 
     def snapshot(self, memory: dict[str, int]) -> None:
         """The worker's memory after a request (or after loading)."""

@@ -1,0 +1,215 @@
+"""Compiled models through mpsd: ResNet-50 (torchvision architecture, random weights, fp16 on a GPU) served
+four ways by one daemon, each measured at the same fixed number of clients with dynamic batching on:
+
+  - torchscript: a torch.jit.trace of the module (backend torchscript);
+  - eager: the torch.export program run as it is (backend torch_export, no compile);
+  - compile: the same program with optimization.compile (torch.compile at load, warm-up compiles);
+  - aoti: the program compiled ahead of time by AOTInductor for the device (backend aoti).
+
+Rounds alternate between the four so that drift hits each alike; the summary is each one's median
+throughput and its ratio to torchscript, with the load and compile times from the daemon's ready events.
+
+Usage (on a CUDA machine with torchvision): python -m bench.compiled --out bench/results
+`--tiny --device cpu --out /tmp/x` runs the same steps with a small stand-in model on the CPU (a check of
+the script: AOTInductor and Inductor then compile C++ with the system compiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from bench import common
+from bench.gpu_resnet import IMAGE, TinyStandIn
+from bench.loadgen import ClientPool
+from bench.run import measure
+
+VARIANTS = ("torchscript", "eager", "compile", "aoti")
+FILES = {"torchscript": "model.pt", "eager": "model.pt2", "compile": "model.pt2", "aoti": "model.aoti.pt2"}
+BACKENDS = {"torchscript": "torchscript", "eager": "torch_export", "compile": "torch_export", "aoti": "aoti"}
+
+
+def build_module(args: argparse.Namespace) -> tuple[nn.Module, torch.dtype]:
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    if args.tiny:
+        module: nn.Module = TinyStandIn()
+    else:
+        import torchvision  # type: ignore[import-not-found]
+
+        module = torchvision.models.resnet50(weights=None)
+    return module.eval().to(device=args.device, dtype=dtype), dtype
+
+
+def build_repo(repo: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One model per variant under `repo`; returns the seconds each file took to write (AOTInductor's
+    compile included)."""
+    module, dtype = build_module(args)
+    example = torch.randn((2, *IMAGE), device=args.device, dtype=dtype)
+    batch = torch.export.Dim("batch", min=1, max=args.max_batch)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
+    files = {v: repo / v / "1" / FILES[v] for v in VARIANTS}
+    for path in files.values():
+        path.parent.mkdir(parents=True)
+    torch.jit.save(traced, str(files["torchscript"]))
+    seconds["torchscript"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(files["eager"]))
+    shutil.copyfile(files["eager"], files["compile"])
+    seconds["export"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch._inductor.aoti_compile_and_package(program, package_path=str(files["aoti"]))
+    seconds["aoti_compile"] = time.perf_counter() - t0
+    wire = "TYPE_FP16" if dtype == torch.float16 else "TYPE_FP32"
+    kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
+    for variant in VARIANTS:
+        config: dict[str, Any] = {
+            "backend": BACKENDS[variant],
+            "max_batch_size": args.max_batch,
+            "input": [{"name": "input", "data_type": wire, "dims": list(IMAGE)}],
+            "output": [{"name": "logits", "data_type": wire, "dims": [1000]}],
+            "instance_group": [{"kind": kind, "count": 1}],
+            "dynamic_batching": {
+                "max_queue_delay_microseconds": args.delay_us,
+                "preferred_batch_size": [args.max_batch],
+            },
+        }
+        if variant == "compile":
+            config["optimization"] = {"compile": {"mode": args.compile_mode}}
+        (repo / variant / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return seconds
+
+
+def ready_events(log_path: Path) -> dict[str, dict[str, Any]]:
+    """Each model's "model version ready" event (load_s, compile_ms where compiled)."""
+    found: dict[str, dict[str, Any]] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "model version ready":
+            found[str(event.get("model"))] = {k: event.get(k) for k in ("load_s", "compile_ms")}
+    return found
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    medians = {v: statistics.median(r[v]["throughput_rps"] for r in rounds) for v in VARIANTS}
+    p50 = {v: statistics.median(r[v]["p50_ms"] for r in rounds) for v in VARIANTS}
+    base = medians["torchscript"] or 1.0
+    return {
+        "throughput_rps": medians,
+        "p50_ms": p50,
+        "ratio_to_torchscript": {v: medians[v] / base for v in VARIANTS},
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["settings"]
+    summary = results["summary"]
+    lines = [
+        f"# Compiled models through mpsd ({'stand-in' if s['tiny'] else 'ResNet-50'}, {s['device']})",
+        "",
+        f"{s['clients']} clients, one {list(IMAGE)} image per request, dynamic batching up to "
+        f"{s['max_batch']}, {s['rounds']} rounds of {s['duration']:g} s; medians.",
+        "",
+        "| variant | throughput (req/s) | vs torchscript | p50 (ms) | load (s) | compile (ms) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for v in VARIANTS:
+        ready = results["ready"].get(v, {})
+        compiled = ready.get("compile_ms")
+        lines.append(
+            f"| {v} | {summary['throughput_rps'][v]:.0f} | {summary['ratio_to_torchscript'][v]:.2f}x | "
+            f"{summary['p50_ms'][v]:.2f} | {ready.get('load_s', 0):.1f} | "
+            f"{'-' if compiled is None else f'{compiled:.0f}'} |"
+        )
+    built = results["build_s"]
+    lines += ["", f"AOTInductor compile of the package: {built['aoti_compile']:.1f} s (before serving)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a small stand-in instead of ResNet-50")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--delay-us", type=int, default=2000, help="max_queue_delay_microseconds")
+    parser.add_argument(
+        "--compile-mode", default="max-autotune-no-cudagraphs", help="optimization.compile.mode"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--name", default="compiled")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    work = Path(tempfile.mkdtemp(prefix="mpsd-bench-compiled-"))
+    wire = "FP16" if args.device == "cuda" else "FP32"
+    results: dict[str, Any] = {
+        "machine": common.machine_info(),
+        "torch": torch.__version__,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    per_proc = max(1, args.clients // args.client_processes)
+    try:
+        results["build_s"] = build_repo(work / "repo", args)
+        print(f"models written ({time.time() - started:.0f} s)", flush=True)
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}
+        server = common.start_mpsd(work / "repo", work, env=env)
+        pool = ClientPool(args.client_processes)
+        try:
+            results["ready_s"] = server.wait_ready(timeout_s=1800.0)
+            results["ready"] = ready_events(server.log_path)
+            print(f"mpsd ready in {results['ready_s']:.1f} s: {results['ready']}", flush=True)
+            requests = {v: common.infer_request(v, [1, *IMAGE], wire, input_name="input") for v in VARIANTS}
+            for v in VARIANTS:  # warm-up at the batch sizes the load forms
+                measure(pool, server, requests[v], per_proc, args.client_processes, args.warmup * 2, 0.0)
+            rounds = []
+            for r in range(args.rounds):
+                order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+                row = {
+                    v: measure(
+                        pool, server, requests[v], per_proc, args.client_processes, args.duration, args.warmup
+                    )
+                    for v in order
+                }
+                rounds.append(row)
+                line = ", ".join(f"{v} {row[v]['throughput_rps']:.0f}/s" for v in VARIANTS)
+                print(f"  round {r + 1}: {line}", flush=True)
+            results["rounds"] = rounds
+            results["summary"] = summarize(rounds)
+        finally:
+            server.stop()
+            pool.close()
+        results["wall_s"] = time.time() - started
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stem = args.out / args.name
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    stem.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
