@@ -24,7 +24,7 @@ from mpsd.config.model_config import DEFAULT_FILENAMES
 from mpsd.config.repository import CONFIG_FILE, MODEL_NAME_RE, load_model_source
 from mpsd.ipc.dtypes import config_to_wire, wire_to_config
 from mpsd.tools.common import ToolError
-from mpsd.tools.trial import TrialError, load_and_warm_up
+from mpsd.tools.trial import TrialError, load_and_warm_up, load_and_warm_up_apart
 
 if TYPE_CHECKING:
     import torch
@@ -397,7 +397,10 @@ def publish(repo: Path, name: str, version: int, text: str, source: Path, aoti: 
             raise ToolError(f"the written config is invalid: {model.error}", "please report this as a bug")
         _progress("checking the new model with the worker's loading and warm-up code")
         try:
-            load_and_warm_up(model, version, aoti or "cpu")
+            if aoti is not None:
+                load_and_warm_up_apart(model_dir, version, aoti)
+            else:
+                load_and_warm_up(model, version)
         except TrialError as exc:
             raise ToolError(
                 f"the new model fails its {exc.stage}: {exc.message}",

@@ -6,6 +6,9 @@ here" means "a worker would load it": the same backend classes, the same warm-up
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpsd.config.repository import ModelSource
@@ -51,3 +54,33 @@ def load_and_warm_up(source: ModelSource, version: int, device_type: str = "cpu"
         raise TrialError("run", f"{type(exc).__name__}: {exc}") from exc
     if mismatch is not None:
         raise TrialError("warm-up", str(mismatch), mismatch.outputs)
+
+
+_APART = """
+import sys
+from pathlib import Path
+from mpsd.config.repository import load_model_source
+from mpsd.tools.trial import TrialError, load_and_warm_up
+try:
+    load_and_warm_up(load_model_source(Path(sys.argv[1])), int(sys.argv[2]), sys.argv[3])
+except TrialError as exc:
+    print(f"{exc.stage}\\t{exc.message}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def load_and_warm_up_apart(model_dir: Path, version: int, device_type: str) -> None:
+    """`load_and_warm_up` in a fresh process, as a worker starts: a process that has just compiled an
+    AOTInductor package holds compiler and CUDA state that loading the package beside it can crash on."""
+    done = subprocess.run(
+        [sys.executable, "-c", _APART, str(model_dir), str(version), device_type],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode == 0:
+        return
+    last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+    stage, tab, message = last.partition("\t")
+    if done.returncode == 1 and tab:
+        raise TrialError(stage, message)
+    raise TrialError("load", f"the checking process ended with status {done.returncode}: {last}")
