@@ -42,6 +42,8 @@ class LoadSpec:
     warmup_s: float
     method: str = INFER_METHOD
     protocol: str = "grpc"  # or "http": `request` is then a whole HTTP/1.1 request, `address` host:port
+    # channel options beyond the message sizes (a service config for client-side balancing, for instance)
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -104,7 +106,7 @@ def _run_async(target: str, spec: LoadSpec, start_at: float) -> Outcome:
     state: dict[str, Any] = {"errors": 0, "first_error": "", "response": b"", "completed": 0}
 
     async def main() -> None:
-        async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        async with grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *spec.options]) as channel:
             call = channel.unary_unary(spec.method)
             await call(spec.request)  # connect before the clock starts
             while time.time() < start_at:
@@ -270,11 +272,12 @@ def _client_main(conn: Connection) -> None:
                 run = _run_http_sync if spec.concurrency == 1 else _run_http_async
                 conn.send(("ok", run(spec, start_at)))
             elif spec.concurrency == 1:
-                channel = channels.get(spec.address)
+                key = f"{spec.address} {spec.options}"
+                channel = channels.get(key)
                 if channel is None:
-                    channel = grpc.insecure_channel(spec.address, options=CHANNEL_OPTIONS)
+                    channel = grpc.insecure_channel(spec.address, options=[*CHANNEL_OPTIONS, *spec.options])
                     grpc.channel_ready_future(channel).result(timeout=30)
-                    channels[spec.address] = channel
+                    channels[key] = channel
                 conn.send(("ok", _run_sync(channel, spec, start_at)))
             else:
                 conn.send(("ok", _run_async(spec.address, spec, start_at)))

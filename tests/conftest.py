@@ -59,9 +59,11 @@ class RunningDaemon:
         extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
         config: Path | None = None,
+        shutdown_grace: float | None = 0.0,
+        port: int | None = None,
     ) -> None:
         self.repo = repo
-        self.port = free_port()
+        self.port = port if port is not None else free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.http_address = f"127.0.0.1:{free_port()}"  # every daemon its own HTTP port, unless given
         self.log_path = log_path
@@ -77,6 +79,8 @@ class RunningDaemon:
         ]
         if config is not None:
             args += ["--config", str(config)]
+        if shutdown_grace is not None:  # tests stop many daemons: no grace unless asked (None: config's)
+            args += ["--shutdown-grace", str(shutdown_grace)]
         args += extra_args or []
         if "--http-address" in args:
             self.http_address = args[len(args) - 1 - args[::-1].index("--http-address") + 1]

@@ -409,6 +409,15 @@ def test_dry_run_prints_unit_and_commands_and_runs_nothing(env: Env) -> None:
     assert f"$ systemctl --user enable --now {UNIT}" in proc.stdout
 
 
+def test_stop_timeout_allows_the_shutdown_grace_and_the_drain_from_the_config(env: Env) -> None:
+    """The daemon keeps serving for shutdown_grace_s after SIGTERM before its drain: SIGKILL must wait."""
+    env.config.write_text("drain_timeout_s: 30\nshutdown_grace_s: 100\n")
+    proc = env.cli("install", "--config", str(env.config), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("TimeoutStopSec=")]
+    assert int(line.split("=", 1)[1]) > 130
+
+
 def test_dry_run_system_scope_uses_system_manager(env: Env) -> None:
     proc = env.cli(
         "install", "--system", "--config", str(env.config), "--dry-run", "--service-home", "/var/lib/mpsd"

@@ -57,6 +57,8 @@ def _load(args: argparse.Namespace, config_path: Path | None) -> DaemonConfig:
         config.log_level = args.log_level
     if args.front_processes is not None:
         config.front_processes = args.front_processes
+    if args.shutdown_grace is not None:
+        config.shutdown_grace_s = args.shutdown_grace
     check_servable(config)
     return config
 
@@ -143,6 +145,13 @@ def add_serve_parser(subparsers: Any) -> None:
         "--front-processes",
         type=lambda v: v if v == "auto" else int(v),
         help="gRPC front processes sharing the port (Linux; 0: none; default: the config's, auto)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        metavar="SECONDS",
+        help="at SIGTERM, seconds health says NOT_SERVING while new calls are still served, before the "
+        "drain (default: the config's shutdown_grace_s, 5)",
     )
     serve.add_argument(
         "--on-config-error",

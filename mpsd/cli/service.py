@@ -25,6 +25,7 @@ from mpsd.service.spec import (
     DEFAULT_CONFIG,
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_LABEL,
+    DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_THROTTLE_S,
     DEFAULT_UNIT,
@@ -37,6 +38,7 @@ from mpsd.service.spec import (
     make_target,
     parse_env_assignments,
     service_account_home,
+    shutdown_grace_from_config,
 )
 from mpsd.service.systemctl import SystemdManager
 
@@ -134,6 +136,7 @@ def _install(args: argparse.Namespace) -> int:
     drain = args.drain_timeout
     if drain is None:
         drain = drain_timeout_from_config(config) or DEFAULT_DRAIN_TIMEOUT_S
+    grace = shutdown_grace_from_config(config)
     address = args.address or health_address_from_config(config) or DEFAULT_ADDRESS
     service_user = args.service_user or manager.default_service_user
     if scope is Scope.SYSTEM and not args.dry_run:
@@ -145,6 +148,7 @@ def _install(args: argparse.Namespace) -> int:
         base_path=manager.base_path,
         python=args.python,
         drain_timeout_s=drain,
+        shutdown_grace_s=DEFAULT_SHUTDOWN_GRACE_S if grace is None else grace,
         throttle_s=args.throttle_interval,
         watchdog_s=args.watchdog_sec,
         start_timeout_s=args.start_timeout,

@@ -68,6 +68,22 @@ class DaemonConfig(BaseModel):
     drain_timeout_s: Annotated[float, Field(gt=0)] = Field(
         30.0, description="How long in-flight requests may take to finish at shutdown or unload."
     )
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = Field(
+        5.0,
+        description="At SIGTERM, how long health already reports NOT_SERVING (HTTP readiness 503) while new "
+        "calls are still served, so that load balancers and health-checking clients stop sending before "
+        "the drain (drain_timeout_s) refuses calls. 0: drain at once.",
+    )
+    max_connection_age_s: Annotated[float, Field(ge=0)] = Field(
+        0.0,
+        description="gRPC: a client connection older than this (give or take 10%) is asked to reconnect "
+        "(HTTP/2 GOAWAY), so that long-lived clients rebalance over hosts added since. 0: never.",
+    )
+    max_connection_age_grace_s: Annotated[float, Field(ge=0)] = Field(
+        30.0,
+        description="gRPC: how long calls in progress on a connection past max_connection_age_s may take "
+        "before it is closed.",
+    )
     worker_start_timeout_s: Annotated[float, Field(gt=0)] = Field(
         300.0, description="Longest a worker may take to load and warm up its model."
     )

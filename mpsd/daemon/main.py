@@ -6,6 +6,7 @@ Signal handlers only set flags and wake the main loop; the loop does the work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import signal
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from mpsd.logs.events import BUS
 from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, AuthInterceptor, build_policy
 from mpsd.net.certificates import Certificates, TlsMaterial, check_replacement
-from mpsd.net.listen import Address, bind, http_address, parse_address
+from mpsd.net.listen import Address, bind, connection_age_options, http_address, parse_address
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 
@@ -74,7 +75,9 @@ class Daemon:
         self.registry.op_library_dirs = tuple(config.op_library_dirs)
         self.reconciler = Reconciler(self.registry)
         self.notifier = SdNotifier()
-        self.shutting_down = False
+        self.shutting_down = False  # from the stop signal on: health says NOT_SERVING
+        self.refusing = False  # from the end of shutdown_grace_s on: new calls are refused
+        self._skip_grace = asyncio.Event()
         self.health = HealthService(
             registry_status(self.registry, lambda: self.shutting_down, {ADMIN_SERVICE})
         )
@@ -89,7 +92,9 @@ class Daemon:
         self._auth: AuthInterceptor | None = None  # made with the gRPC server
         self._certificates: Certificates | None = None  # the daemon's own TLS port, without fronts
         self._core_dir: Path | None = None
-        self.servicer = InferenceServicer(self.registry, lambda: self.shutting_down, config.model_control)
+        self.servicer = InferenceServicer(
+            self.registry, lambda: self.shutting_down, config.model_control, lambda: self.refusing
+        )
         self.http: HttpEndpoint | None = None  # made with the gRPC server, when http_address is set
 
     def _policy(
@@ -118,6 +123,8 @@ class Daemon:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
+                # only on the public port: the fronts' connections to the core socket stay
+                *([] if front_count(self.config) else self._connection_age()),
             ],
         )
         add_inference_service(self.servicer, server)
@@ -151,6 +158,10 @@ class Daemon:
             policy = self._policy(self.config.auth, tokens, http)
             self.http = HttpEndpoint(http, self.servicer.ops, policy, limit, tls)
         return server
+
+    def _connection_age(self) -> list[tuple[str, int]]:
+        config = self.config
+        return connection_age_options(config.max_connection_age_s, config.max_connection_age_grace_s)
 
     def _remove_core_dir(self) -> None:
         if self._core_dir is not None:
@@ -314,6 +325,9 @@ class Daemon:
         if self._stop.is_set():
             log.warning("second stop signal: ending the drain now")
             self.config.drain_timeout_s = 0.0
+            self._skip_grace.set()
+            if not self.refusing:  # still in the grace: the drain, next, now takes no time
+                return
             if self.fronts is not None:
                 self.fronts.hurry()
             if self.http is not None:
@@ -321,13 +335,30 @@ class Daemon:
             if self._server is not None:
                 self._hurry = asyncio.ensure_future(self._server.stop(0))
             return
-        log.info("stopping: draining in-flight requests", drain_timeout_s=self.config.drain_timeout_s)
+        log.info(
+            "stopping: health not serving",
+            shutdown_grace_s=self.config.shutdown_grace_s,
+            drain_timeout_s=self.config.drain_timeout_s,
+        )
         self.shutting_down = True
         self._stop.set()
+
+    async def _grace(self) -> None:
+        """Health already says NOT_SERVING; new calls are still served for shutdown_grace_s (or until a
+        second stop signal), so that balancers and clients that check health stop sending first."""
+        grace = self.config.shutdown_grace_s
+        if grace <= 0 or self._skip_grace.is_set():
+            return
+        log.info("health not serving; still serving new calls before the drain", shutdown_grace_s=grace)
+        with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not yet the builtin TimeoutError
+            await asyncio.wait_for(self._skip_grace.wait(), grace)
 
     async def _shutdown(self) -> None:
         self.notifier.stopping()
         await self._update_health()
+        await self._grace()
+        self.refusing = True
+        log.info("stopping: draining in-flight requests", drain_timeout_s=self.config.drain_timeout_s)
         self.admin.close()
         assert self._server is not None
         drain = self.config.drain_timeout_s

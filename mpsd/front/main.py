@@ -30,7 +30,7 @@ from mpsd.logs import LEVELS, configure, set_level
 from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, build_policy, import_tokens, refusal
 from mpsd.net.certificates import Certificates, TlsMaterial
-from mpsd.net.listen import bind, parse_address
+from mpsd.net.listen import bind, connection_age_options, parse_address
 from mpsd.net.methods import served_methods
 
 log = structlog.get_logger("mpsd.front")
@@ -260,7 +260,8 @@ async def serve(sock: socket.socket) -> int:
             auth = AuthConfig.model_validate(access.auth)
             return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
 
-        server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1)])
+        age = connection_age_options(config.max_connection_age_s, config.max_connection_age_grace_s)
+        server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1), *age])
         relay = Relay(link, channel, access_policy(settings.access)[0])
         server.add_generic_rpc_handlers([relay])
 

@@ -128,6 +128,17 @@ def prepare_socket_path(address: Address, setting: str = "grpc_address") -> None
         remove_stale_socket(address.unix_path)
 
 
+def connection_age_options(max_age_s: float, grace_s: float) -> list[tuple[str, int]]:
+    """gRPC server options that end a client connection past `max_age_s` (GOAWAY: the client reconnects,
+    perhaps to another host) after `grace_s` for the calls in progress on it; none when `max_age_s` is 0."""
+    if max_age_s <= 0:
+        return []
+    return [
+        ("grpc.max_connection_age_ms", max(1, round(max_age_s * 1000))),
+        ("grpc.max_connection_age_grace_ms", round(grace_s * 1000)),
+    ]
+
+
 def bind(server: grpc.aio.Server, address: Address, certificates: Certificates | None) -> None:
     """Add the listening port (over TLS with `certificates`); for a Unix socket, make the file 0600 before
     anyone can use it."""

@@ -25,6 +25,7 @@ DEFAULT_UNIT = "mpsd.service"
 DEFAULT_ADDRESS = "127.0.0.1:8001"
 DEFAULT_CONFIG = "config/mpsd.yaml"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_SHUTDOWN_GRACE_S = 5.0  # the daemon's shutdown_grace_s default
 DEFAULT_THROTTLE_S = 10
 DEFAULT_WATCHDOG_S = 30
 DEFAULT_START_TIMEOUT_S = 300
@@ -65,6 +66,7 @@ class ServiceSpec:
     working_dir: str
     environment: Mapping[str, str]
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     throttle_s: int = DEFAULT_THROTTLE_S
     watchdog_s: int = DEFAULT_WATCHDOG_S
     start_timeout_s: int = DEFAULT_START_TIMEOUT_S
@@ -77,8 +79,9 @@ class ServiceSpec:
 
     @property
     def exit_timeout_s(self) -> int:
-        """SIGTERM-to-SIGKILL grace: longer than the drain so in-flight requests are never cut off."""
-        return math.ceil(self.drain_timeout_s) + STOP_MARGIN_S
+        """SIGTERM-to-SIGKILL grace: longer than the daemon's shutdown grace (still serving, health saying
+        NOT_SERVING) and its drain together, so in-flight requests are never cut off."""
+        return math.ceil(self.shutdown_grace_s + self.drain_timeout_s) + STOP_MARGIN_S
 
 
 def make_target(
@@ -146,6 +149,14 @@ def drain_timeout_from_config(config: Path) -> float | None:
     return float(value)
 
 
+def shutdown_grace_from_config(config: Path) -> float | None:
+    """Read only `shutdown_grace_s` from the daemon config: ExitTimeOut must exceed it and the drain."""
+    value = _config_mapping(config).get("shutdown_grace_s")
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return None
+    return float(value)
+
+
 def health_address_from_config(config: Path) -> str | None:
     """`grpc_address` from the daemon config, with a wildcard host replaced by loopback for polling."""
     value = _config_mapping(config).get("grpc_address")
@@ -177,6 +188,7 @@ def make_spec(
     base_path: str,
     python: str | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
     throttle_s: int = DEFAULT_THROTTLE_S,
     watchdog_s: int = DEFAULT_WATCHDOG_S,
     start_timeout_s: int = DEFAULT_START_TIMEOUT_S,
@@ -210,6 +222,7 @@ def make_spec(
         working_dir=str(workdir),
         environment=env,
         drain_timeout_s=drain_timeout_s,
+        shutdown_grace_s=shutdown_grace_s,
         throttle_s=throttle_s,
         watchdog_s=watchdog_s,
         start_timeout_s=start_timeout_s,

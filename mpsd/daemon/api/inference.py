@@ -51,9 +51,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     """The gRPC adapter over `Operations`: protobuf in, protobuf out."""
 
     def __init__(
-        self, registry: Registry, shutting_down: Callable[[], bool], model_control: str = "watch"
+        self,
+        registry: Registry,
+        shutting_down: Callable[[], bool],
+        model_control: str = "watch",
+        refusing: Callable[[], bool] | None = None,
     ) -> None:
-        self.ops = Operations(registry, shutting_down, model_control)
+        self.ops = Operations(registry, shutting_down, model_control, refusing=refusing)
         self.registry = registry
         self.client_shm = self.ops.client_shm
 

@@ -52,9 +52,12 @@ class Operations:
         shutting_down: Callable[[], bool],
         model_control: str = "watch",
         client_shm: ClientShmRegistry | None = None,
+        refusing: Callable[[], bool] | None = None,
     ) -> None:
         self.registry = registry
-        self.shutting_down = shutting_down
+        self.shutting_down = shutting_down  # health and readiness say no from the stop signal on
+        # new calls are refused once the shutdown grace is over (at once, when not told)
+        self.refusing = refusing if refusing is not None else shutting_down
         self.model_control = model_control
         self.client_shm = client_shm if client_shm is not None else ClientShmRegistry()
 

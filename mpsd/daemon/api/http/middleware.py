@@ -1,7 +1,9 @@
 """What every HTTP request goes through around its handler: the drain, access control, and errors.
 
-- Once shutdown has begun, every request is answered 503 at once (health checks included), while the
-  requests already in progress finish: a load balancer stops sending before the port closes.
+- Once shutdown has begun, readiness is answered 503 at once while other requests are still served for
+  the shutdown grace (`shutdown_grace_s`); then every request but liveness is answered 503, while the
+  requests already in progress finish: a load balancer stops sending before anything is refused, and
+  before the port closes.
 - Each route stands for a KServe RPC, whose access category (`net.auth`) decides with the `Authorization:
   Bearer` header, exactly as on gRPC: the request is refused before its body is read, and before a client
   that sent `Expect: 100-continue` is told to send it.
@@ -26,6 +28,7 @@ from mpsd.net.status import http_status
 from .responses import error_response
 
 LIVE = "/v2/health/live"
+READINESS = frozenset({"ServerReady", "ModelReady"})  # the RPCs that say no from the stop signal on
 
 log = structlog.get_logger("mpsd.daemon.http")
 
@@ -44,10 +47,17 @@ class Gate:
 
     __middleware_version__ = 1  # what aiohttp's `web.middleware` marks: a new-style middleware
 
-    def __init__(self, policy: AccessPolicy, shutting_down: Callable[[], bool], limit: int) -> None:
+    def __init__(
+        self,
+        policy: AccessPolicy,
+        shutting_down: Callable[[], bool],
+        limit: int,
+        refusing: Callable[[], bool] | None = None,
+    ) -> None:
         self.policy = policy
         self.limit = limit  # the largest body accepted, in bytes
         self.shutting_down = shutting_down
+        self.refusing = refusing if refusing is not None else shutting_down
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -68,9 +78,12 @@ class Gate:
 
     def _admit(self, request: web.Request) -> None:
         """Raise what refuses the request before anything of its body is read: the drain, access."""
-        if self.shutting_down() and request.path != LIVE:  # live stays true while in-flight work ends
+        handler = request.match_info.handler
+        readiness = getattr(handler, RPC_KEY, None) in READINESS
+        # live stays true while in-flight work ends; readiness says no from the signal, the rest after grace
+        if request.path != LIVE and (self.refusing() or (readiness and self.shutting_down())):
             raise Unavailable("the daemon is shutting down")
-        method = rpc_of(request.match_info.handler)
+        method = rpc_of(handler)
         if method is not None:
             credentials = [("authorization", v) for v in request.headers.getall("Authorization", ())]
             refused = self.policy.check(method, credentials)

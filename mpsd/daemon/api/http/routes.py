@@ -71,7 +71,7 @@ def add_routes(app: web.Application, ops: Operations, limit: int, gate: Gate) ->
 
 def build_app(ops: Operations, policy: AccessPolicy, limit: int) -> tuple[web.Application, Gate]:
     """The application serving `ops`; bodies over `limit` bytes are refused (413)."""
-    gate = Gate(policy, ops.shutting_down, limit)
+    gate = Gate(policy, ops.shutting_down, limit, ops.refusing)
     app = web.Application(middlewares=[gate], client_max_size=limit)
     add_routes(app, ops, limit, gate)
     return app, gate
