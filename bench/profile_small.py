@@ -132,7 +132,8 @@ def main() -> None:
     parser.add_argument(
         "--native",
         action="store_true",
-        help="py-spy --native (C and Cython frames too; pauses the processes to sample, so slower)",
+        help="py-spy --native (C and Cython frames too; pauses the processes to sample, so slower; it "
+        "samples idle threads too, so the JSON's shares are not busy shares: read the raw profiles)",
     )
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     args = parser.parse_args()
