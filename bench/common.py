@@ -36,7 +36,14 @@ def free_port() -> int:
 class Server:
     """A server process on loopback (mpsd or the floor), with a stub for control RPCs."""
 
-    def __init__(self, args: list[str], log_path: Path, address: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        address: str,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.address = address
         self.http_address: str | None = None  # mpsd's HTTP/REST port
         self.log_path = log_path
@@ -49,7 +56,7 @@ class Server:
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
-            cwd=ROOT,
+            cwd=cwd or ROOT,
         )
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)  # type: ignore[no-untyped-call]

@@ -14,6 +14,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = ["--nonblocking"]
+RATE = 250
 
 
 def worker_pid(log_path: Path, model: str) -> int:
@@ -54,7 +55,7 @@ class PySpy:
             print("py-spy not found: no profile taken")
             return self
         for name, pid in self.pids.items():
-            cmd = [exe, "record", "--format", "raw", "--rate", "250", *EXTRA]
+            cmd = [exe, "record", "--format", "raw", "--rate", str(RATE), *EXTRA]
             cmd += ["--duration", str(int(self.duration_s + 0.999)), "-o", str(self.paths[name])]
             cmd += ["--pid", str(pid)]
             self._procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -15,6 +15,36 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "7": [("p50 HTTP / gRPC, one client", "<=", 1.3)],
 }
 
+# The speed work's targets, with MLServer as the peer (scenarios 1-3): scenario -> (what, comparison,
+# target, summary key, the peer the ratio needs or None). Each is judged against both of MLServer's
+# configurations that ran (bench/mlserver_peer.py).
+PEER_TARGETS: dict[str, list[tuple[str, str, float, str, str | None]]] = {
+    "1": [
+        ("mean latency mpsd / MLServer (in-process)", "<=", 0.9, "ratio_mean_mpsd_mlserver", "mlserver"),
+        (
+            "mean latency mpsd / MLServer (1 parallel worker)",
+            "<=",
+            0.9,
+            "ratio_mean_mpsd_mlserver_w1",
+            "mlserver_w1",
+        ),
+    ],
+    "2": [
+        ("throughput mpsd / MLServer (in-process)", ">=", 1.3, "ratio_throughput_mpsd_mlserver", "mlserver"),
+        (
+            "throughput mpsd / MLServer (1 parallel worker)",
+            ">=",
+            1.3,
+            "ratio_throughput_mpsd_mlserver_w1",
+            "mlserver_w1",
+        ),
+        ("throughput mpsd / floor (speed-work target)", ">=", 0.6, "ratio_throughput_mpsd_floor", None),
+    ],
+    "3": [("p50 floor / mpsd (mpsd's speed against the floor's)", ">=", 0.85, "ratio_p50_floor_mpsd", None)],
+}
+PEERS = ("mlserver", "mlserver_w1")
+PEER_LABELS = {"mlserver": "MLServer (in-process)", "mlserver_w1": "MLServer (1 parallel worker)"}
+
 
 def med(values: list[float]) -> float:
     values = [v for v in values if v == v]  # drop NaN
@@ -32,8 +62,9 @@ def latency_line(row: dict[str, Any]) -> str:
     m, f, i = row["mpsd"], row["floor"], row["inprocess"]
     return (
         f"p50 mpsd {m['p50_ms']:.3f} ms, floor {f['p50_ms']:.3f} ms, in-process {i['p50_ms']:.4f} ms "
-        f"(x{_ratio(m['p50_ms'], f['p50_ms']):.2f}); p99 mpsd {m['p99_ms']:.3f}, floor {f['p99_ms']:.3f} "
-        f"[load {row['load_average_1m']:.1f}]"
+        f"(x{_ratio(m['p50_ms'], f['p50_ms']):.2f}); p99 mpsd {m['p99_ms']:.3f}, floor {f['p99_ms']:.3f}"
+        + "".join(f"; {p} p50 {row[p]['p50_ms']:.3f} mean {row[p]['mean_ms']:.3f}" for p in PEERS if p in row)
+        + f" [load {row['load_average_1m']:.1f}]"
     )
 
 
@@ -41,7 +72,9 @@ def throughput_line(row: dict[str, Any]) -> str:
     m, f = row["mpsd"], row["floor"]
     return (
         f"mpsd {m['throughput_rps']:.0f}/s, floor {f['throughput_rps']:.0f}/s "
-        f"(x{_ratio(m['throughput_rps'], f['throughput_rps']):.2f}) [load {row['load_average_1m']:.1f}]"
+        f"(x{_ratio(m['throughput_rps'], f['throughput_rps']):.2f})"
+        + "".join(f", {p} {row[p]['throughput_rps']:.0f}/s" for p in PEERS if p in row)
+        + f" [load {row['load_average_1m']:.1f}]"
     )
 
 
@@ -99,7 +132,8 @@ def summarize_latency(s: dict[str, Any]) -> dict[str, Any]:
     for who in ("mpsd", "floor", "inprocess"):
         out[who] = {k: med([r[who][k] for r in rounds]) for k in ("p50_ms", "p99_ms", "mean_ms")}
     hop = "floor_hop" in rounds[0]
-    for who in ("mpsd", "floor", *(["floor_hop"] if hop else [])):
+    peers = [p for p in PEERS if p in rounds[0]]
+    for who in ("mpsd", "floor", *(["floor_hop"] if hop else []), *peers):
         out[who] = {k: med([r[who][k] for r in rounds]) for k in ("p50_ms", "p99_ms", "mean_ms")}
         out[who]["cpu_us_per_request"] = {
             k: med([r[who]["cpu_us_per_request"][k] for r in rounds])
@@ -115,6 +149,10 @@ def summarize_latency(s: dict[str, Any]) -> dict[str, Any]:
         [_ratio(r["mpsd"]["p50_ms"], r["inprocess"]["p50_ms"]) for r in rounds]
     )
     out["added_p50_ms_over_floor"] = out["mpsd"]["p50_ms"] - out["floor"]["p50_ms"]
+    out["ratio_p50_floor_mpsd"] = med([_ratio(r["floor"]["p50_ms"], r["mpsd"]["p50_ms"]) for r in rounds])
+    for p in peers:
+        for k in ("p50", "mean", "p99"):
+            out[f"ratio_{k}_mpsd_{p}"] = med([_ratio(r["mpsd"][f"{k}_ms"], r[p][f"{k}_ms"]) for r in rounds])
     return out
 
 
@@ -122,7 +160,8 @@ def summarize_throughput(s: dict[str, Any]) -> dict[str, Any]:
     rounds = s["rounds"]
     out: dict[str, Any] = {}
     hop = "floor_hop" in rounds[0]
-    for who in ("mpsd", "floor", *(["floor_hop"] if hop else [])):
+    peers = [p for p in PEERS if p in rounds[0]]
+    for who in ("mpsd", "floor", *(["floor_hop"] if hop else []), *peers):
         out[who] = {k: med([r[who][k] for r in rounds]) for k in ("throughput_rps", "p50_ms", "p99_ms")}
         out[who]["cpu_us_per_request"] = {
             k: med([r[who]["cpu_us_per_request"][k] for r in rounds])
@@ -135,6 +174,10 @@ def summarize_throughput(s: dict[str, Any]) -> dict[str, Any]:
     out["ratio_throughput_mpsd_floor"] = med(
         [_ratio(r["mpsd"]["throughput_rps"], r["floor"]["throughput_rps"]) for r in rounds]
     )
+    for p in peers:
+        out[f"ratio_throughput_mpsd_{p}"] = med(
+            [_ratio(r["mpsd"]["throughput_rps"], r[p]["throughput_rps"]) for r in rounds]
+        )
     if "batches" in rounds[0]["mpsd"]:  # results from before the batcher's sizes were recorded have none
         merged: dict[str, dict[str, int]] = {}
         for r in rounds:
@@ -270,6 +313,16 @@ def verdicts(scenarios: dict[str, Any]) -> dict[str, Any]:
                 continue
             met = value <= target if op == "<=" else value >= target
             checks.append({"what": what, "value": round(value, 3), "target": f"{op} {target}", "met": met})
+        summary = s.get("summary", {})
+        for what, op, target, name, peer in PEER_TARGETS.get(key, []):
+            ran = peer is None or any(peer in r for r in s.get("rounds", [])[:1])
+            value = summary.get(name)
+            if not ran or value is None:
+                continue
+            met = value <= target if op == "<=" else value >= target
+            checks.append(
+                {"what": what, "value": round(value, 3), "target": f"{op} {target}", "met": met, "peer": True}
+            )
         out[key] = {"checks": checks, "met": all(c["met"] for c in checks)}
     return out
 
@@ -303,6 +356,21 @@ def _cpu(c: dict[str, float]) -> str:
     return f"{c['server']:.0f} / {c['workers']:.0f} / {c['clients']:.0f}"
 
 
+def _peer_lines(info: dict[str, Any] | None) -> list[str]:
+    if not info:
+        return []
+    if "skipped" in info:
+        return [f"- MLServer: not run ({info['skipped']})."]
+    v = info["versions"]
+    return [
+        f"- MLServer {v['mlserver']} (Python {v['python']}, grpcio {v['grpcio']}, protobuf {v['protobuf']}, "
+        f"numpy {v['numpy']}, uvloop {v['uvloop']}), in its own virtual environment; the identity models "
+        f"as a custom runtime ({info['runtime']}); {info['settings']}. Two configurations: "
+        "parallel_workers 0 (the model in the server's process) and 1 (MLServer's default: one inference "
+        "worker process). Its adaptive batching is off (its default).",
+    ]
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# mpsd overhead benchmark", ""]
     lines += machine_lines(results["machine"])
@@ -324,6 +392,7 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     if st.get("mpsd_env"):
         lines.append(f"- Daemon and worker environment: {', '.join(st['mpsd_env'])}.")
+    lines += _peer_lines(results.get("mlserver"))
     lines.append("")
     verdicts_ = results.get("verdicts", {})
     sc = results["scenarios"]
@@ -331,7 +400,18 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["## Targets", "", "| scenario | measure | result |", "|---|---|---|"]
         for key in sorted(verdicts_):
             for check in verdicts_[key]["checks"]:
-                lines.append(f"| {key} | {check['what']} | {_verdict_text(check)} |")
+                if not check.get("peer"):
+                    lines.append(f"| {key} | {check['what']} | {_verdict_text(check)} |")
+        peer_checks = [(k, c) for k in sorted(verdicts_) for c in verdicts_[k]["checks"] if c.get("peer")]
+        if peer_checks:
+            lines += [
+                "",
+                "The speed work's targets (MLServer as the peer; mpsd's speed against the floor's):",
+                "",
+                "| scenario | measure | result |",
+                "|---|---|---|",
+            ]
+            lines += [f"| {k} | {c['what']} | {_verdict_text(c)} |" for k, c in peer_checks]
         lines.append("")
     for key, title in (
         ("1", "identity FP32[1,16], one client"),
@@ -352,10 +432,13 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {who} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['mean_ms']:.3f} | "
                 f"{_cpu(w['cpu_us_per_request'])} |"
             )
-        if "floor_hop" in s:
-            w = s["floor_hop"]
+        for who in ("floor_hop", *PEERS):
+            if who not in s:
+                continue
+            w = s[who]
+            label = PEER_LABELS.get(who, "floor + worker hop")
             lines.append(
-                f"| floor + worker hop | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['mean_ms']:.3f} | "
+                f"| {label} | {w['p50_ms']:.3f} | {w['p99_ms']:.3f} | {w['mean_ms']:.3f} | "
                 f"{_cpu(w['cpu_us_per_request'])} |"
             )
         i = s["inprocess"]
@@ -367,6 +450,12 @@ def markdown(results: dict[str, Any]) -> str:
         ]
         if "ratio_p50_mpsd_floor_hop" in s:
             lines.append(f"mpsd / floor with a worker hop: p50 x{s['ratio_p50_mpsd_floor_hop']:.2f}.")
+        for p in PEERS:
+            if f"ratio_mean_mpsd_{p}" in s:
+                lines.append(
+                    f"mpsd / {PEER_LABELS[p]}: mean x{s[f'ratio_mean_mpsd_{p}']:.2f}, "
+                    f"p50 x{s[f'ratio_p50_mpsd_{p}']:.2f}, p99 x{s[f'ratio_p99_mpsd_{p}']:.2f}."
+                )
         lines.append("")
     if "2" in sc:
         s = sc["2"]["summary"]
@@ -376,11 +465,11 @@ def markdown(results: dict[str, Any]) -> str:
             "| | requests/s | p50 ms | p99 ms | CPU us/request (server / workers / client) |",
             "|---|---|---|---|---|",
         ]
-        for who in ("mpsd", "floor", "floor_hop"):
+        for who in ("mpsd", "floor", "floor_hop", *PEERS):
             if who not in s:
                 continue
             w = s[who]
-            label = "floor + worker hop" if who == "floor_hop" else who
+            label = "floor + worker hop" if who == "floor_hop" else PEER_LABELS.get(who, who)
             lines.append(
                 f"| {label} | {w['throughput_rps']:.0f} | {w['p50_ms']:.2f} | {w['p99_ms']:.2f} | "
                 f"{_cpu(w['cpu_us_per_request'])} |"
@@ -388,6 +477,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", f"mpsd / floor throughput: x{s['ratio_throughput_mpsd_floor']:.2f}"]
         if "ratio_throughput_mpsd_floor_hop" in s:
             lines.append(f"mpsd / floor with a worker hop: x{s['ratio_throughput_mpsd_floor_hop']:.2f}")
+        for p in PEERS:
+            if f"ratio_throughput_mpsd_{p}" in s:
+                lines.append(f"mpsd / {PEER_LABELS[p]}: x{s[f'ratio_throughput_mpsd_{p}']:.2f}")
         if "mean_batch" in s["mpsd"]:
             lines.append(
                 f"Requests per model execution in mpsd (dynamic batching, no queue delay): "

@@ -8,6 +8,9 @@ Scenarios, each run side by side with its references in interleaved rounds:
   5. ResNet-50 on a CUDA GPU, 64 clients (`bench/gpu_resnet.py`; only where a GPU and torchvision are)
   6. start-up to ServerReady with 1, 4 and 8 models; RSS/USS of the daemon and of each worker
   7. identity FP32[1,16] on mpsd over HTTP (binary tensor data) vs over gRPC: one client, 16 in flight
+
+Scenarios 1-3 also run MLServer (`bench/mlserver_peer.py`, a pinned version installed into
+bench/.mlserver-venv on first use) as a peer, unless --no-mlserver or it cannot be installed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench import common, profile, report
+from bench import common, mlserver_peer, profile, report
 from bench.inprocess import InProcess, throughput_at
 from bench.loadgen import ClientPool, LoadSpec
 from mpsd.proto import grpc_service_pb2 as pb
@@ -44,6 +47,7 @@ class Ctx:
     floor: common.Server
     inproc: InProcess
     floor_hop: common.Server
+    peers: dict[str, common.Server]  # MLServer's configurations, where it runs
 
 
 def measure(
@@ -105,7 +109,7 @@ def check_echo(server: common.Server, request: bytes) -> None:
 
 
 def servers(ctx: Ctx) -> dict[str, common.Server]:
-    return {"mpsd": ctx.mpsd, "floor": ctx.floor, "floor_hop": ctx.floor_hop}
+    return {"mpsd": ctx.mpsd, "floor": ctx.floor, "floor_hop": ctx.floor_hop, **ctx.peers}
 
 
 def rotate(items: list[str], r: int) -> list[str]:
@@ -116,13 +120,13 @@ def rotate(items: list[str], r: int) -> list[str]:
 def scenario_latency(ctx: Ctx, model: str, shape: list[int]) -> dict[str, Any]:
     """mpsd vs the floor vs the model in-process, one request in flight."""
     request = common.infer_request(model, shape)
-    for server in (ctx.mpsd, ctx.floor, ctx.floor_hop):
+    for server in servers(ctx).values():
         check_echo(server, request)
     path = str(ctx.work / "repo" / model / "1" / "model.pt")
     rounds = []
     for r in range(ctx.args.rounds):
         row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
-        for who in rotate(["mpsd", "floor", "inprocess", "floor_hop"], r):
+        for who in rotate(["mpsd", "floor", "inprocess", "floor_hop", *ctx.peers], r):
             if who == "inprocess":
                 row[who] = common.summary_ms(ctx.inproc.latency(path, shape, ctx.args.duration))
             else:
@@ -135,10 +139,12 @@ def scenario_latency(ctx: Ctx, model: str, shape: list[int]) -> dict[str, Any]:
 def scenario_throughput(ctx: Ctx, model: str, shape: list[int], concurrency: int) -> dict[str, Any]:
     """mpsd vs the floor with `concurrency` requests in flight from one client process."""
     request = common.infer_request(model, shape)
+    for server in ctx.peers.values():
+        check_echo(server, request)
     rounds = []
     for r in range(ctx.args.rounds):
         row: dict[str, Any] = {"load_average_1m": os.getloadavg()[0]}
-        for who in rotate(["mpsd", "floor", "floor_hop"], r):
+        for who in rotate(["mpsd", "floor", "floor_hop", *ctx.peers], r):
             before = common.batch_stats(ctx.mpsd, model) if who == "mpsd" else {}
             row[who] = run_load(ctx, servers(ctx)[who], request, concurrency)
             if who == "mpsd":
@@ -334,6 +340,33 @@ def run_gpu_scenario(args: argparse.Namespace) -> None:
     subprocess.run(cmd, check=True, cwd=common.ROOT)
 
 
+# MLServer's configurations: side name -> parallel_workers (0: the model in the server's own process;
+# 1, MLServer's default: one inference worker process).
+PEERS = {"mlserver": 0, "mlserver_w1": 1}
+
+
+def start_peers(args: argparse.Namespace, work: Path, only: set[str]) -> dict[str, common.Server]:
+    """MLServer in its two configurations (bench/mlserver_peer.py) for scenarios 1-3, where it installs."""
+    if args.no_mlserver or not only & {"1", "2", "3"}:
+        return {}
+    python = mlserver_peer.ensure_installed(args.mlserver_venv)
+    if python is None:
+        return {}
+    return {name: mlserver_peer.start(python, work, workers, name) for name, workers in PEERS.items()}
+
+
+def peer_info(args: argparse.Namespace, peers: dict[str, common.Server]) -> dict[str, Any]:
+    if not peers:
+        return {"skipped": "--no-mlserver" if args.no_mlserver else "could not be installed"}
+    return {
+        "packages": mlserver_peer.PACKAGES,
+        "versions": mlserver_peer.versions(mlserver_peer.venv_python(args.mlserver_venv)),
+        "configurations": {name: {"parallel_workers": workers} for name, workers in PEERS.items()},
+        "runtime": "bench/mlserver_identity.py (NumpyCodec in, a copy of the array out)",
+        "settings": "MLServer's defaults except debug (per-request access log) off and loopback ports",
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -370,6 +403,17 @@ def main() -> None:
         help="scenario 4: CPUs (and threads) for the CNN, in mpsd's worker (intra_op_thread_count) and "
         "in-process alike; the daemon and the clients get the others (default: half of them; 0: no pinning, "
         "torch's defaults)",
+    )
+    parser.add_argument(
+        "--no-mlserver",
+        action="store_true",
+        help="scenarios 1-3 without MLServer (by default it runs beside mpsd, installed on first use)",
+    )
+    parser.add_argument(
+        "--mlserver-venv",
+        type=Path,
+        default=mlserver_peer.DEFAULT_VENV,
+        help="virtual environment for MLServer, made and filled on first use (default: %(default)s)",
     )
     parser.add_argument("--quick", action="store_true", help="2 short rounds: a smoke test, not figures")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -414,10 +458,16 @@ def main() -> None:
             )
             floor = common.start_floor(work)
             floor_hop = common.start_floor(work, worker_hop=True)
+            peers = start_peers(args, work, only)
             try:
                 print(f"mpsd ready in {mpsd.wait_ready():.1f} s; floor ready in {floor.wait_ready():.1f} s")
                 floor_hop.wait_ready()
-                ctx = Ctx(args, work, pool, mpsd, floor, inproc, floor_hop)
+                for name, peer in peers.items():
+                    print(f"{name} ready in {peer.wait_ready():.1f} s", flush=True)
+                    mlserver_peer.wait_models(peer)
+                if only & {"1", "2", "3"}:
+                    results["mlserver"] = peer_info(args, peers)
+                ctx = Ctx(args, work, pool, mpsd, floor, inproc, floor_hop, peers)
                 results["scenarios"].update(run_overhead(ctx, only))
                 results["verdicts"] = report.verdicts(results["scenarios"])
                 if not args.no_profile and not args.quick:
@@ -426,6 +476,8 @@ def main() -> None:
                 mpsd.stop()
                 floor.stop()
                 floor_hop.stop()
+                for peer in peers.values():
+                    peer.stop()
                 pool.close()
                 inproc.close()
         if "5" in only:
