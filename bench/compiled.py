@@ -1,13 +1,16 @@
-"""Compiled models through mpsd: ResNet-50 (torchvision architecture, random weights, fp16 on a GPU) served
-four ways by one daemon, each measured at the same fixed number of clients with dynamic batching on:
+"""Compiled models and mixed precision through mpsd: ResNet-50 (torchvision architecture, random weights)
+served several ways by one daemon, each measured at the same fixed number of clients with dynamic batching on:
 
-  - torchscript: a torch.jit.trace of the module (backend torchscript);
-  - eager: the torch.export program run as it is (backend torch_export, no compile);
+  - torchscript: a torch.jit.trace of the module in fp16 on a GPU (backend torchscript);
+  - eager: the fp16 torch.export program run as it is (backend torch_export, no compile);
   - compile: the same program with optimization.compile (torch.compile at load, warm-up compiles);
-  - aoti: the program compiled ahead of time by AOTInductor for the device (backend aoti).
+  - aoti: the program compiled ahead of time by AOTInductor for the device (backend aoti);
+  - fp32: the model in float32, eager (backend torch_export), FP32 on the wire;
+  - autocast: the same float32 program under optimization.autocast float16 (inputs and outputs FP32).
 
-Rounds alternate between the four so that drift hits each alike; the summary is each one's median
-throughput and its ratio to torchscript, with the load and compile times from the daemon's ready events.
+Rounds alternate between the variants so that drift hits each alike; the summary is each one's median
+throughput and its ratio to its baseline (torchscript for the fp16 variants, fp32 for autocast), with the
+load and compile times from the daemon's ready events. `--variants` picks a subset.
 
 Usage (on a CUDA machine with torchvision): python -m bench.compiled --out bench/results
 `--tiny --device cpu --out /tmp/x` runs the same steps with a small stand-in model on the CPU (a check of
@@ -32,15 +35,32 @@ from torch import nn
 from bench import common
 from bench.gpu_resnet import IMAGE, TinyStandIn
 from bench.loadgen import ClientPool
+from bench.report import machine_lines
 from bench.run import measure
 
-VARIANTS = ("torchscript", "eager", "compile", "aoti")
-FILES = {"torchscript": "model.pt", "eager": "model.pt2", "compile": "model.pt2", "aoti": "model.aoti.pt2"}
-BACKENDS = {"torchscript": "torchscript", "eager": "torch_export", "compile": "torch_export", "aoti": "aoti"}
+VARIANTS = ("torchscript", "eager", "compile", "aoti", "fp32", "autocast")
+FILES = {
+    "torchscript": "model.pt",
+    "eager": "model.pt2",
+    "compile": "model.pt2",
+    "aoti": "model.aoti.pt2",
+    "fp32": "model.pt2",
+    "autocast": "model.pt2",
+}
+BACKENDS = {
+    "torchscript": "torchscript",
+    "eager": "torch_export",
+    "compile": "torch_export",
+    "aoti": "aoti",
+    "fp32": "torch_export",
+    "autocast": "torch_export",
+}
+FULL_PRECISION = ("fp32", "autocast")  # float32 weights and FP32 on the wire
+BASELINE = {"autocast": "fp32"}  # what each variant's ratio is against; torchscript otherwise
 
 
-def build_module(args: argparse.Namespace) -> tuple[nn.Module, torch.dtype]:
-    dtype = torch.float16 if args.device == "cuda" else torch.float32
+def build_module(args: argparse.Namespace, full_precision: bool = False) -> tuple[nn.Module, torch.dtype]:
+    dtype = torch.float16 if args.device == "cuda" and not full_precision else torch.float32
     torch.manual_seed(0)
     if args.tiny:
         module: nn.Module = TinyStandIn()
@@ -52,31 +72,41 @@ def build_module(args: argparse.Namespace) -> tuple[nn.Module, torch.dtype]:
 
 
 def build_repo(repo: Path, args: argparse.Namespace) -> dict[str, float]:
-    """One model per variant under `repo`; returns the seconds each file took to write (AOTInductor's
+    """One model per chosen variant under `repo`; returns the seconds each file took to write (AOTInductor's
     compile included)."""
-    module, dtype = build_module(args)
-    example = torch.randn((2, *IMAGE), device=args.device, dtype=dtype)
+    chosen = args.variants
     batch = torch.export.Dim("batch", min=1, max=args.max_batch)
     seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
-    files = {v: repo / v / "1" / FILES[v] for v in VARIANTS}
+    files = {v: repo / v / "1" / FILES[v] for v in chosen}
     for path in files.values():
         path.parent.mkdir(parents=True)
-    torch.jit.save(traced, str(files["torchscript"]))
-    seconds["torchscript"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(files["eager"]))
-    shutil.copyfile(files["eager"], files["compile"])
-    seconds["export"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    torch._inductor.aoti_compile_and_package(program, package_path=str(files["aoti"]))
-    seconds["aoti_compile"] = time.perf_counter() - t0
-    wire = "TYPE_FP16" if dtype == torch.float16 else "TYPE_FP32"
+    dtypes: dict[str, torch.dtype] = {}
+    for full in (False, True):
+        group = [v for v in chosen if (v in FULL_PRECISION) == full]
+        if not group:
+            continue
+        module, dtype = build_module(args, full)
+        dtypes.update(dict.fromkeys(group, dtype))
+        example = torch.randn((2, *IMAGE), device=args.device, dtype=dtype)
+        if "torchscript" in group:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                traced = torch.jit.trace(module, example)  # type: ignore[no-untyped-call]
+            torch.jit.save(traced, str(files["torchscript"]))
+            seconds["torchscript"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+        for variant in group:
+            if BACKENDS[variant] == "torch_export":
+                torch.export.save(program, str(files[variant]))
+        seconds["export_fp32" if full else "export"] = time.perf_counter() - t0
+        if "aoti" in group:
+            t0 = time.perf_counter()
+            torch._inductor.aoti_compile_and_package(program, package_path=str(files["aoti"]))
+            seconds["aoti_compile"] = time.perf_counter() - t0
     kind = "KIND_GPU" if args.device == "cuda" else "KIND_CPU"
-    for variant in VARIANTS:
+    for variant in chosen:
+        wire = "TYPE_FP16" if dtypes[variant] == torch.float16 else "TYPE_FP32"
         config: dict[str, Any] = {
             "backend": BACKENDS[variant],
             "max_batch_size": args.max_batch,
@@ -90,6 +120,8 @@ def build_repo(repo: Path, args: argparse.Namespace) -> dict[str, float]:
         }
         if variant == "compile":
             config["optimization"] = {"compile": {"mode": args.compile_mode}}
+        if variant == "autocast":
+            config["optimization"] = {"autocast": "float16" if args.device == "cuda" else "bfloat16"}
         (repo / variant / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return seconds
 
@@ -107,15 +139,15 @@ def ready_events(log_path: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    medians = {v: statistics.median(r[v]["throughput_rps"] for r in rounds) for v in VARIANTS}
-    p50 = {v: statistics.median(r[v]["p50_ms"] for r in rounds) for v in VARIANTS}
-    base = medians["torchscript"] or 1.0
-    return {
-        "throughput_rps": medians,
-        "p50_ms": p50,
-        "ratio_to_torchscript": {v: medians[v] / base for v in VARIANTS},
-    }
+def summarize(rounds: list[dict[str, Any]], chosen: list[str]) -> dict[str, Any]:
+    medians = {v: statistics.median(r[v]["throughput_rps"] for r in rounds) for v in chosen}
+    p50 = {v: statistics.median(r[v]["p50_ms"] for r in rounds) for v in chosen}
+    ratios = {}
+    for v in chosen:
+        base = BASELINE.get(v, "torchscript")
+        if medians.get(base):
+            ratios[v] = {"baseline": base, "ratio": medians[v] / medians[base]}
+    return {"throughput_rps": medians, "p50_ms": p50, "ratio": ratios}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -124,22 +156,26 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# Compiled models through mpsd ({'stand-in' if s['tiny'] else 'ResNet-50'}, {s['device']})",
         "",
+        *machine_lines(results["machine"]),
         f"{s['clients']} clients, one {list(IMAGE)} image per request, dynamic batching up to "
         f"{s['max_batch']}, {s['rounds']} rounds of {s['duration']:g} s; medians.",
         "",
-        "| variant | throughput (req/s) | vs torchscript | p50 (ms) | load (s) | compile (ms) |",
+        "| variant | throughput (req/s) | vs baseline | p50 (ms) | load (s) | compile (ms) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for v in VARIANTS:
+    for v in s["variants"]:
         ready = results["ready"].get(v, {})
         compiled = ready.get("compile_ms")
+        ratio = summary["ratio"].get(v)
+        versus = f"{ratio['ratio']:.2f}x {ratio['baseline']}" if ratio else "-"
         lines.append(
-            f"| {v} | {summary['throughput_rps'][v]:.0f} | {summary['ratio_to_torchscript'][v]:.2f}x | "
+            f"| {v} | {summary['throughput_rps'][v]:.0f} | {versus} | "
             f"{summary['p50_ms'][v]:.2f} | {ready.get('load_s', 0):.1f} | "
             f"{'-' if compiled is None else f'{compiled:.0f}'} |"
         )
     built = results["build_s"]
-    lines += ["", f"AOTInductor compile of the package: {built['aoti_compile']:.1f} s (before serving)."]
+    if "aoti_compile" in built:
+        lines += ["", f"AOTInductor compile of the package: {built['aoti_compile']:.1f} s (before serving)."]
     return "\n".join(lines) + "\n"
 
 
@@ -156,16 +192,22 @@ def main() -> None:
     parser.add_argument(
         "--compile-mode", default="max-autotune-no-cudagraphs", help="optimization.compile.mode"
     )
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--name", default="compiled")
     args = parser.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants: {', '.join(sorted(unknown))}")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="mpsd-bench-compiled-"))
-    wire = "FP16" if args.device == "cuda" else "FP32"
     results: dict[str, Any] = {
         "machine": common.machine_info(),
         "torch": torch.__version__,
@@ -182,12 +224,19 @@ def main() -> None:
             results["ready_s"] = server.wait_ready(timeout_s=1800.0)
             results["ready"] = ready_events(server.log_path)
             print(f"mpsd ready in {results['ready_s']:.1f} s: {results['ready']}", flush=True)
-            requests = {v: common.infer_request(v, [1, *IMAGE], wire, input_name="input") for v in VARIANTS}
-            for v in VARIANTS:  # warm-up at the batch sizes the load forms
+            half = args.device == "cuda"
+            requests = {
+                v: common.infer_request(
+                    v, [1, *IMAGE], "FP16" if half and v not in FULL_PRECISION else "FP32", input_name="input"
+                )
+                for v in args.variants
+            }
+            for v in args.variants:  # warm-up at the batch sizes the load forms
                 measure(pool, server, requests[v], per_proc, args.client_processes, args.warmup * 2, 0.0)
             rounds = []
             for r in range(args.rounds):
-                order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
+                chosen = args.variants
+                order = chosen[r % len(chosen) :] + chosen[: r % len(chosen)]
                 row = {
                     v: measure(
                         pool, server, requests[v], per_proc, args.client_processes, args.duration, args.warmup
@@ -195,10 +244,10 @@ def main() -> None:
                     for v in order
                 }
                 rounds.append(row)
-                line = ", ".join(f"{v} {row[v]['throughput_rps']:.0f}/s" for v in VARIANTS)
+                line = ", ".join(f"{v} {row[v]['throughput_rps']:.0f}/s" for v in chosen)
                 print(f"  round {r + 1}: {line}", flush=True)
             results["rounds"] = rounds
-            results["summary"] = summarize(rounds)
+            results["summary"] = summarize(rounds, args.variants)
         finally:
             server.stop()
             pool.close()
