@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,15 @@ from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pinned_to(cpus: Collection[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` that confines the new process to `cpus` before it runs anything (its children
+    inherit the affinity); None for no pinning."""
+    if not cpus:
+        return None
+    chosen = set(cpus)
+    return lambda: os.sched_setaffinity(0, chosen)
 
 
 def free_port() -> int:
@@ -43,6 +52,7 @@ class Server:
         address: str,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
+        cpus: Collection[int] | None = None,
     ):
         self.address = address
         self.http_address: str | None = None  # mpsd's HTTP/REST port
@@ -57,6 +67,7 @@ class Server:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
             cwd=cwd or ROOT,
+            preexec_fn=pinned_to(cpus),
         )
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.GRPCInferenceServiceStub(self.channel)  # type: ignore[no-untyped-call]
@@ -114,9 +125,11 @@ def start_mpsd(
     front_processes: str | None = None,
     event_loop: str | None = None,
     settings: dict[str, Any] | None = None,
+    cpus: Collection[int] | None = None,
 ) -> Server:
     """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run) and,
-    when given, the number of front processes, the event loop and other daemon settings."""
+    when given, the number of front processes, the event loop and other daemon settings; with `cpus`, the
+    daemon runs on those CPUs only, and so do the fronts and workers it starts."""
     address = f"127.0.0.1:{free_port()}"
     config = workdir / f"{name}.yaml"
     http = f"127.0.0.1:{free_port()}"
@@ -127,7 +140,7 @@ def start_mpsd(
     args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
     if front_processes is not None:
         args += ["--front-processes", front_processes]
-    server = Server(args, workdir / f"{name}.log", address, env)
+    server = Server(args, workdir / f"{name}.log", address, env, cpus=cpus)
     server.http_address = http
     return server
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -291,7 +292,9 @@ class ClientPool:
     """`processes` client processes, started once as fresh interpreters (`python -m bench.loadgen`) that
     import only grpc: no torch, no inherited threads."""
 
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, cpus: Collection[int] | None = None) -> None:
+        """With `cpus`, the client processes run on those CPUs only."""
+        chosen = set(cpus) if cpus else None
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -302,6 +305,7 @@ class ClientPool:
                 pass_fds=(child.fileno(),),
                 cwd=root,
                 stdin=subprocess.DEVNULL,
+                preexec_fn=(lambda: os.sched_setaffinity(0, chosen)) if chosen else None,
             )
             child.close()
             self._conns.append(Connection(parent.detach()))

@@ -138,14 +138,47 @@ def test_dockerfile_parses_and_copies_files_that_exist() -> None:
     assert any("grpc_tools.protoc" in a for k, a in steps if k == "RUN")
 
 
+def haproxy_env(daemons: int) -> dict[str, str]:
+    env = {f"MPSD{n}_HOST": "127.0.0.1" for n in range(1, daemons + 1)}
+    env |= {f"MPSD{n}_GRPC_PORT": str(9000 + n) for n in range(1, daemons + 1)}
+    env |= {f"MPSD{n}_HTTP_PORT": str(8000 + n) for n in range(1, daemons + 1)}
+    return env | {"MPSD_GRPC_BIND": ":8001", "MPSD_HTTP_BIND": ":8000", "MPSD_STATS_BIND": "127.0.0.1:8404"}
+
+
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
-def test_haproxy_config_is_valid() -> None:
-    env = {f"MPSD{n}_{what}": value for n in (1, 2, 3) for what, value in (("HOST", "127.0.0.1"),)}
-    env |= {f"MPSD{n}_GRPC_PORT": str(9000 + n) for n in (1, 2, 3)}
-    env |= {f"MPSD{n}_HTTP_PORT": str(8000 + n) for n in (1, 2, 3)}
-    env |= {"MPSD_GRPC_BIND": ":8001", "MPSD_HTTP_BIND": ":8000", "MPSD_STATS_BIND": "127.0.0.1:8404"}
-    config = ROOT / "deploy" / "haproxy" / "mpsd.cfg"
+@pytest.mark.parametrize("daemons", [1, 2, 3, 4])
+def test_haproxy_config_is_valid(daemons: int, tmp_path: Path) -> None:
+    """deploy/haproxy/mpsd.cfg as it is (3 daemons), and written for other counts (bench/haproxy.py)."""
+    from bench.haproxy import CONFIG, haproxy_config
+
+    config = CONFIG
+    if daemons != 3:
+        config = tmp_path / "mpsd.cfg"
+        config.write_text(haproxy_config(daemons))
     check = subprocess.run(
-        ["haproxy", "-c", "-f", str(config)], env={**os.environ, **env}, capture_output=True, text=True
+        ["haproxy", "-c", "-f", str(config)],
+        env={**os.environ, **haproxy_env(daemons)},
+        capture_output=True,
+        text=True,
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_haproxy_config_for_other_daemon_counts() -> None:
+    """Backends that list every daemon list every daemon of the count; the one for a model only some
+    daemons serve keeps its subset; the template's own count gives the file unchanged."""
+    from bench.haproxy import CONFIG, haproxy_config
+
+    assert haproxy_config(3) == CONFIG.read_text()
+    four = haproxy_config(4)
+    assert 'server mpsd4 "${MPSD4_HOST}:${MPSD4_GRPC_PORT}" proto h2 track mpsd_http/mpsd4\n' in four
+    assert 'server mpsd4 "${MPSD4_HOST}:${MPSD4_HTTP_PORT}" check\n' in four
+    assert (
+        four.count("server mpsd4") == 2
+        and four.count("server mpsd3") == 2
+        and four.count("server mpsd1") == 3
+    )
+    one = haproxy_config(1)
+    assert one.count("server mpsd1") == 3 and "server mpsd2" not in one and "MPSD2_" not in one
+    with pytest.raises(ValueError):
+        haproxy_config(0)

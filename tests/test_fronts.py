@@ -715,6 +715,20 @@ def test_how_many_fronts(setting: object, address: str, cpus: int, platform: str
     assert front_count(config, cpu_count=cpus, platform=platform) == expected
 
 
+def test_auto_counts_the_cpus_the_daemon_may_use_not_the_machines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon pinned to 3 cores of a 16-core machine (taskset, CPUAffinity=) runs no fronts, as on a
+    3-core machine; pinned to 8 of them, two."""
+    from mpsd.config.daemon_config import DaemonConfig
+    from mpsd.daemon.supervise.fronts import policy
+
+    config = DaemonConfig(front_processes="auto", grpc_address="127.0.0.1:8001")
+    monkeypatch.setattr(policy.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert policy.front_count(config, platform="linux") == 0
+    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert policy.front_count(config, platform="linux") == 2
+
+
 def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip_to_a_front(
     tmp_path: Path,
 ) -> None:

@@ -6,12 +6,8 @@ retries, and through HAProxy at most the calls that were in flight."""
 
 from __future__ import annotations
 
-import csv
-import io
-import os
 import shutil
 import signal
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,14 +20,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.haproxy import HAProxy
 from mpsd.client import balanced_channel_args, balanced_target
 from tests import models
-from tests.conftest import ROOT, RunningDaemon, free_port, http_request, wait_for
+from tests.conftest import RunningDaemon, free_port, http_request, wait_for
 
 GRACE_S = 3.0  # longer than HAProxy's check interval times its fall count (deploy/haproxy/mpsd.cfg)
 CALLERS = 4
 HAPROXY = shutil.which("haproxy")
-CONFIG = ROOT / "deploy" / "haproxy" / "mpsd.cfg"
 BODY = (
     b'{"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]},'
     b' {"name": "INPUT1", "shape": [1, 4], "datatype": "FP32", "data": [1, 1, 1, 1]}]}'
@@ -253,63 +249,13 @@ def test_client_side_health_check_per_model_skips_the_daemon_without_it(fleet: F
 # ---- HAProxy: deploy/haproxy/mpsd.cfg, gRPC over HTTP/2 end to end, HTTP routed per model -----------
 
 
-class Proxy:
-    def __init__(self, fleet: Fleet, log: Path) -> None:
-        self.grpc, self.http, self.stats = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        env = {"MPSD_GRPC_BIND": self.grpc, "MPSD_HTTP_BIND": self.http, "MPSD_STATS_BIND": self.stats}
-        for n, daemon in enumerate(fleet.daemons, 1):
-            env[f"MPSD{n}_HOST"] = "127.0.0.1"
-            env[f"MPSD{n}_GRPC_PORT"] = str(daemon.port)
-            env[f"MPSD{n}_HTTP_PORT"] = daemon.http_address.rpartition(":")[2]
-        assert HAPROXY is not None
-        check = subprocess.run(
-            [HAPROXY, "-c", "-f", str(CONFIG)], env={**os.environ, **env}, capture_output=True, text=True
-        )
-        assert check.returncode == 0, check.stdout + check.stderr
-        self.log = log
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [HAPROXY, "-db", "-f", str(CONFIG)],
-            env={**os.environ, **env},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def servers(self) -> dict[tuple[str, str], str]:
-        """HAProxy's view: (backend, server) -> status (UP, DOWN, ...), from its CSV statistics."""
-        status, _, raw = http_request(self.stats, "GET", "/stats;csv", timeout=5)
-        assert status == 200
-        rows = csv.DictReader(io.StringIO(raw.decode().lstrip("# ")))
-        return {
-            (r["pxname"], r["svname"]): r["status"]
-            for r in rows
-            if r["svname"] not in ("FRONTEND", "BACKEND")
-        }
-
-    def wait_all_up(self) -> None:
-        def all_up() -> bool:
-            if self.proc.poll() is not None:
-                raise pytest.fail(f"haproxy exited with {self.proc.returncode}: {self.log.read_text()}")
-            return set(self.servers().values()) == {"UP"}
-
-        wait_for(all_up, 60, "every server UP in HAProxy")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
-def proxy(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+def proxy(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HAProxy]:
     if HAPROXY is None:
         pytest.skip("haproxy is not installed (`make system-tools` installs it as root on Debian)")
-    proxy = Proxy(fleet, tmp_path_factory.mktemp("haproxy") / "haproxy.log")
+    daemons = [(d.address, d.http_address) for d in fleet.daemons]
+    ports = (free_port(), free_port(), free_port())
+    proxy = HAProxy(HAPROXY, daemons, tmp_path_factory.mktemp("haproxy"), ports=ports)
     try:
         proxy.wait_all_up()
         yield proxy
@@ -317,7 +263,7 @@ def proxy(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pr
         proxy.stop()
 
 
-def test_haproxy_spreads_grpc_and_routes_http_per_model(fleet: Fleet, proxy: Proxy) -> None:
+def test_haproxy_spreads_grpc_and_routes_http_per_model(fleet: Fleet, proxy: HAProxy) -> None:
     assert len(proxy.servers()) == 3 + 3 + 2  # mpsd_grpc, mpsd_http, mpsd_http_big
     before = fleet.served()
     with Load(grpc_call(proxy.grpc)) as load:
@@ -336,7 +282,7 @@ def test_haproxy_spreads_grpc_and_routes_http_per_model(fleet: Fleet, proxy: Pro
     assert after[2] == before[2], "a request for big reached the daemon HAProxy does not route it to"
 
 
-def test_haproxy_sigterm_fails_no_request(fleet: Fleet, proxy: Proxy) -> None:
+def test_haproxy_sigterm_fails_no_request(fleet: Fleet, proxy: HAProxy) -> None:
     victim = fleet.daemons[0]
     try:
         with Load(grpc_call(proxy.grpc)) as grpc_load, Load(http_call(proxy.http)) as http_load:
@@ -352,7 +298,7 @@ def test_haproxy_sigterm_fails_no_request(fleet: Fleet, proxy: Proxy) -> None:
         proxy.wait_all_up()
 
 
-def test_haproxy_kill_fails_at_most_the_calls_in_flight(fleet: Fleet, proxy: Proxy) -> None:
+def test_haproxy_kill_fails_at_most_the_calls_in_flight(fleet: Fleet, proxy: HAProxy) -> None:
     victim = fleet.daemons[1]
     try:
         with Load(grpc_call(proxy.grpc)) as grpc_load, Load(http_call(proxy.http)) as http_load:

@@ -12,12 +12,23 @@ from mpsd.errors import ConfigError
 from mpsd.net.listen import Address, parse_address
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (`taskset`, systemd's `CPUAffinity=`, a container's
+    cpuset), not every CPU of the machine. macOS has no affinity: all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: str = sys.platform) -> int:
-    """How many front processes to run; ConfigError when the setting cannot work with the address."""
+    """How many front processes to run; ConfigError when the setting cannot work with the address.
+    `auto` counts the CPUs the daemon may use (`usable_cpus`), so a daemon pinned to a few cores of a large
+    machine runs as few fronts as a small machine would."""
     wanted = config.front_processes
     address = parse_address(config.grpc_address)
     if wanted == "auto":
-        cpus = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+        cpus = cpu_count if cpu_count is not None else usable_cpus()
         if not platform.startswith("linux") or address.unix_path is not None or cpus <= 4:
             return 0
         return min(4, cpus // 4)
