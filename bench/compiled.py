@@ -150,6 +150,24 @@ def summarize(rounds: list[dict[str, Any]], chosen: list[str]) -> dict[str, Any]
     return {"throughput_rps": medians, "p50_ms": p50, "ratio": ratios}
 
 
+def model_time(delta: dict[int, dict[str, int]], full: int) -> dict[str, float | None]:
+    """The worker's model time (compute_infer) over the measured rounds: per image on average, the mean
+    batch, and per execution at the full batch size (None if no full batch ran)."""
+    rows = sum(size * d["count"] for size, d in delta.items())
+    executions = sum(d["count"] for d in delta.values())
+    infer_ns = sum(d["infer_ns"] for d in delta.values())
+    at_full = delta.get(full)
+    return {
+        "ms_per_image": infer_ns / rows / 1e6 if rows else None,
+        "mean_batch": rows / executions if executions else None,
+        "ms_at_full_batch": at_full["infer_ns"] / at_full["count"] / 1e6 if at_full else None,
+    }
+
+
+def _ms(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["settings"]
     summary = results["summary"]
@@ -160,17 +178,33 @@ def markdown(results: dict[str, Any]) -> str:
         f"{s['clients']} clients, one {list(IMAGE)} image per request, dynamic batching up to "
         f"{s['max_batch']}, {s['rounds']} rounds of {s['duration']:g} s; medians.",
         "",
-        "| variant | throughput (req/s) | vs baseline | p50 (ms) | load (s) | compile (ms) |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "Throughput and p50 are end to end (the clients' view, bound by whichever of the GPU, the worker's",
+        "input handling and gRPC is slowest); the model time is the worker's compute_infer from the",
+        "statistics (the model call, synchronized), per image and per full batch, over the measured rounds;",
+        "the model speed compares full batches where both ran some (batch mixes differ between variants).",
+        "",
+        f"| variant | throughput (req/s) | vs baseline | p50 (ms) | model ms per image | mean batch | "
+        f"model ms at batch {s['max_batch']} | model speed vs baseline | load (s) | compile (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    times = results.get("model_time", {})
     for v in s["variants"]:
         ready = results["ready"].get(v, {})
         compiled = ready.get("compile_ms")
         ratio = summary["ratio"].get(v)
         versus = f"{ratio['ratio']:.2f}x {ratio['baseline']}" if ratio else "-"
+        mine = times.get(v, {})
+        base = times.get(BASELINE.get(v, "torchscript"), {})
+        speed = "-"  # at the full batch where both ran one, else per image at their own batch mixes
+        if mine.get("ms_at_full_batch") and base.get("ms_at_full_batch"):
+            speed = f"{base['ms_at_full_batch'] / mine['ms_at_full_batch']:.2f}x"
+        elif mine.get("ms_per_image") and base.get("ms_per_image"):
+            speed = f"{base['ms_per_image'] / mine['ms_per_image']:.2f}x per image"
         lines.append(
             f"| {v} | {summary['throughput_rps'][v]:.0f} | {versus} | "
-            f"{summary['p50_ms'][v]:.2f} | {ready.get('load_s', 0):.1f} | "
+            f"{summary['p50_ms'][v]:.2f} | {_ms(mine.get('ms_per_image'))} | "
+            f"{_ms(mine.get('mean_batch'), 1)} | "
+            f"{_ms(mine.get('ms_at_full_batch'), 2)} | {speed} | {ready.get('load_s', 0):.1f} | "
             f"{'-' if compiled is None else f'{compiled:.0f}'} |"
         )
     built = results["build_s"]
@@ -233,6 +267,7 @@ def main() -> None:
             }
             for v in args.variants:  # warm-up at the batch sizes the load forms
                 measure(pool, server, requests[v], per_proc, args.client_processes, args.warmup * 2, 0.0)
+            before = {v: common.batch_stats(server, v) for v in args.variants}
             rounds = []
             for r in range(args.rounds):
                 chosen = args.variants
@@ -248,6 +283,10 @@ def main() -> None:
                 print(f"  round {r + 1}: {line}", flush=True)
             results["rounds"] = rounds
             results["summary"] = summarize(rounds, args.variants)
+            results["model_time"] = {
+                v: model_time(common.stats_delta(common.batch_stats(server, v), before[v]), args.max_batch)
+                for v in args.variants
+            }
         finally:
             server.stop()
             pool.close()
