@@ -143,6 +143,13 @@ class DaemonConfig(BaseModel):
         "gRPC itself. auto: 0 on macOS, on a Unix socket and on machines of at most 4 CPUs; else one per "
         "4 CPUs, at most 4.",
     )
+    front_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
+        [],
+        description="gRPC front processes that each listen on a port of their own on grpc_address's host, "
+        "one per port, for clients that spread calls over them (gRPC's round_robin; mpsd.client "
+        "front_target): more cores for gRPC where the port cannot be shared (macOS). The daemon still "
+        "serves grpc_address itself. Not with front_processes above 0.",
+    )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "asyncio",
         description="Event loop of the daemon and its front processes: asyncio's own, or uvloop (pip install "
