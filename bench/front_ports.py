@@ -125,6 +125,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def shown(path: Path) -> str:
+    """A path as results name it: relative to the repository when inside it."""
+    root = RESULTS.parent.parent
+    resolved = path.resolve()
+    return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else str(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -147,7 +154,7 @@ def main() -> None:
         "name": args.name,
         "machine": common.machine_info(),
         "load_average_at_start": os.getloadavg(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "settings": {k: shown(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "ways": ways,
         "rounds": [],
     }

@@ -255,8 +255,8 @@ class FrontPool:
         return self._backoffs[index]
 
     async def _supervise(self, index: int) -> None:
-        """Restart a front that died, with back-off; its clients reconnect and the kernel sends them to the
-        live ones meanwhile."""
+        """Restart a front that died, with back-off, on the same port; meanwhile its clients reconnect and the
+        kernel sends them to the live ones (shared port), or their channels skip it (ports of their own)."""
         backoff = self._backoff(index)
         while not self._stopping:
             front = self.fronts[index]
