@@ -14,14 +14,27 @@ host's `grpc.health.v1.Health` for `service` (gRFC A17: the daemon's health serv
 a model's name that model) and sends nothing to a host that is not `SERVING`, as at the start of a
 daemon's shutdown; a call that fails with UNAVAILABLE before the host answered (the host died, its
 connection closed) is retried on another host (gRFC A6). See docs/scale-out.md.
+
+The same spreads calls over one daemon's front processes where each listens on a port of its own
+(`front_ports`, for macOS, whose kernel does not spread one shared port's connections); see
+docs/performance.md:
+
+    from mpsd.client import balanced_channel_args, front_target
+
+    target = front_target("127.0.0.1:8001")  # the ports the daemon lists, on the host it is reached at
+    client = grpcclient.InferenceServerClient(target, channel_args=balanced_channel_args())
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import socket
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import grpc
 
 SERVICE = "inference.GRPCInferenceService"
 # tritonclient's own default (its MAX_GRPC_MESSAGE_SIZE): channel_args replace its defaults
@@ -94,3 +107,53 @@ def balanced_channel_args(
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def front_target(
+    address: str,
+    ports: Sequence[int] | None = None,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout: float = 10.0,
+) -> str:
+    """The target naming one daemon's fronts of `front_ports`, for `balanced_channel_args`: `ports` (by
+    default the ones the daemon lists, `front_ports`) on the host of `address`, the daemon's gRPC address
+    as this client reaches it. A host name is resolved here, once (an IPv4 address first)."""
+    host = address.rpartition(":")[0].strip("[]")
+    if not host:
+        raise ValueError(f"{address!r}: expected host:port")
+    if ports is None:
+        ports = front_ports(address, credentials=credentials, metadata=metadata, timeout=timeout)
+    if not ports:
+        raise ValueError(f"{address}: the daemon runs no fronts on ports of their own (front_ports)")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        host = str(sorted(found, key=lambda info: info[0] != socket.AF_INET)[0][4][0])
+    name = f"[{host}]" if ":" in host else host
+    return balanced_target([f"{name}:{port}" for port in ports])
+
+
+def front_ports(
+    address: str,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    metadata: Sequence[tuple[str, str]] = (),
+    timeout: float = 10.0,
+) -> list[int]:
+    """The ports of the daemon's fronts that listen alone, in front order, as its admin service lists them
+    (ListWorkers; with tokens, one of the logs-statistics category in `metadata`)."""
+    import grpc
+
+    from mpsd.proto import admin_pb2, admin_pb2_grpc
+
+    if credentials is not None:
+        channel = grpc.secure_channel(address, credentials)
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
+        stub = admin_pb2_grpc.MpsdAdminStub(channel)  # type: ignore[no-untyped-call]
+        reply = stub.ListWorkers(admin_pb2.ListWorkersRequest(), metadata=list(metadata), timeout=timeout)
+    return [int(front.port) for front in sorted(reply.fronts, key=lambda f: f.index) if front.port]

@@ -40,7 +40,7 @@ ARENA = ArenaRegion("/mpsd-arena", 16 << 20)
 
 def config(arena: ArenaRegion | None = ARENA) -> FrontConfig:
     daemon = DaemonConfig().model_dump(mode="json")
-    return FrontConfig(2, "info", "unix:/run/core.sock", daemon, arena, access())
+    return FrontConfig(2, "info", "unix:/run/core.sock", daemon, arena, access(), "127.0.0.1:8013", False)
 
 
 @pytest.mark.parametrize("arena", [ARENA, None])
@@ -61,7 +61,9 @@ def test_config_auth_and_ready_come_back_as_they_were_sent(arena: ArenaRegion | 
 def test_the_wire_keeps_its_json() -> None:
     """The same keys as the dicts the two ends used to build: access settings beside the others in CONFIG."""
     sent = json.loads(config().encode())
-    assert list(sent) == ["index", "log_level", "core_target", "config", "arena", "auth", "tokens", "tls"]
+    keys = ["index", "log_level", "core_target", "config", "arena", "auth", "tokens", "tls"]
+    assert list(sent) == [*keys, "address", "share_port"]
+    assert (sent["address"], sent["share_port"]) == ("127.0.0.1:8013", False)
     assert sent["arena"] == {"name": "/mpsd-arena", "size": 16 << 20}
     assert sent["tokens"] == export_tokens(TOKENS) and sent["tls"] == TLS.export()
     assert json.loads(config(None).encode())["arena"] is None
@@ -108,6 +110,8 @@ def _config_with(**changes: Any) -> bytes:
         (_config_with(tls={"chain": "c", "key": "k", "client_ca": 3}), "'tls.client_ca' must be str or null"),
         (_config_with(tls={"chain": "c", "key": "k"}), "no 'tls.client_ca'"),
         (_config_with(auth=...), "malformed CONFIG frame: no 'auth'"),
+        (_config_with(address=...), "malformed CONFIG frame: no 'address'"),
+        (_config_with(share_port=1), "malformed CONFIG frame: 'share_port' must be bool, not int"),
         (_config_with(colour="blue"), "malformed CONFIG frame: unknown field(s) 'colour'"),
     ],
 )

@@ -25,10 +25,10 @@ def check_servable(config: DaemonConfig, event_loop: bool = True) -> None:
     """What `mpsd serve` checks before anything starts, beyond the file itself (`mpsd service install`
     checks the same, but the event loop, which is the service's interpreter's to have): ConfigError for a
     setting the daemon cannot serve."""
-    from mpsd.daemon.supervise.fronts.policy import front_count
+    from mpsd.daemon.supervise.fronts.policy import front_plan
     from mpsd.net import eventloop
 
-    front_count(config)  # a setting the address cannot serve is a configuration error
+    front_plan(config)  # fronts the addresses cannot serve are a configuration error
     from mpsd.net.listen import http_address, parse_address, same_port
 
     http = http_address(config.http_address)

@@ -140,8 +140,15 @@ class DaemonConfig(BaseModel):
         "auto",
         description="gRPC front processes sharing the TCP port (SO_REUSEPORT, Linux), so that gRPC's own "
         "work spreads over cores while batching and workers stay in the daemon. 0: the daemon serves "
-        "gRPC itself. auto: 0 on macOS, on a Unix socket and on machines of at most 4 CPUs; else one per "
-        "4 CPUs, at most 4.",
+        "gRPC itself. auto: 0 on macOS, on a Unix socket, on machines of at most 4 CPUs and beside "
+        "front_ports; else one per 4 CPUs, at most 4.",
+    )
+    front_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
+        [],
+        description="gRPC front processes that each listen on a port of their own on grpc_address's host, "
+        "one per port, for clients that spread calls over them (gRPC's round_robin; mpsd.client "
+        "front_target): more cores for gRPC where the port cannot be shared (macOS). The daemon still "
+        "serves grpc_address itself. Not with front_processes above 0.",
     )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "asyncio",

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from setproctitle import setproctitle
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
@@ -23,16 +21,16 @@ from mpsd.config.security import AuthConfig, Token, read_tokens
 from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
 from mpsd.daemon.api.admin import AdminServicer
 from mpsd.daemon.api.decode_guard import DecodeGuard
+from mpsd.daemon.api.grpc_server import grpc_server
 from mpsd.daemon.api.health import HealthService, registry_status
 from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.inference import InferenceServicer
-from mpsd.daemon.api.inference import add_to_server as add_inference_service
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
 from mpsd.daemon.sdnotify import SdNotifier
-from mpsd.daemon.supervise.fronts.policy import check_port_free, front_count
+from mpsd.daemon.supervise.fronts.policy import check_port_free, front_address, front_plan
 from mpsd.daemon.supervise.fronts.pool import FrontPool
 from mpsd.daemon.supervise.fronts.sockets import make_core_dir, remove_stale_core_dirs
 from mpsd.daemon.supervise.instance import SupervisorSettings
@@ -44,8 +42,6 @@ from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, AuthInterceptor, build_policy
 from mpsd.net.certificates import Certificates, TlsMaterial, check_replacement
 from mpsd.net.listen import Address, bind, connection_age_options, http_address, parse_address
-from mpsd.proto import admin_pb2_grpc
-from mpsd.proto import grpc_service_pb2 as pb
 
 log = structlog.get_logger("mpsd.daemon")
 
@@ -86,11 +82,13 @@ class Daemon:
         self.metrics = MetricsEndpoint(config.metrics_address, self.registry)
         self._stop = asyncio.Event()
         self._hup = asyncio.Event()
-        self._server: grpc.aio.Server | None = None
+        self._servers: list[grpc.aio.Server] = []  # the public one (none with shared-port fronts), the core's
         self._hurry: asyncio.Future[None] | None = None
         self.fronts: FrontPool | None = None
         self._auth: AuthInterceptor | None = None  # made with the gRPC server
-        self._certificates: Certificates | None = None  # the daemon's own TLS port, without fronts
+        self._certificates: Certificates | None = (
+            None  # the daemon's own TLS port (none with shared-port fronts)
+        )
         self._core_dir: Path | None = None
         self.servicer = InferenceServicer(
             self.registry, lambda: self.shutting_down, config.model_control, lambda: self.refusing
@@ -111,53 +109,51 @@ class Daemon:
             tokens=tokens,
         )
 
-    def _build_server(self) -> grpc.aio.Server:
+    def _build_servers(self) -> list[grpc.aio.Server]:
+        """The public gRPC server on grpc_address, unless fronts share that port; with fronts, the core's
+        server on a Unix socket in a private directory, which they relay to."""
         limit = self.config.max_message_bytes
         address = parse_address(self.config.grpc_address)
         tls = TlsMaterial.read(self.config.tls) if self.config.tls is not None else None
         tokens = read_tokens(self.config.auth)
         self._auth = AuthInterceptor(self._policy(self.config.auth, tokens))
-        server = grpc.aio.server(
-            interceptors=[self._auth, DecodeGuard()],
-            options=[
+        plan = front_plan(self.config)
+
+        def server(public: bool) -> grpc.aio.Server:
+            options = [
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
                 # only on the public port: the fronts' connections to the core socket stay
-                *([] if front_count(self.config) else self._connection_age()),
-            ],
-        )
-        add_inference_service(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        admin_pb2_grpc.add_MpsdAdminServicer_to_server(self.admin, server)  # type: ignore[no-untyped-call]
-        reflection.enable_server_reflection(
-            (
-                pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                ADMIN_SERVICE,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
-        fronts = front_count(self.config)
-        if fronts:
-            # The fronts own the public port; the core serves them on a Unix socket in a private directory.
-            check_port_free(address)
+                *(self._connection_age() if public else []),
+            ]
+            return grpc_server(self.servicer, self.health, self.admin, [self._auth, DecodeGuard()], options)
+
+        servers = []
+        if not plan.shared:
+            public = server(public=True)
+            self._certificates = Certificates(tls) if tls is not None else None
+            bind(public, address, self._certificates)
+            servers.append(public)
+        if plan.count:
+            for port in plan.ports or (address.port,):
+                check_port_free(front_address(address, port))
             self._core_dir = make_core_dir()
             core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
-            bind(server, core, None)
+            core_server = server(public=False)
+            bind(core_server, core, None)
+            servers.append(core_server)
             infer = self.servicer.infer_serialized_parts
-            self.fronts = FrontPool(fronts, self.config, core.grpc_target, infer, tokens, tls)
+            self.fronts = FrontPool(
+                plan.shared, self.config, core.grpc_target, infer, tokens, tls, plan.ports
+            )
             self.metrics.add_fronts(self.fronts)
             self.admin.fronts = self.fronts.describe
-        else:
-            self._certificates = Certificates(tls) if tls is not None else None
-            bind(server, address, self._certificates)
         http = http_address(self.config.http_address)
         if http is not None:
             policy = self._policy(self.config.auth, tokens, http)
             self.http = HttpEndpoint(http, self.servicer.ops, policy, limit, tls)
-        return server
+        return servers
 
     def _connection_age(self) -> list[tuple[str, int]]:
         config = self.config
@@ -194,22 +190,25 @@ class Daemon:
             self._remove_core_dir()
 
     async def _serve(self) -> int:
-        self._server = self._build_server()
-        await self._server.start()
+        self._servers = self._build_servers()
+        for server in self._servers:
+            await server.start()
         if self.fronts is not None:
             try:
                 await self.fronts.start()
             except Exception:
-                await self._server.stop(0)
+                await asyncio.gather(*(server.stop(0) for server in self._servers))
                 raise
         if self.http is not None:
             await self.http.start()
         await self.metrics.start()
+        front_ports = list(self.fronts.ports) if self.fronts is not None else []
         log.info(
             "listening",
             address=self.config.grpc_address,
             repository=str(self.config.model_repository),
             event_loop=eventloop.loop_name(),
+            **({"front_ports": front_ports} if front_ports else {}),
         )
         await self._update_health()
         background = [asyncio.create_task(self._watchdog())]
@@ -217,7 +216,11 @@ class Daemon:
         self.registry.residency.start()
         await self._update_health()
         ready = self.registry.server_ready()
-        log.info("ready" if ready else "started with unavailable models", models=len(self.registry.entries))
+        log.info(
+            "ready" if ready else "started with unavailable models",
+            models=len(self.registry.entries),
+            **({"front_ports": front_ports} if front_ports else {}),
+        )
         self.notifier.ready()
         self.notifier.status(self._status_line())
         background.append(asyncio.create_task(self.reconciler.run_forever()))
@@ -280,10 +283,10 @@ class Daemon:
         self._reload_access(fresh, tokens, tls)
 
     def _tls(self) -> TlsMaterial | None:
-        """The TLS material being served now (by the fronts, or by this process's own port)."""
-        if self.fronts is not None:
-            return self.fronts.tls
-        return self._certificates.material if self._certificates is not None else None
+        """The TLS material being served now (by this process's own port, or by the fronts)."""
+        if self._certificates is not None:
+            return self._certificates.material
+        return self.fronts.tls if self.fronts is not None else None
 
     def _reload_access(self, fresh: DaemonConfig, tokens: Sequence[Token], tls: TlsMaterial | None) -> None:
         """Tokens and certificate as the config and their files say now: a rotated token file or a renewed
@@ -332,8 +335,8 @@ class Daemon:
                 self.fronts.hurry()
             if self.http is not None:
                 self.http.hurry()
-            if self._server is not None:
-                self._hurry = asyncio.ensure_future(self._server.stop(0))
+            if self._servers:
+                self._hurry = asyncio.ensure_future(self._stop_servers(0))
             return
         log.info(
             "stopping: health not serving",
@@ -360,18 +363,23 @@ class Daemon:
         self.refusing = True
         log.info("stopping: draining in-flight requests", drain_timeout_s=self.config.drain_timeout_s)
         self.admin.close()
-        assert self._server is not None
         drain = self.config.drain_timeout_s
         http = asyncio.ensure_future(self.http.stop(drain)) if self.http is not None else None
+        # The public port drains beside the fronts; the core's server (last) after them: it serves them.
+        core = self._servers[-1:] if self.fronts is not None else []
+        public = asyncio.gather(*(server.stop(drain) for server in self._servers if server not in core))
         if self.fronts is not None:
             await self.fronts.stop(drain)
-        await self._server.stop(drain)
+        await asyncio.gather(public, *(server.stop(drain) for server in core))
         if http is not None:
             await http
         await self.metrics.stop()
         await self.registry.shutdown()
         shm.cleanup_own()
         log.info("stopped")
+
+    async def _stop_servers(self, grace: float) -> None:
+        await asyncio.gather(*(server.stop(grace) for server in self._servers))
 
 
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:

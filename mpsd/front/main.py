@@ -1,4 +1,5 @@
-"""The front process: serve gRPC on the shared port, hand ModelInfer to the core, forward the rest.
+"""The front process: serve gRPC on the shared port (or one of its own), hand ModelInfer to the core,
+forward the rest.
 
 It holds no state of its own. ModelInfer travels to the core as the request's bytes over the socketpair
 the core gave it; every other RPC is relayed as raw messages, in its own call shape, to the core's gRPC
@@ -245,7 +246,7 @@ async def serve(sock: socket.socket) -> int:
     configure(settings.log_level, "json")
     structlog.contextvars.bind_contextvars(front=settings.index)
     setproctitle(f"{FRONT_TITLE}{settings.index}")  # named in ps by role
-    address = parse_address(config.grpc_address)
+    address = parse_address(settings.address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     channel = grpc.aio.insecure_channel(settings.core_target, options=sizes)
@@ -261,7 +262,9 @@ async def serve(sock: socket.socket) -> int:
             return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
 
         age = connection_age_options(config.max_connection_age_s, config.max_connection_age_grace_s)
-        server = grpc.aio.server(options=[*sizes, ("grpc.so_reuseport", 1), *age])
+        # A port of its own is not shared: without SO_REUSEPORT a second server there fails to bind.
+        reuse = ("grpc.so_reuseport", int(settings.share_port))
+        server = grpc.aio.server(options=[*sizes, reuse, *age])
         relay = Relay(link, channel, access_policy(settings.access)[0])
         server.add_generic_rpc_handlers([relay])
 

@@ -79,6 +79,8 @@ class FrontConfig:
     config: Exported  # DaemonConfig as JSON
     arena: ArenaRegion | None  # None: large calls take the socket too
     access: FrontAccess
+    address: str  # where to listen: grpc_address, or grpc_address's host with a port of this front's own
+    share_port: bool  # SO_REUSEPORT: the port is grpc_address's, shared with the other fronts
 
     def encode(self) -> bytes:
         arena = {"name": self.arena.name, "size": self.arena.size} if self.arena is not None else None
@@ -89,6 +91,8 @@ class FrontConfig:
             "config": self.config,
             "arena": arena,
             **self.access.fields(),
+            "address": self.address,
+            "share_port": self.share_port,
         }
         return json.dumps(settings).encode()
 
@@ -108,6 +112,8 @@ class FrontConfig:
             fields.take("config", dict),
             arena,
             FrontAccess.read(fields),
+            fields.take("address", str),
+            fields.take("share_port", bool),
         )
         fields.done()
         return config

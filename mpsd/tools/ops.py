@@ -156,8 +156,8 @@ def render_status(data: dict[str, Any]) -> str:
     fronts = data.get("fronts") or []
     if fronts:
         keys = ["index", "pid", "state", "requests", "restarts"]
-        rows = [[str(f[k]) for k in keys] for f in fronts]
-        parts += ["", table(["FRONT", "PID", "STATE", "REQUESTS", "RESTARTS"], rows)]
+        rows = [[str(f[k]) for k in keys] + [str(f.get("port") or "shared")] for f in fronts]
+        parts += ["", table(["FRONT", "PID", "STATE", "REQUESTS", "RESTARTS", "PORT"], rows)]
     return "\n".join(parts)
 
 
@@ -178,7 +178,14 @@ def status(conn: argparse.Namespace, json_output: bool, timeout: float) -> int:
         ],
         "workers": [worker_dict(w) for w in workers.workers],
         "fronts": [
-            {"index": f.index, "pid": f.pid, "state": f.state, "requests": f.requests, "restarts": f.restarts}
+            {
+                "index": f.index,
+                "pid": f.pid,
+                "state": f.state,
+                "requests": f.requests,
+                "restarts": f.restarts,
+                "port": f.port,
+            }
             for f in workers.fronts
         ],
         "residency": [

@@ -158,7 +158,14 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
         fronts = []
         if self.fronts is not None and not request.model:
             fronts = [
-                pb.Front(index=f.index, pid=f.pid, state=f.state, requests=f.requests, restarts=f.restarts)
+                pb.Front(
+                    index=f.index,
+                    pid=f.pid,
+                    state=f.state,
+                    requests=f.requests,
+                    restarts=f.restarts,
+                    port=f.port,
+                )
                 for f in self.fronts()
             ]
         residency = [

@@ -3,7 +3,9 @@
 One Python process spends most of a small request's CPU time in gRPC itself (HTTP/2, the asyncio
 machinery), so one front caps a daemon at a few thousand requests per second. With `front_processes: N`
 the daemon starts N front processes that share the TCP port through SO_REUSEPORT (the kernel spreads
-connections over them) and keeps the rest here: the registry, the batcher and the workers.
+connections over them) and keeps the rest here: the registry, the batcher and the workers. With
+`front_ports` each front listens on a port of its own instead, for clients that spread their calls over the
+ports (macOS cannot spread one port's connections); the daemon then serves grpc_address itself too.
 
 A front hands ModelInfer calls to the core as serialized bytes over a socketpair (`mpsd/ipc/front_wire.py`),
 large ones through a shared-memory arena the core creates for it (`mpsd/ipc/front_arena.py`); the

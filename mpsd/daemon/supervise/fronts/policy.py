@@ -1,4 +1,5 @@
-"""Whether fronts can run and how many: checked before anything starts, so a bad setting stops the start."""
+"""Whether fronts can run, how many and where: checked before anything starts, so a bad setting stops the
+start."""
 
 from __future__ import annotations
 
@@ -6,10 +7,29 @@ import errno
 import os
 import socket
 import sys
+from dataclasses import dataclass
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError
-from mpsd.net.listen import Address, parse_address
+from mpsd.net.listen import DISABLED, Address, parse_address, same_port
+
+
+@dataclass(frozen=True)
+class FrontPlan:
+    """The fronts to run: `shared` on grpc_address's port (SO_REUSEPORT), or one on each of `ports`."""
+
+    shared: int
+    ports: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return self.shared + len(self.ports)
+
+
+def front_plan(config: DaemonConfig, cpu_count: int | None = None, platform: str = sys.platform) -> FrontPlan:
+    """The fronts `config` asks for; ConfigError when they cannot work with its addresses."""
+    ports = own_ports(config)
+    return FrontPlan(0 if ports else front_count(config, cpu_count, platform), ports)
 
 
 def usable_cpus() -> int:
@@ -27,6 +47,8 @@ def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: st
     machine runs as few fronts as a small machine would."""
     wanted = config.front_processes
     address = parse_address(config.grpc_address)
+    if config.front_ports and wanted == "auto":
+        return 0  # fronts on ports of their own instead (`own_ports`)
     if wanted == "auto":
         cpus = cpu_count if cpu_count is not None else usable_cpus()
         if not platform.startswith("linux") or address.unix_path is not None or cpus <= 4:
@@ -35,16 +57,59 @@ def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: st
     if wanted == 0:
         return 0
     where = f"front_processes: {wanted}"
+    if config.front_ports:
+        raise ConfigError(
+            f"{where} and front_ports: {config.front_ports}: fronts either share grpc_address's port or "
+            "listen on ports of their own; set only one of the two"
+        )
     if not platform.startswith("linux"):
         raise ConfigError(
             f"{where}: front processes share the port through SO_REUSEPORT, which spreads connections "
-            "only on Linux; use 0 (the daemon serves gRPC itself)"
+            "only on Linux; use 0 (the daemon serves gRPC itself), or front_ports (a port per front, "
+            "for clients that balance over them)"
         )
     if address.unix_path is not None:
         raise ConfigError(f"{where}: a Unix socket cannot be shared by several processes; use a TCP address")
     if address.port == 0:
         raise ConfigError(f"{where}: front processes need a fixed port, not 0")
     return wanted
+
+
+def own_ports(config: DaemonConfig) -> tuple[int, ...]:
+    """The ports of fronts that listen alone (`front_ports`), on any platform: no port is shared, so no
+    SO_REUSEPORT is needed. ConfigError for a port another setting or another front already names."""
+    ports = tuple(config.front_ports)
+    if not ports:
+        return ()
+    where = f"front_ports: {list(ports)}"
+    if config.front_processes not in (0, "auto"):
+        front_count(config)  # says why both cannot be set
+    address = parse_address(config.grpc_address)
+    if address.unix_path is not None:
+        raise ConfigError(
+            f"{where}: fronts listen on grpc_address's host, and grpc_address is a Unix socket; "
+            "give a TCP address"
+        )
+    repeated = sorted({port for port in ports if ports.count(port) > 1})
+    if repeated:
+        raise ConfigError(f"{where}: port {repeated[0]} is listed more than once; each front needs its own")
+    others = {"grpc_address": address}
+    for setting in ("http_address", "metrics_address"):
+        text = getattr(config, setting)
+        if text is not None and text.strip().lower() not in DISABLED:
+            others[setting] = parse_address(text, setting)
+    for port in ports:
+        mine = front_address(address, port)
+        for setting, other in others.items():
+            if same_port(mine, other):
+                raise ConfigError(f"{where}: port {port} collides with {setting} {other.text}")
+    return ports
+
+
+def front_address(main: Address, port: int) -> Address:
+    """Where a front of `front_ports` listens: grpc_address's host, its own port."""
+    host = f"[{main.host}]" if ":" in main.host else main.host
+    return Address(f"{host}:{port}", host=main.host, port=port)
 
 
 def check_port_free(address: Address) -> None:

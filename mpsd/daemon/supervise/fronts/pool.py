@@ -17,6 +17,7 @@ from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token
 from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes
+from mpsd.daemon.supervise.fronts.policy import front_address
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
 from mpsd.daemon.supervise.restart import Backoff
@@ -26,6 +27,7 @@ from mpsd.ipc.front_wire import SOCKET_BUFFER, Buffer, Kind, frame, widen_buffer
 from mpsd.ipc.shm import Region
 from mpsd.net.auth import export_tokens
 from mpsd.net.certificates import TlsMaterial
+from mpsd.net.listen import parse_address
 
 log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 FRONT_MODULE = "mpsd.front"  # what a front process runs: `python -m FRONT_MODULE`
@@ -51,6 +53,7 @@ class FrontInfo:
     state: str  # "listening", or "restarting" between a death and the new process listening
     requests: int  # ModelInfer calls handed to the core, over restarts
     restarts: int
+    port: int  # the port it listens on alone (front_ports); 0: grpc_address's, shared
 
 
 @dataclass
@@ -61,7 +64,8 @@ class Front:
 
 
 class FrontPool:
-    """Starts, supervises and stops the front processes."""
+    """Starts, supervises and stops the front processes: `count` sharing grpc_address's port, or one on
+    each of `ports`."""
 
     def __init__(
         self,
@@ -71,8 +75,10 @@ class FrontPool:
         infer: InferBytes,
         tokens: Sequence[Token] = (),
         tls: TlsMaterial | None = None,
+        ports: Sequence[int] = (),
     ) -> None:
-        self.count = count
+        self.ports = tuple(ports)
+        self.count = len(self.ports) or count
         self._config = config
         # As the daemon read them: fronts never read token or certificate files.
         self._tokens = list(tokens)
@@ -111,6 +117,7 @@ class FrontPool:
                 "listening" if f.process.returncode is None else "restarting",
                 served.get(i, 0),
                 self.restarts.get(i, 0),
+                self.ports[i] if self.ports else 0,
             )
             for i, f in sorted(self.fronts.items())
         ]
@@ -178,6 +185,8 @@ class FrontPool:
                 self._config.model_dump(mode="json"),
                 ArenaRegion(arena.name, arena.size) if arena is not None else None,
                 self._access(),
+                self.address(index),
+                not self.ports,
             )
             link.send(frame(Kind.CONFIG, payload=settings.encode()))
             await asyncio.wait_for(link.ready, START_TIMEOUT_S)
@@ -208,10 +217,16 @@ class FrontPool:
             "front listening",
             front=index,
             pid=process.pid,
-            address=self._config.grpc_address,
+            address=self.address(index),
             event_loop=link.ready.result().event_loop,
         )
         return front
+
+    def address(self, index: int) -> str:
+        """Where front `index` listens: grpc_address, shared, or a port of its own on that host."""
+        if not self.ports:
+            return self._config.grpc_address
+        return front_address(parse_address(self._config.grpc_address), self.ports[index]).text
 
     def _arena(self) -> Region | None:
         """A front's arena, or None (large calls then take the socket) where /dev/shm has no room."""
@@ -240,8 +255,8 @@ class FrontPool:
         return self._backoffs[index]
 
     async def _supervise(self, index: int) -> None:
-        """Restart a front that died, with back-off; its clients reconnect and the kernel sends them to the
-        live ones meanwhile."""
+        """Restart a front that died, with back-off, on the same port; meanwhile its clients reconnect and the
+        kernel sends them to the live ones (shared port), or their channels skip it (ports of their own)."""
         backoff = self._backoff(index)
         while not self._stopping:
             front = self.fronts[index]
