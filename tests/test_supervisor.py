@@ -190,6 +190,40 @@ def test_a_lone_instance_keeps_its_worker_slots_busy_and_one_of_several_takes_a_
     run(scenario)
 
 
+@pytest.mark.parametrize(("instances", "depth"), [(1, SLOTS), (2, 1)])
+def test_direct_executions_count_toward_the_depth_and_a_batch_taken_meanwhile_goes_back(
+    instances: int, depth: int
+) -> None:
+    async def scenario() -> None:
+        rig = Rig(instances)
+        rig.execution_gate.clear()
+        await rig.instance.start()
+        for _ in range(50):  # the dispatcher starts and waits for a batch
+            await asyncio.sleep(0)
+        direct = []
+        for i in range(depth):
+            worker = rig.instance.direct_worker()
+            assert worker is rig.made[0]
+            direct.append(asyncio.create_task(rig.instance.run_direct(f"d{i}", worker)))
+        await until(lambda: rig.running == depth)
+        assert rig.instance.direct_worker() is None  # the instance is full: the next request queues
+        rig.batches.put_nowait("queued")  # the dispatcher was already waiting for it
+        await until(lambda: rig.requeued == ["queued"])
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert rig.most_running == depth and len(rig.runs) == depth
+        rig.execution_gate.set()
+        await asyncio.gather(*direct)
+        assert rig.instance.direct_worker() is rig.made[0]
+        rig.batches.put_nowait("next")
+        await until(lambda: len(rig.runs) == depth + 1)
+        assert rig.runs[-1] == ("next", rig.made[0])
+        await rig.instance.stop()
+        assert rig.instance.direct_worker() is None
+
+    run(scenario)
+
+
 def test_a_crash_restarts_the_worker_after_the_backoff_delay() -> None:
     async def scenario() -> None:
         rig = Rig()
@@ -311,6 +345,7 @@ def test_a_worker_over_its_memory_ceiling_hands_over_to_a_warm_replacement() -> 
         for _ in range(50):
             await asyncio.sleep(0)
         assert not old.stopped and rig.instance.worker is old  # the batch it runs finishes there first
+        assert rig.instance.direct_worker() is None  # nothing new starts on the old worker
         rig.execution_gate.set()
         await until(lambda: old.stopped)
         assert rig.instance.worker is new and rig.instance.ready

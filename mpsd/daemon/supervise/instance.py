@@ -115,6 +115,9 @@ class Instance(Generic[B, H]):
         self._idle = asyncio.Event()  # set while no execution of this instance runs
         self._idle.set()
         self._running: set[asyncio.Task[None]] = set()
+        self._direct = 0  # executions run by their caller's task (`run_direct`)
+        self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
+        self._handing_over = False
         self._retiring: set[asyncio.Task[None]] = set()
 
     @property
@@ -217,11 +220,15 @@ class Instance(Generic[B, H]):
     async def _hand_over(self, dispatch: asyncio.Task[None], done_with: asyncio.Event) -> None:
         """Let the old worker finish the batch it is running, then stop feeding it."""
         done_with.set()
-        if not self._idle.is_set():
-            await self._idle.wait()
-        dispatch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await dispatch
+        self._handing_over = True  # no direct execution starts on the old worker either
+        try:
+            if not self._idle.is_set():
+                await self._idle.wait()
+            dispatch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dispatch
+        finally:
+            self._handing_over = False
 
     def _depth(self) -> int:
         """Executions this instance keeps in flight. With one instance the next batch waits in the worker
@@ -229,20 +236,55 @@ class Instance(Generic[B, H]):
         at a time, so a batch always goes to an idle instance while there is one."""
         return SLOTS if self._instance_count() == 1 else 1
 
+    def _busy(self) -> int:
+        return len(self._running) + self._direct
+
     async def _dispatch(self, worker: H, done_with: asyncio.Event) -> None:
         queue = self._batches
         while not self._stopping and not done_with.is_set():
-            if len(self._running) >= self._depth():
-                await asyncio.wait(set(self._running), return_when=asyncio.FIRST_COMPLETED)
+            if self._busy() >= self._depth():
+                self._freed.clear()
+                await self._freed.wait()
                 continue
             batch = await queue.next_batch()
             if worker.died.is_set() or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
+            if self._busy() >= self._depth():  # direct executions took the room while it waited
+                queue.requeue(batch)
+                continue
             self._idle.clear()
             task = asyncio.create_task(self._execute(batch, worker))
             self._running.add(task)  # a strong reference while it runs
             task.add_done_callback(self._finished)
+
+    def direct_worker(self) -> H | None:
+        """The worker, when this instance can start an execution right now (ready, not handing over, below
+        its depth); None otherwise."""
+        worker = self.worker
+        if (
+            self.state != "ready"
+            or self._stopping
+            or self._handing_over
+            or worker is None
+            or worker.died.is_set()
+            or self._busy() >= self._depth()
+        ):
+            return None
+        return worker
+
+    async def run_direct(self, batch: B, worker: H) -> None:
+        """Run `batch` on `worker` in the caller's task, counted as this instance's execution: a request
+        that finds its instance free skips the queue, the dispatcher's wake-up and a task of its own.
+        `execute` settles its requests; a cancelled caller leaves the execution to its channel, which
+        skips it in the worker if it has not started."""
+        self._direct += 1
+        self._idle.clear()
+        try:
+            await self._execute(batch, worker)
+        finally:
+            self._direct -= 1
+            self._ended()
 
     async def _execute(self, batch: B, worker: H) -> None:
         with contextlib.suppress(Exception):  # `execute` settled every request; a death wakes `_supervise`
@@ -250,7 +292,11 @@ class Instance(Generic[B, H]):
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
-        if not self._running:
+        self._ended()
+
+    def _ended(self) -> None:
+        self._freed.set()
+        if not self._busy():
             self._idle.set()
 
     async def stop(self, grace_s: float = 0.0) -> None:

@@ -62,12 +62,23 @@ class RequestQueue:
             raise ResourceExhausted(
                 f"model {self.label}: queue is full ({self.max_size} requests waiting, max_queue_size)"
             )
-        if self.timeout_s:
-            limit = time.monotonic() + self.timeout_s
-            item.deadline = limit if item.deadline is None else min(item.deadline, limit)
+        self.admit(item)
         self._items.append(item)
         self._arm(item)
         self._arrived.set()
+
+    def admit(self, item: Pending) -> None:
+        """Apply the queue's default timeout to a request's deadline (also to one that skips the queue)."""
+        if self.timeout_s:
+            limit = time.monotonic() + self.timeout_s
+            item.deadline = limit if item.deadline is None else min(item.deadline, limit)
+
+    def runs_at_once(self, item: Pending) -> bool:
+        """Whether a free instance would take `item` the moment it arrived: nothing waits ahead of it and
+        batching would not hold it for more rows. Such a request may go to that instance directly."""
+        if self._items:
+            return False
+        return not (self.batching and self.delay_s > 0 and item.request.batch_size < self.target_rows)
 
     def requeue(self, items: Iterable[Pending]) -> None:
         """Put items back at the front, in their order (their instance went away before running them)."""

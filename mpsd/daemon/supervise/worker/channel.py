@@ -20,7 +20,6 @@ from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.profiling import ProfileRun
-from mpsd.daemon.supervise.worker.watch import either as _either
 from mpsd.daemon.supervise.worker.watch import watch as _watch
 from mpsd.errors import DeadlineExceeded, Internal, ResourceExhausted, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
@@ -71,10 +70,10 @@ class PhaseTimes(Protocol):
 
 
 class _Abandoned(Exception):
-    """The caller stopped waiting (cancelled) while the worker still runs its execution."""
+    """The caller stopped waiting (cancelled, or the deadline passed) before the worker answered: the
+    execution's slot stays taken until it does."""
 
-    def __init__(self, pending: asyncio.Future[object], cause: BaseException) -> None:
-        self.pending = pending
+    def __init__(self, cause: BaseException) -> None:
         self.cause = cause
 
 
@@ -100,6 +99,7 @@ class Channel:
         self._free_slots = list(range(p.SLOTS))[::-1]
         self._slot_freed = asyncio.Event()
         self._inflight: dict[int, tuple[asyncio.Future[object], int]] = {}  # req_id -> (answer, slot)
+        self._abandoned: set[int] = set()  # executions nobody waits for: their slot is freed on the answer
         self._parts: dict[int, asyncio.Queue[p.StreamPart]] = {}  # req_id -> a stream's parts not yet read
         self.profile: ProfileRun | None = None  # the one profile of this worker under way
         self._profile_ids = itertools.count(1)
@@ -147,7 +147,12 @@ class Channel:
                 parts.put_nowait(msg)
         elif isinstance(msg, (p.InferDone, p.InferFailed)):
             entry = self._inflight.pop(msg.req_id, None)
-            if entry is not None and not entry[0].done():
+            if entry is None:
+                return
+            if msg.req_id in self._abandoned:
+                self._abandoned.discard(msg.req_id)
+                self._give_slot(entry[1])
+            elif not entry[0].done():
                 entry[0].set_result(msg)
         elif isinstance(msg, (p.ProfileStarted, p.ProfileChunk, p.ProfileDone, p.ProfileFailed)):
             current = self.profile is not None and msg.profile_id == self.profile.profile_id
@@ -167,11 +172,14 @@ class Channel:
         self.refusing = True
         if self.profile is not None:
             self.profile.fail(WorkerDied(message.replace("while running the request", "while profiling")))
-        inflight = list(self._inflight.values())
+        inflight = list(self._inflight.items())
         self._inflight.clear()
-        for pending, _ in inflight:
-            if not pending.done():
+        for req_id, (pending, slot) in inflight:
+            if req_id in self._abandoned:
+                self._give_slot(slot)
+            elif not pending.done():
                 pending.set_exception(WorkerDied(message))
+        self._abandoned.clear()
 
     def start_profile(self, requests: int, mps_gpu_trace: bool) -> ProfileRun:
         """Ask the worker to start profiling; ResourceExhausted while another profile of it is under way."""
@@ -246,7 +254,6 @@ class Channel:
             return await self._run_in_slot(slot, tensors, timings, waiting, deadline, on_part)
         except _Abandoned as abandoned:
             kept = True
-            abandoned.pending.add_done_callback(lambda _: self._give_slot(slot))
             raise abandoned.cause from None
         finally:
             if not kept:
@@ -280,21 +287,34 @@ class Channel:
         msg = p.Infer(
             req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns(), max(1, len(waiting))
         )
-        pending: asyncio.Future[object] = loop.create_future()  # settled by the answer or the death
+        # Settled by the answer, the worker's death, or (past the deadline, not started) DeadlineExceeded.
+        pending: asyncio.Future[object] = loop.create_future()
         self._inflight[req_id] = (pending, slot)
         self._transport.write(encode(msg))
-        expired = loop.create_future() if deadline is not None else None
-        unwatch = _watch(buf, waiting, deadline, loop, expired)
+
+        def expire() -> None:
+            if not pending.done():
+                pending.set_exception(
+                    DeadlineExceeded(
+                        f"model '{model.name}' version {model.version}: the request was past its deadline "
+                        "before its worker started it (it waited behind the execution before it); it was "
+                        "not run"
+                    )
+                )
+
+        unwatch = _watch(buf, waiting, deadline, loop, expire)
         try:
             if on_part is None:
-                reply = await self._wait_reply(req_id, pending, expired)
+                reply = await self._wait_reply(req_id, pending)
             else:
-                reply = await self._stream_parts(req_id, pending, expired, tensors, slot, on_part)
+                reply = await self._stream_parts(req_id, pending, tensors, slot, on_part)
         except BaseException as exc:
-            if not pending.done():
-                if buf[0] == 0:  # nobody will take the answer: the worker may skip it if not started
-                    buf[0] = p.ABANDONED_CANCELLED
-                raise _Abandoned(pending, exc) from None
+            if req_id in self._inflight:  # no answer yet: the worker may still use the slot
+                with contextlib.suppress(ValueError):  # the regions were released (the worker died)
+                    if buf[0] == 0:  # nobody will take the answer: the worker skips it if not started
+                        buf[0] = p.ABANDONED_CANCELLED
+                self._abandoned.add(req_id)
+                raise _Abandoned(exc) from None
             raise
         finally:
             unwatch()
@@ -324,7 +344,6 @@ class Channel:
         self,
         req_id: int,
         pending: asyncio.Future[object],
-        expired: asyncio.Future[None] | None,
         tensors: Tensors[T],
         slot: int,
         on_part: Callable[[T], Awaitable[bool]],
@@ -335,12 +354,12 @@ class Channel:
         the worker's final answer."""
         parts: asyncio.Queue[p.StreamPart] = asyncio.Queue()
         self._parts[req_id] = parts
-        waits: set[asyncio.Future[Any]] = {pending} | ({expired} if expired is not None else set())
         try:
             while True:
                 getter = asyncio.ensure_future(parts.get())
                 try:
-                    await asyncio.wait({getter, *waits}, return_when=asyncio.FIRST_COMPLETED)
+                    waits: set[asyncio.Future[Any]] = {getter, pending}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     getter.cancel()
                 if getter.done() and not getter.cancelled():
@@ -355,43 +374,27 @@ class Channel:
                     if self._transport is not None:
                         self._transport.write(encode(p.StreamAck(req_id, part.index, stop=not keep)))
                     continue
-                if pending.done():
-                    return pending.result()
-                raise DeadlineExceeded(
-                    f"model '{self.model.name}' version {self.model.version}: the request was past its "
-                    "deadline before its worker started it; it was not run"
-                )
+                return pending.result()  # the end, or the error (DeadlineExceeded before the start)
         finally:
             self._parts.pop(req_id, None)
 
-    async def _wait_reply(
-        self, req_id: int, pending: asyncio.Future[object], expired: asyncio.Future[None] | None = None
-    ) -> object:
-        """The worker's answer; past the request timeout the worker counts as hung and is killed. Once
-        `expired` is set (the deadline passed before the worker started the execution) it raises
-        DeadlineExceeded without waiting for the answer.
+    async def _wait_reply(self, req_id: int, pending: asyncio.Future[object]) -> object:
+        """The worker's answer (or DeadlineExceeded, set on `pending` when the deadline passed before the
+        worker started the execution); past the request timeout the worker counts as hung and is killed.
 
         The timeout counts from when the execution is the oldest in flight: one sent while another runs
-        waits for that first. Shielded: a caller that is cancelled leaves the execution running, and its
-        slot stays taken until the worker answers.
+        waits for that first. Without a timeout `pending` is awaited as it is: one wake-up when the answer
+        comes. A caller that is cancelled leaves the execution to the worker (`_Abandoned`).
         """
         timeout = self.request_timeout_s
-        gate = _either(pending, expired)
         if timeout:
             for older_id in [i for i in self._inflight if i < req_id]:
                 entry = self._inflight.get(older_id)
                 if entry is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.shield(_either(entry[0], expired))
-            try:
-                await asyncio.wait_for(asyncio.shield(gate), timeout)
-            except TimeoutError:
-                self._hung(f"no answer within request_timeout_s={timeout:g}")
-        await asyncio.shield(gate)
-        if not pending.done():
-            model = self.model
-            raise DeadlineExceeded(
-                f"model '{model.name}' version {model.version}: the request was past its deadline before "
-                "its worker started it (it waited behind the execution before it); it was not run"
-            )
-        return pending.result()
+                    either: set[asyncio.Future[Any]] = {entry[0], pending}
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                await asyncio.wait({pending}, timeout=timeout)
+                if not pending.done():
+                    self._hung(f"no answer within request_timeout_s={timeout:g}")
+        return await pending

@@ -18,12 +18,12 @@ def watch(
     waiting: Sequence[asyncio.Future[Any]],
     deadline: float | None,
     loop: asyncio.AbstractEventLoop,
-    expired: asyncio.Future[None] | None = None,
+    expired: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """Mark the execution abandoned in its control block (byte 0) once every future in `waiting` is done or
     the deadline passes; returns what stops watching. The worker skips an abandoned execution it has not
     started, so a request cancelled or expired while the previous batch runs does not run after all. When
-    the deadline passes before the worker marked the execution started, `expired` is set: the caller
+    the deadline passes before the worker marked the execution started, `expired` is called: the caller
     answers at once instead of waiting for the execution ahead of it to end."""
 
     def mark(why: int) -> bool:
@@ -38,8 +38,8 @@ def watch(
             mark(p.ABANDONED_CANCELLED)
 
     def expire() -> None:
-        if mark(p.ABANDONED_EXPIRED) and expired is not None and not expired.done():
-            expired.set_result(None)
+        if mark(p.ABANDONED_EXPIRED) and expired is not None:
+            expired()
 
     for future in waiting:
         future.add_done_callback(check)
@@ -52,18 +52,3 @@ def watch(
             timer.cancel()
 
     return unwatch
-
-
-def either(first: asyncio.Future[Any], other: asyncio.Future[None] | None) -> asyncio.Future[Any]:
-    """A future done when `first` or `other` is (just `first` without `other`)."""
-    if other is None:
-        return first
-    gate: asyncio.Future[None] = first.get_loop().create_future()
-
-    def done(_: object) -> None:
-        if not gate.done():
-            gate.set_result(None)
-
-    first.add_done_callback(done)
-    other.add_done_callback(done)
-    return gate
