@@ -15,9 +15,27 @@ from hypothesis import strategies as st
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import ConnectionClosed, FrameProtocol, FrameReader, encode, send_blocking
 
+REFS = st.lists(
+    st.builds(
+        p.TensorRef,
+        st.text(max_size=20),
+        st.sampled_from(["FP32", "BYTES"]),
+        st.lists(st.integers(-1, 2**40), max_size=5).map(tuple),
+        st.integers(0, 2**40),
+        st.integers(0, 2**40),
+    ),
+    max_size=3,
+).map(tuple)
+REGION = st.builds(p.RegionRef, st.text(max_size=30), st.integers(0, 2**40))
+IDS = st.integers(0, 2**63 - 1)
 MESSAGES = st.lists(
     st.one_of(
-        st.builds(p.NeedOutput, st.integers(0, 2**63 - 1), st.integers(0, 2**40)),
+        st.builds(p.NeedOutput, IDS, st.integers(0, 2**40)),
+        # the per-request kinds travel in their binary layout, the others as pickles
+        st.builds(p.Infer, IDS, REFS, st.lists(st.text(max_size=20), max_size=3).map(tuple), REGION, REGION),
+        st.builds(p.InferDone, IDS, REFS, IDS, IDS, IDS, IDS, st.none() | IDS),
+        st.builds(p.StreamPart, IDS, IDS, REFS),
+        st.builds(p.StreamAck, IDS, IDS, st.booleans()),
         st.builds(p.InferFailed, st.integers(0, 1000), st.sampled_from(["INTERNAL"]), st.text(max_size=300)),
         # larger than either end's 64 KiB buffer
         st.builds(p.LoadFailed, st.text(min_size=0, max_size=5).map(lambda s: s + "x" * 70_000)),
@@ -55,7 +73,8 @@ def test_the_worker_reader_gets_every_message_with_one_read_for_many() -> None:
     try:
         reader = FrameReader(ours, 0.2)
         big = p.LoadFailed("y" * 200_000)
-        batch = [p.NeedOutput(i, i * 10) for i in range(50)] + [big, p.Shutdown()]
+        small = [p.NeedOutput(i, i * 10) if i % 2 else p.StreamAck(i, i * 10) for i in range(50)]
+        batch = [*small, big, p.Shutdown()]
 
         def writer() -> None:  # the large message arrives in pieces, with pauses longer than the timeout
             theirs.sendall(b"".join(encode(m) for m in batch[:50]))
@@ -66,6 +85,23 @@ def test_the_worker_reader_gets_every_message_with_one_read_for_many() -> None:
             send_blocking(theirs, batch[-1])
 
         thread = threading.Thread(target=writer)
+        thread.start()
+        got = [reader.recv_wait() for _ in batch]
+        thread.join()
+        assert got == batch
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_the_worker_reader_takes_binary_frames_whole_and_larger_than_its_buffer() -> None:
+    ours, theirs = socket.socketpair()
+    try:
+        reader = FrameReader(ours, 1.0)
+        ref = p.TensorRef("INPUT0", "FP32", (1, 16), 64, 64)
+        infer = p.Infer(1, (ref,), ("OUTPUT0",), p.RegionRef("/a", 4096), p.RegionRef("/b", 4096), 1, 5, 2)
+        batch = [infer, p.InferFailed(1, "INTERNAL", "w" * 200_000), infer, p.InferDone(1, (ref,), 1, 2, 3)]
+        thread = threading.Thread(target=theirs.sendall, args=(b"".join(encode(m) for m in batch),))
         thread.start()
         got = [reader.recv_wait() for _ in batch]
         thread.join()
@@ -96,11 +132,12 @@ def test_the_daemon_protocol_on_a_real_socket() -> None:
         transport, _ = await asyncio.get_running_loop().create_unix_connection(
             lambda: FrameProtocol(got.append, lambda exc: done.set_result(exc)), sock=ours
         )
-        batch = [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Shutdown()]
+        batch = [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.InferFailed(3, "INTERNAL", "e" * 70_000)]
         await asyncio.to_thread(theirs.sendall, b"".join(encode(m) for m in batch))
         theirs.close()
         assert await asyncio.wait_for(done, 10) is None
         transport.close()
         return got
 
-    assert asyncio.run(main()) == [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.Shutdown()]
+    want = [p.NeedOutput(1, 2), p.LoadFailed("z" * 300_000), p.InferFailed(3, "INTERNAL", "e" * 70_000)]
+    assert asyncio.run(main()) == want

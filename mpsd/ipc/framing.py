@@ -1,17 +1,19 @@
 """Length-prefixed framing of protocol messages on a stream socket, blocking (worker) and asyncio (daemon).
 
 Messages are small dataclasses from `mpsd.ipc.protocol`; both ends are processes of the same installation,
-so pickle is used for speed. Tensor bytes never travel this way.
+so the per-request ones have a fixed binary layout and the rest are pickled (`mpsd.ipc.wire_codec`). Tensor
+bytes never travel this way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 import socket
 import struct
 from collections.abc import Callable
 from typing import cast
+
+from mpsd.ipc.wire_codec import dumps, loads
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 64 * 1024 * 1024
@@ -22,7 +24,7 @@ class ConnectionClosed(EOFError):
 
 
 def encode(message: object) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = dumps(message)
     return _HEADER.pack(len(payload)) + payload
 
 
@@ -48,7 +50,7 @@ def recv_blocking(sock: socket.socket) -> object:
     (length,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
     if length > MAX_MESSAGE:
         raise ConnectionClosed(f"message of {length} bytes exceeds the protocol limit")
-    return pickle.loads(_recv_exactly(sock, length))
+    return loads(_recv_exactly(sock, length))
 
 
 class FrameReader:
@@ -100,7 +102,7 @@ class FrameReader:
         body = self._start + _HEADER.size
         if body + length <= self._end:
             self._start = body + length
-            message: object = pickle.loads(self._view[body : body + length])
+            message: object = loads(self._view[body : body + length])
             return message
         # A message larger than what is buffered: the rest is read straight into a buffer of its own.
         have = self._end - body
@@ -116,7 +118,7 @@ class FrameReader:
             if k == 0:
                 raise ConnectionClosed("peer closed the connection")
             have += k
-        message = pickle.loads(whole)
+        message = loads(whole)
         return message
 
     def recv_wait(self) -> object:
@@ -164,7 +166,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self._big_have < len(self._big):
                 return
             whole, self._big = self._big, None
-            self.on_message(pickle.loads(whole))
+            self.on_message(loads(whole))
             return
         self._end += nbytes
         while self._end - self._start >= _HEADER.size:
@@ -183,7 +185,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     self._start = self._end = 0
                 return
             self._start = body + length
-            self.on_message(pickle.loads(self._view[body : body + length]))
+            self.on_message(loads(self._view[body : body + length]))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.on_closed(exc)
