@@ -126,10 +126,12 @@ def start_mpsd(
     event_loop: str | None = None,
     settings: dict[str, Any] | None = None,
     cpus: Collection[int] | None = None,
+    source: Path | None = None,
 ) -> Server:
     """`mpsd serve` with its defaults, except that the metrics endpoint is off (several may run) and,
     when given, the number of front processes, the event loop and other daemon settings; with `cpus`, the
-    daemon runs on those CPUs only, and so do the fronts and workers it starts."""
+    daemon runs on those CPUs only, and so do the fronts and workers it starts. With `source`, mpsd runs
+    from that source tree (another checkout) instead of this one."""
     address = f"127.0.0.1:{free_port()}"
     config = workdir / f"{name}.yaml"
     http = f"127.0.0.1:{free_port()}"
@@ -140,7 +142,9 @@ def start_mpsd(
     args = [sys.executable, "-m", "mpsd", "serve", "--config", str(config), "--grpc-address", address]
     if front_processes is not None:
         args += ["--front-processes", front_processes]
-    server = Server(args, workdir / f"{name}.log", address, env, cpus=cpus)
+    if source is not None:
+        env = {**(env or {}), "PYTHONPATH": str(source)}
+    server = Server(args, workdir / f"{name}.log", address, env, cwd=source, cpus=cpus)
     server.http_address = http
     return server
 

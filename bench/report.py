@@ -42,8 +42,12 @@ PEER_TARGETS: dict[str, list[tuple[str, str, float, str, str | None]]] = {
     ],
     "3": [("p50 floor / mpsd (mpsd's speed against the floor's)", ">=", 0.85, "ratio_p50_floor_mpsd", None)],
 }
-PEERS = ("mlserver", "mlserver_w1")
-PEER_LABELS = {"mlserver": "MLServer (in-process)", "mlserver_w1": "MLServer (1 parallel worker)"}
+PEERS = ("mlserver", "mlserver_w1", "mpsd_before")
+PEER_LABELS = {
+    "mlserver": "MLServer (in-process)",
+    "mlserver_w1": "MLServer (1 parallel worker)",
+    "mpsd_before": "mpsd before (--baseline-tree)",
+}
 
 
 def med(values: list[float]) -> float:
@@ -393,6 +397,9 @@ def markdown(results: dict[str, Any]) -> str:
     if st.get("mpsd_env"):
         lines.append(f"- Daemon and worker environment: {', '.join(st['mpsd_env'])}.")
     lines += _peer_lines(results.get("mlserver"))
+    if results.get("baseline"):
+        b = results["baseline"]
+        lines.append(f"- mpsd before: commit {b['commit']}, run beside this one in scenarios 1-3.")
     lines.append("")
     verdicts_ = results.get("verdicts", {})
     sc = results["scenarios"]

@@ -355,6 +355,14 @@ def start_peers(args: argparse.Namespace, work: Path, only: set[str]) -> dict[st
     return {name: mlserver_peer.start(python, work, workers, name) for name, workers in PEERS.items()}
 
 
+def baseline_info(tree: Path) -> dict[str, str]:
+    """Which commit the baseline mpsd ran (a checkout given with --baseline-tree)."""
+    commit = subprocess.run(
+        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
+    )
+    return {"tree": tree.name, "commit": commit.stdout.strip() or "unknown"}
+
+
 def peer_info(args: argparse.Namespace, peers: dict[str, common.Server]) -> dict[str, Any]:
     if not peers:
         return {"skipped": "--no-mlserver" if args.no_mlserver else "could not be installed"}
@@ -403,6 +411,11 @@ def main() -> None:
         help="scenario 4: CPUs (and threads) for the CNN, in mpsd's worker (intra_op_thread_count) and "
         "in-process alike; the daemon and the clients get the others (default: half of them; 0: no pinning, "
         "torch's defaults)",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="another checkout of mpsd, run beside this one in scenarios 1-3 (a before/after in one run)",
     )
     parser.add_argument(
         "--no-mlserver",
@@ -459,12 +472,24 @@ def main() -> None:
             floor = common.start_floor(work)
             floor_hop = common.start_floor(work, worker_hop=True)
             peers = start_peers(args, work, only)
+            if args.baseline_tree is not None and only & {"1", "2", "3"}:
+                peers["mpsd_before"] = common.start_mpsd(
+                    work / "repo",
+                    work,
+                    "mpsd-before",
+                    env=mpsd_env,
+                    front_processes=args.front_processes,
+                    event_loop=args.event_loop,
+                    source=args.baseline_tree,
+                )
+                results["baseline"] = baseline_info(args.baseline_tree)
             try:
                 print(f"mpsd ready in {mpsd.wait_ready():.1f} s; floor ready in {floor.wait_ready():.1f} s")
                 floor_hop.wait_ready()
                 for name, peer in peers.items():
                     print(f"{name} ready in {peer.wait_ready():.1f} s", flush=True)
-                    mlserver_peer.wait_models(peer)
+                    if name in PEERS:
+                        mlserver_peer.wait_models(peer)
                 if only & {"1", "2", "3"}:
                     results["mlserver"] = peer_info(args, peers)
                 ctx = Ctx(args, work, pool, mpsd, floor, inproc, floor_hop, peers)
