@@ -20,8 +20,8 @@ from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
 from mpsd.config.security import AuthConfig, Token, read_tokens
 from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
 from mpsd.daemon.api.admin import AdminServicer
-from mpsd.daemon.api.decode_guard import DecodeGuard
-from mpsd.daemon.api.grpc_server import grpc_server
+from mpsd.daemon.api.gate import Gate
+from mpsd.daemon.api.grpc_server import grpc_server, services
 from mpsd.daemon.api.health import HealthService, registry_status
 from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.inference import InferenceServicer
@@ -39,7 +39,7 @@ from mpsd.ipc import shm
 from mpsd.logs import set_level
 from mpsd.logs.events import BUS
 from mpsd.net import eventloop
-from mpsd.net.auth import AccessPolicy, AuthInterceptor, build_policy
+from mpsd.net.auth import AccessPolicy, build_policy
 from mpsd.net.certificates import Certificates, TlsMaterial, check_replacement
 from mpsd.net.listen import Address, bind, connection_age_options, http_address, parse_address
 
@@ -85,7 +85,9 @@ class Daemon:
         self._servers: list[grpc.aio.Server] = []  # the public one (none with shared-port fronts), the core's
         self._hurry: asyncio.Future[None] | None = None
         self.fronts: FrontPool | None = None
-        self._auth: AuthInterceptor | None = None  # made with the gRPC server
+        self._gate: Gate | None = (
+            None  # access control and decoding for every gRPC call, made with the server
+        )
         self._certificates: Certificates | None = (
             None  # the daemon's own TLS port (none with shared-port fronts)
         )
@@ -116,7 +118,10 @@ class Daemon:
         address = parse_address(self.config.grpc_address)
         tls = TlsMaterial.read(self.config.tls) if self.config.tls is not None else None
         tokens = read_tokens(self.config.auth)
-        self._auth = AuthInterceptor(self._policy(self.config.auth, tokens))
+        self._gate = Gate(
+            self._policy(self.config.auth, tokens), services(self.servicer, self.health, self.admin).handlers
+        )
+        gate = self._gate
         plan = front_plan(self.config)
 
         def server(public: bool) -> grpc.aio.Server:
@@ -127,7 +132,7 @@ class Daemon:
                 # only on the public port: the fronts' connections to the core socket stay
                 *(self._connection_age() if public else []),
             ]
-            return grpc_server(self.servicer, self.health, self.admin, [self._auth, DecodeGuard()], options)
+            return grpc_server(gate, options)
 
         servers = []
         if not plan.shared:
@@ -292,8 +297,8 @@ class Daemon:
         """Tokens and certificate as the config and their files say now: a rotated token file or a renewed
         certificate takes effect at SIGHUP, here and in every front (certificates at the next handshake)."""
         self.config.auth, self.config.tls = fresh.auth, fresh.tls
-        if self._auth is not None:
-            self._auth.policy = self._policy(fresh.auth, tokens)
+        if self._gate is not None:
+            self._gate.policy = self._policy(fresh.auth, tokens)
         if self._certificates is not None and tls is not None:
             self._certificates.replace(tls)
         if self.fronts is not None:

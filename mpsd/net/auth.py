@@ -1,4 +1,4 @@
-"""Who may call what: bearer tokens with per-category access, as a server interceptor.
+"""Who may call what: bearer tokens with per-category access, checked where a call's method is looked up.
 
 Every RPC belongs to one category (Triton's restricted-protocol idea, in four groups). With tokens
 configured, a call needs `authorization: Bearer <token>` metadata naming a token whose categories cover
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -208,24 +208,6 @@ def refusal(error: MpsdError) -> grpc.RpcMethodHandler:
         await context.abort(grpc_status(error), error.message)
 
     return grpc.stream_unary_rpc_method_handler(refuse)
-
-
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, policy: AccessPolicy) -> None:
-        self.policy = policy
-
-    async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method
-        error = self.policy.check(method, handler_call_details.invocation_metadata)
-        if error is None:
-            return await continuation(handler_call_details)
-        log.info("call refused", method=method, code=error.code.value, reason=error.message)
-        return refusal(error)
 
 
 def export_tokens(tokens: Sequence[Token]) -> list[dict[str, object]]:

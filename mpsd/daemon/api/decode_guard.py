@@ -1,14 +1,15 @@
 """Requests whose bytes are not a valid protobuf message get INVALID_ARGUMENT, not UNKNOWN.
 
 gRPC decodes a request before the servicer sees it and answers a decoding failure (corrupt wire format,
-a string field that is not UTF-8) with UNKNOWN plus a logged traceback. This interceptor makes decoding
-total: a failure becomes a marker that the wrapped method turns into a clean INVALID_ARGUMENT.
+a string field that is not UTF-8) with UNKNOWN plus a logged traceback. `guard` makes a method's decoding
+total: a failure becomes a marker that the wrapped method turns into a clean INVALID_ARGUMENT (the daemon's
+`Gate` guards every method it serves).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -112,25 +113,3 @@ def guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         return handler
     result: grpc.RpcMethodHandler = make(wrapped, request_deserializer=decode, response_serializer=encode)
     return result
-
-
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
-
-
-class DecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self) -> None:
-        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    async def intercept_service(
-        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
-    ) -> grpc.RpcMethodHandler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method: str = handler_call_details.method
-        cached = self._guarded.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        guarded = guard(handler)
-        self._guarded[method] = (handler, guarded)
-        return guarded

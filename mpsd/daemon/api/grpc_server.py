@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
 from mpsd.daemon.api.admin import AdminServicer
+from mpsd.daemon.api.gate import Gate, Services
 from mpsd.daemon.api.health import HealthService
 from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.inference import add_to_server as add_inference_service
@@ -20,18 +21,12 @@ from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 
 
-def grpc_server(
-    servicer: InferenceServicer,
-    health: HealthService,
-    admin: AdminServicer,
-    interceptors: Sequence[grpc.aio.ServerInterceptor],
-    options: Sequence[tuple[str, Any]],
-) -> grpc.aio.Server:
-    """The server, its services added, no port bound yet."""
-    server = grpc.aio.server(interceptors=list(interceptors), options=list(options))
-    add_inference_service(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    admin_pb2_grpc.add_MpsdAdminServicer_to_server(admin, server)  # type: ignore[no-untyped-call]
+def services(servicer: InferenceServicer, health: HealthService, admin: AdminServicer) -> Services:
+    """Every service the daemon serves over gRPC, as generic handlers for a `Gate`."""
+    found = Services()
+    add_inference_service(servicer, found)
+    health_pb2_grpc.add_HealthServicer_to_server(health, found)
+    admin_pb2_grpc.add_MpsdAdminServicer_to_server(admin, found)  # type: ignore[no-untyped-call]
     reflection.enable_server_reflection(
         (
             pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
@@ -39,6 +34,13 @@ def grpc_server(
             ADMIN_SERVICE,
             reflection.SERVICE_NAME,
         ),
-        server,
+        found,
     )
+    return found
+
+
+def grpc_server(gate: Gate, options: Sequence[tuple[str, Any]]) -> grpc.aio.Server:
+    """A server whose every call goes through `gate` (shared by the daemon's servers), no port bound yet."""
+    server = grpc.aio.server(options=list(options))
+    server.add_generic_rpc_handlers((gate,))
     return server
