@@ -338,6 +338,12 @@ def run_gpu_scenario(args: argparse.Namespace) -> None:
     if args.quick:
         cmd += ["--rounds", "1", "--duration", "3", "--no-profile", "--name", "resnet50-gpu-quick"]
     subprocess.run(cmd, check=True, cwd=common.ROOT)
+    print("compiled models and mixed precision: ResNet-50 on the GPU (bench/compiled.py)", flush=True)
+    cmd = [sys.executable, "-m", "bench.compiled", "--out", str(args.out), "--clients", "128"]
+    if args.quick:
+        cmd += ["--rounds", "1", "--duration", "3", "--name", "compiled-gpu-quick"]
+    if subprocess.run(cmd, check=False, cwd=common.ROOT).returncode != 0:
+        print("bench/compiled.py failed (see its output above); the other results stand", flush=True)
 
 
 # MLServer's configurations: side name -> parallel_workers (0: the model in the server's own process;
