@@ -366,7 +366,7 @@ def baseline_info(tree: Path) -> dict[str, str]:
     commit = subprocess.run(
         ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
     )
-    return {"tree": tree.name, "commit": commit.stdout.strip() or "unknown"}
+    return {"commit": commit.stdout.strip() or "unknown"}
 
 
 def peer_info(args: argparse.Namespace, peers: dict[str, common.Server]) -> dict[str, Any]:
