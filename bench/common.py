@@ -143,7 +143,8 @@ def start_mpsd(
     if front_processes is not None:
         args += ["--front-processes", front_processes]
     if source is not None:
-        env = {**(env or {}), "PYTHONPATH": str(source)}
+        path = [str(source), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**(env or {}), "PYTHONPATH": os.pathsep.join(path)}
     server = Server(args, workdir / f"{name}.log", address, env, cwd=source, cpus=cpus)
     server.http_address = http
     return server
