@@ -370,7 +370,7 @@ def baseline_info(tree: Path) -> dict[str, str]:
 
 
 def peer_info(args: argparse.Namespace, peers: dict[str, common.Server]) -> dict[str, Any]:
-    if not peers:
+    if not any(name in PEERS for name in peers):  # a baseline checkout alone is no MLServer
         return {"skipped": "--no-mlserver" if args.no_mlserver else "could not be installed"}
     return {
         "packages": mlserver_peer.PACKAGES,
