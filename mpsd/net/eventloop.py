@@ -12,6 +12,7 @@ from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
 from mpsd.errors import ConfigError
+from mpsd.ipc.heap import keep_large_buffers_in_heap
 
 Choice = Literal["asyncio", "uvloop"]
 T = TypeVar("T")
@@ -27,6 +28,8 @@ def check(choice: Choice) -> None:
 
 
 def run(main: Coroutine[Any, Any, T], choice: Choice) -> T:
+    """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap."""
+    keep_large_buffers_in_heap()
     if choice == "uvloop":
         import uvloop
 

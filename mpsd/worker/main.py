@@ -22,6 +22,7 @@ from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.dtypes import wire_to_config
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
+from mpsd.ipc.heap import keep_large_buffers_in_heap
 from mpsd.ipc.shm import Region
 from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.parentwatch import watch_parent
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     _bound_openmp_spinning()
+    keep_large_buffers_in_heap()  # outputs allocated and freed on every request
     # The daemon stops workers with a Shutdown message or SIGTERM; Ctrl-C in a terminal goes to the daemon.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watch_parent(args.parent_pid)
