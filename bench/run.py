@@ -424,6 +424,12 @@ def main() -> None:
         help="another checkout of mpsd, run beside this one in scenarios 1-3 (a before/after in one run)",
     )
     parser.add_argument(
+        "--baseline-event-loop",
+        choices=["asyncio", "uvloop"],
+        help="the baseline checkout's event_loop (default: --event-loop); the same tree with another loop "
+        "compares the loops",
+    )
+    parser.add_argument(
         "--no-mlserver",
         action="store_true",
         help="scenarios 1-3 without MLServer (by default it runs beside mpsd, installed on first use)",
@@ -485,7 +491,7 @@ def main() -> None:
                     "mpsd-before",
                     env=mpsd_env,
                     front_processes=args.front_processes,
-                    event_loop=args.event_loop,
+                    event_loop=args.baseline_event_loop or args.event_loop,
                     source=args.baseline_tree,
                 )
                 results["baseline"] = baseline_info(args.baseline_tree)
