@@ -136,12 +136,7 @@ def _infer(
     tensors = runner.prepare_outputs(outputs, msg.outputs)
     del outputs
     needed = sum(t.numel() * t.element_size() for t in tensors)
-    out_ref = msg.output_region
-    if needed > out_ref.size:
-        send_blocking(sock, p.NeedOutput(msg.req_id, needed))
-        while not isinstance(reply := reader.recv_wait(), p.OutputRegion):
-            early.append(reply)
-        out_ref = reply.region
+    out_ref = _output_region(reader, sock, msg, msg.output_region, needed, early)
     refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
     output_ns = time.perf_counter_ns() - t0
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, waited_ns, device_ns)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 
 import structlog
 
@@ -124,21 +125,13 @@ class ModelVersion:
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
         item = Pending(request, future, start, deadline)
         direct = self._free_instance(item)
+        self._admit(item, queued=direct is None)
         try:
-            if direct is None:
-                self.queue.put(item)
-            else:
-                self.queue.admit(item)
-        except MpsdError as exc:
-            self.stats.record_failure(0, exc.code.value)
-            raise
-        self.inflight += 1
-        self._idle.clear()
-        try:
-            if direct is not None:
-                instance, worker = direct
-                await instance.run_direct([item], worker)
-            result = await future  # already settled after a direct execution
+            with self._counted():
+                if direct is not None:
+                    instance, worker = direct
+                    await instance.run_direct([item], worker)
+                result = await future  # already settled after a direct execution
         except MpsdError as exc:
             self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
             raise
@@ -146,12 +139,31 @@ class ModelVersion:
             if future.done() and not future.cancelled():
                 future.exception()  # the caller went away: nobody reads the error it was given
             raise
+        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
+        return result
+
+    def _admit(self, item: Pending, queued: bool = True) -> None:
+        """Into the queue (or, for a direct execution, only its default timeout); a refusal is counted."""
+        try:
+            if queued:
+                self.queue.put(item)
+            else:
+                self.queue.admit(item)
+        except MpsdError as exc:
+            self.stats.record_failure(0, exc.code.value)
+            raise
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        """One request in flight: `unload` waits until there are none."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
         finally:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
-        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
-        return result
 
     def _free_instance(self, item: Pending) -> tuple[VersionInstance, WorkerProcess] | None:
         """An instance that would take `item` at once from the queue, and its worker: the request then
@@ -174,25 +186,17 @@ class ModelVersion:
         start = time.perf_counter_ns()
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
         responses = ResponseStream()
+        self._admit(Pending(request, future, start, deadline, stream=responses))
         try:
-            self.queue.put(Pending(request, future, start, deadline, stream=responses))
-        except MpsdError as exc:
-            self.stats.record_failure(0, exc.code.value)
-            raise
-        self.inflight += 1
-        self._idle.clear()
-        try:
-            async for result in responses.responses(future):
-                yield result
+            with self._counted():
+                async for result in responses.responses(future):
+                    yield result
         except MpsdError as exc:
             self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
             raise
         finally:
             if not future.done():
                 future.cancel()
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size, responses.delivered)
 
     def _why(self) -> str:
