@@ -50,6 +50,7 @@ def test_config_auth_and_ready_come_back_as_they_were_sent(arena: ArenaRegion | 
     for each in (access(), access(tls=None)):
         assert FrontAccess.decode(each.encode()) == each
     assert FrontReady.decode(FrontReady(4242, "uvloop").encode()) == FrontReady(4242, "uvloop")
+    assert FrontReady.decode(FrontReady(7, "asyncio", 200).encode()) == FrontReady(7, "asyncio", 200)
     # What the front turns them into: the daemon's own settings, tokens and certificate.
     got = FrontConfig.decode(sent.encode())
     assert DaemonConfig.model_validate(got.config) == DaemonConfig()
@@ -72,7 +73,11 @@ def test_the_wire_keeps_its_json() -> None:
         "tokens": sent["tokens"],
         "tls": sent["tls"],
     }
-    assert json.loads(FrontReady(7, "asyncio").encode()) == {"pid": 7, "event_loop": "asyncio"}
+    assert json.loads(FrontReady(7, "asyncio", 200).encode()) == {
+        "pid": 7,
+        "event_loop": "asyncio",
+        "busy_poll_us": 200,
+    }
 
 
 def test_secrets_stay_out_of_a_repr() -> None:
@@ -133,7 +138,7 @@ def test_a_malformed_auth_or_ready_says_which_field() -> None:
 def test_a_malformed_ready_fails_the_front_start_with_the_reason() -> None:
     async def run() -> None:
         link = FrontLink(0, None, lambda _: None)  # type: ignore[arg-type]
-        link._on_frame(Kind.READY, 0, 0.0, b'{"pid": "one", "event_loop": "asyncio"}')
+        link._on_frame(Kind.READY, 0, 0.0, b'{"pid": "one", "event_loop": "asyncio", "busy_poll_us": 0}')
         with pytest.raises(FrontFailed, match=r"malformed READY frame: 'pid' must be int, not str"):
             await link.ready
 

@@ -155,6 +155,16 @@ class DaemonConfig(BaseModel):
         description="Event loop of the daemon and its front processes: asyncio's own, or uvloop (pip install "
         "'mpsd[uvloop]'), which costs less for small requests but measured slower with large ones.",
     )
+    busy_poll_us: int = Field(
+        200,
+        ge=0,
+        le=10000,
+        description="Microseconds the daemon's and fronts' event loop keeps polling its sockets before it "
+        "sleeps, after activity only (an idle loop sleeps at once): it catches a worker's answer and "
+        "gRPC's next event without a wake-up, which cuts a small request's latency by about a quarter on a "
+        "2-core machine, for up to this much CPU per sleep while requests come and go. 0: sleep at once "
+        "(least CPU, for battery-powered Macs). asyncio's loop only: uvloop does not poll.",
+    )
     tls: TlsConfig | None = Field(
         None, description="Serve over TLS (cert_file, key_file; client_ca_file for mutual TLS)."
     )

@@ -213,6 +213,7 @@ class Daemon:
             address=self.config.grpc_address,
             repository=str(self.config.model_repository),
             event_loop=eventloop.loop_name(),
+            busy_poll_us=eventloop.busy_poll_us(),
             **({"front_ports": front_ports} if front_ports else {}),
         )
         await self._update_health()
@@ -390,4 +391,4 @@ class Daemon:
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
     eventloop.check(config.event_loop)  # before anything starts; `mpsd serve` checks it with the config
     setproctitle(f"mpsd: daemon {config.grpc_address}")  # named in ps by role and address
-    return eventloop.run(Daemon(config, config_path).run(), config.event_loop)
+    return eventloop.run(Daemon(config, config_path).run(), config.event_loop, config.busy_poll_us)

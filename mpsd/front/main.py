@@ -291,7 +291,8 @@ async def serve(sock: socket.socket) -> int:
         await server.start()
     except Exception as exc:
         return await _failed(link, exc)
-    link.send(frame(Kind.READY, payload=FrontReady(os.getpid(), eventloop.loop_name()).encode()))
+    ready = FrontReady(os.getpid(), eventloop.loop_name(), eventloop.busy_poll_us())
+    link.send(frame(Kind.READY, payload=ready.encode()))
 
     stop = asyncio.Event()
     hurry = asyncio.Event()
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpsd.front")
     parser.add_argument("--fd", type=int, required=True, help="the socketpair end the daemon passed")
     parser.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio")
+    parser.add_argument("--busy-poll-us", type=int, default=0, help="the daemon's busy_poll_us")
     args = parser.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
-    return eventloop.run(serve(sock), args.event_loop)
+    return eventloop.run(serve(sock), args.event_loop, args.busy_poll_us)

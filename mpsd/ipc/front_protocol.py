@@ -121,19 +121,21 @@ class FrontConfig:
 
 @dataclass(frozen=True)
 class FrontReady:
-    """A front listens: the daemon logs which process and which event loop."""
+    """A front listens: the daemon logs which process, which event loop and its busy-poll budget."""
 
     pid: int
     event_loop: str
+    busy_poll_us: int = 0
 
     def encode(self) -> bytes:
-        return json.dumps({"pid": self.pid, "event_loop": self.event_loop}).encode()
+        fields = {"pid": self.pid, "event_loop": self.event_loop, "busy_poll_us": self.busy_poll_us}
+        return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, payload: bytes | bytearray) -> FrontReady:
         """A READY payload; MalformedMessage when it is not one."""
         fields = _Fields(_load(payload, "READY"), "READY")
-        ready = cls(fields.take("pid", int), fields.take("event_loop", str))
+        ready = cls(fields.take("pid", int), fields.take("event_loop", str), fields.take("busy_poll_us", int))
         fields.done()
         return ready
 

@@ -1,8 +1,9 @@
 """The event loop under the daemon and its front processes: asyncio's own, or uvloop on request.
 
 Nothing in mpsd depends on which loop runs it. uvloop (libuv) runs the same asyncio code with cheaper
-callbacks, futures and transports, which helps small requests; with large requests through front processes
-it measured slower (docs/performance.md), so it is a setting, not the default.
+callbacks, futures and transports; on the shortened request path it measured no faster than asyncio's loop
+(docs/performance.md), so it is a setting, not the default. asyncio's loop busy-polls before it sleeps
+(`busy_poll`); uvloop's cannot be made to.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any, Literal, TypeVar
 
 from mpsd.errors import ConfigError
 from mpsd.ipc.heap import keep_large_buffers_in_heap
+from mpsd.net import busy_poll
 
 Choice = Literal["asyncio", "uvloop"]
 T = TypeVar("T")
@@ -27,16 +29,25 @@ def check(choice: Choice) -> None:
             raise ConfigError("event_loop: uvloop is not installed (pip install 'mpsd[uvloop]')") from None
 
 
-def run(main: Coroutine[Any, Any, T], choice: Choice) -> T:
-    """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap."""
+def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0) -> T:
+    """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap;
+    asyncio's loop polls for up to `busy_poll_us` before each sleep that follows activity (0: never)."""
     keep_large_buffers_in_heap()
     if choice == "uvloop":
         import uvloop
 
         return uvloop.run(main)
+    if busy_poll_us > 0:
+        return busy_poll.run(main, busy_poll_us / 1e6)
     return asyncio.run(main)
 
 
 def loop_name() -> str:
     """The running loop, for the start-up log line."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
+def busy_poll_us() -> int:
+    """The running loop's busy-poll budget in microseconds (0: it sleeps at once), for the start-up log."""
+    selector = getattr(asyncio.get_running_loop(), "_selector", None)
+    return round(selector.budget_s * 1e6) if isinstance(selector, busy_poll.BusyPollSelector) else 0

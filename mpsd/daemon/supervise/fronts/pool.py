@@ -162,6 +162,8 @@ class FrontPool:
                     str(child.fileno()),
                     "--event-loop",
                     self._config.event_loop,
+                    "--busy-poll-us",
+                    str(self._config.busy_poll_us),
                     pass_fds=(child.fileno(),),
                     stdin=asyncio.subprocess.DEVNULL,
                     stderr=asyncio.subprocess.PIPE,
@@ -219,6 +221,7 @@ class FrontPool:
             pid=process.pid,
             address=self.address(index),
             event_loop=link.ready.result().event_loop,
+            busy_poll_us=link.ready.result().busy_poll_us,
         )
         return front
 
