@@ -306,3 +306,33 @@ def test_arenas_are_allocated_up_front_and_fronts_go_without_when_dev_shm_is_ful
         assert pool._arena() is None
     warned = [e for e in logged if e["event"].startswith("no shared memory for the front arenas")]
     assert len(warned) == 1 and warned[0]["reason"] == "No space left on device"
+
+
+def test_an_arena_takes_half_as_much_where_dev_shm_has_no_room_for_the_configured_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mpsd.config.daemon_config import DaemonConfig
+    from mpsd.daemon.supervise.fronts import pool as fronts
+
+    created = Region.create
+    asked: list[int] = []
+
+    def room_for_16_mib(size: int, reserve: bool = False) -> Region:
+        asked.append(size)
+        if size > 16 << 20:
+            raise OSError(28, "No space left on device")
+        return created(size, reserve=reserve)
+
+    monkeypatch.setattr(fronts.Region, "create", room_for_16_mib)
+    pool = fronts.FrontPool(1, DaemonConfig(), "unix:nowhere", lambda data, deadline: None)  # type: ignore[arg-type,return-value]
+    with structlog.testing.capture_logs() as logged:
+        arena = pool._arena()
+    assert arena is not None
+    try:
+        assert (arena.size, asked) == (16 << 20, [64 << 20, 32 << 20, 16 << 20])
+    finally:
+        arena.unlink()
+        arena.close()
+    assert not [e for e in logged if e["event"].startswith("no shared memory")]
+    off = fronts.FrontPool(1, DaemonConfig(front_arena_bytes=0), "unix:nowhere", lambda data, deadline: None)  # type: ignore[arg-type,return-value]
+    assert off._arena() is None

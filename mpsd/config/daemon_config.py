@@ -150,6 +150,15 @@ class DaemonConfig(BaseModel):
         "front_target): more cores for gRPC where the port cannot be shared (macOS). The daemon still "
         "serves grpc_address itself. Not with front_processes above 0.",
     )
+    front_arena_bytes: int = Field(
+        64 << 20,
+        ge=0,
+        description="Shared memory per front process for large calls (requests and replies of 32 KiB or "
+        "more), taken in full when the front starts. A call that finds its front's arena full goes through "
+        "the front's socket, which costs the daemon's main thread a copy: 64 MiB holds about 200 calls of "
+        "300 KB in flight. Where /dev/shm has no room for it, half as much is tried, down to 4 MiB, "
+        "then none. 0: no arena.",
+    )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "asyncio",
         description="Event loop of the daemon and its front processes: asyncio's own, or uvloop (pip install "

@@ -22,10 +22,6 @@ from mpsd.errors import Internal
 from mpsd.ipc.front_wire import Buffer, nbytes
 from mpsd.ipc.shm import Region
 
-# Per front, allocated in full when the front starts: a page written where /dev/shm has no room left would
-# be a SIGBUS. 16 MiB holds about 25 calls of 600 KB in flight at once; more wait for room or take the
-# socket. Where /dev/shm cannot hold it (containers often give 64 MiB), the front runs without an arena.
-ARENA_BYTES = 16 * 1024 * 1024
 # Requests and replies at least this large go through the arena (smaller ones cost less in a frame).
 ARENA_MIN = 32 * 1024
 # Room beyond the request in each chunk, so that a reply as large as the request (an identity: the same

@@ -21,7 +21,6 @@ from mpsd.daemon.supervise.fronts.policy import front_address
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
 from mpsd.daemon.supervise.restart import Backoff
-from mpsd.ipc.front_arena import ARENA_BYTES
 from mpsd.ipc.front_protocol import FRONT_TITLE, ArenaRegion, FrontAccess, FrontConfig
 from mpsd.ipc.front_wire import SOCKET_BUFFER, Buffer, Kind, frame, widen_buffers
 from mpsd.ipc.shm import Region
@@ -40,6 +39,7 @@ def is_front_command(argv: Sequence[str]) -> bool:
 
 
 START_TIMEOUT_S = 30.0
+SMALLEST_ARENA = 4 << 20  # below this an arena holds too few large calls to be worth the shared memory
 
 
 def _level_frame(level: str) -> tuple[Buffer, ...]:
@@ -232,19 +232,29 @@ class FrontPool:
         return front_address(parse_address(self._config.grpc_address), self.ports[index]).text
 
     def _arena(self) -> Region | None:
-        """A front's arena, or None (large calls then take the socket) where /dev/shm has no room."""
-        try:
-            return Region.create(ARENA_BYTES, reserve=True)
-        except OSError as exc:
-            if not self._told_no_arena:
-                self._told_no_arena = True
-                log.warning(
-                    "no shared memory for the front arenas: large calls go through the fronts' sockets",
-                    asked=ARENA_BYTES,
-                    reason=exc.strerror or str(exc),
-                    hint="give /dev/shm more room (containers: --shm-size)",
-                )
+        """A front's arena of `front_arena_bytes`, or half as much where /dev/shm has no room for it, down to
+        SMALLEST_ARENA; else None (large calls then take the socket)."""
+        size = self._config.front_arena_bytes
+        if size <= 0:
             return None
+        failure: OSError | None = None
+        while True:
+            try:
+                return Region.create(size, reserve=True)
+            except OSError as exc:
+                failure = exc
+            if size // 2 < SMALLEST_ARENA:
+                break
+            size //= 2
+        if not self._told_no_arena:
+            self._told_no_arena = True
+            log.warning(
+                "no shared memory for the front arenas: large calls go through the fronts' sockets",
+                asked=self._config.front_arena_bytes,
+                reason=failure.strerror or str(failure),
+                hint="give /dev/shm more room (containers: --shm-size)",
+            )
+        return None
 
     def _on_link_lost(self, link: FrontLink) -> None:
         ready = link.ready
