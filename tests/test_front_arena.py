@@ -296,7 +296,7 @@ def test_arenas_are_allocated_up_front_and_fronts_go_without_when_dev_shm_is_ful
     finally:
         region.unlink()
 
-    def full(size: int, reserve: bool = False) -> Region:
+    def full(size: int, reserve: bool = False, keep_fd: bool = False) -> Region:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fronts.Region, "create", full)
@@ -317,11 +317,11 @@ def test_an_arena_takes_half_as_much_where_dev_shm_has_no_room_for_the_configure
     created = Region.create
     asked: list[int] = []
 
-    def room_for_16_mib(size: int, reserve: bool = False) -> Region:
+    def room_for_16_mib(size: int, reserve: bool = False, keep_fd: bool = False) -> Region:
         asked.append(size)
         if size > 16 << 20:
             raise OSError(28, "No space left on device")
-        return created(size, reserve=reserve)
+        return created(size, reserve=reserve, keep_fd=keep_fd)
 
     monkeypatch.setattr(fronts.Region, "create", room_for_16_mib)
     pool = fronts.FrontPool(1, DaemonConfig(), "unix:nowhere", lambda data, deadline: None)  # type: ignore[arg-type,return-value]

@@ -34,6 +34,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from mpsd.config.daemon_config import DaemonConfig
 from mpsd.daemon.supervise.fronts.pool import is_front_command
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
@@ -41,6 +42,7 @@ from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, pending
 
 FRONTS = 2
 BIG_DIMS = 300_000  # 1.2 MB per tensor: requests and replies of 2.4 MB, larger than the link's socket buffer
+WIDE_DIMS = 40_000  # 160 KB per row: above the size the worker reads in place (marshal.IN_PLACE_BYTES)
 SLOW = """
 time.sleep(float(inputs['x'][0]))
 return {'y': inputs['x'] * 2}
@@ -99,6 +101,14 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     repo = base / "repo"
     models.add_sub(repo)
     models.add_sub(repo, "add_sub_big", dims=BIG_DIMS, max_batch_size=0)
+    # Batches of large rows: both inputs of every request in a front's arena, where the worker reads them.
+    models.add_sub(
+        repo,
+        "add_sub_wide",
+        dims=WIDE_DIMS,
+        max_batch_size=4,
+        dynamic_batching={"max_queue_delay_microseconds": 200_000, "preferred_batch_size": [4]},
+    )
     models.python_model(repo, "slow", SLOW)
     models.python_model(repo, "doubled", "return {'y': torch.cat([inputs['x'], inputs['x']])}")
     models.python_model(
@@ -288,6 +298,45 @@ def test_large_requests_and_replies_through_a_front(setup: Setup) -> None:
     assert arena_transfers(setup) == (requests + 3, replies + 3)
 
 
+def bytes_in_place(port: int, model: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    pattern = rf'^mpsd_worker_input_bytes_in_place_total\{{[^}}]*model="{model}"[^}}]*\}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def test_the_worker_reads_batched_rows_from_the_fronts_arenas_itself(setup: Setup) -> None:
+    """Requests that came through a front lie in its arena: the worker, which inherited the arena, takes
+    their rows from there (the daemon copies none), and every request gets its own rows back."""
+    rng = np.random.default_rng(11)
+    before = bytes_in_place(setup.metrics_port, "add_sub_wide")
+    rows = [rng.standard_normal((1, WIDE_DIMS), dtype=np.float32) for _ in range(8)]
+    done: list[tuple[int, object]] = []
+    finished = threading.Event()
+
+    def callback(k: int) -> object:
+        def record(result: object, error: object) -> None:
+            done.append((k, error if error is not None else result))
+            if len(done) == len(rows):
+                finished.set()
+
+        return record
+
+    client = grpcclient.InferenceServerClient(setup.daemon.address)
+    try:
+        for k, a in enumerate(rows):
+            client.async_infer("add_sub_wide", add_sub_inputs(a, 2 * a), callback(k))
+        assert finished.wait(60)
+    finally:
+        client.close()
+    for k, result in done:
+        assert isinstance(result, grpcclient.InferResult), result
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 3 * rows[k])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), -rows[k])
+    stats = setup.daemon.client.get_inference_statistics("add_sub_wide").model_stats[0]
+    assert any(b.batch_size > 1 for b in stats.batch_stats), "the requests were batched"
+    assert bytes_in_place(setup.metrics_port, "add_sub_wide") - before == 8 * 2 * WIDE_DIMS * 4
+
+
 def test_a_reply_larger_than_its_request_comes_back_through_the_socket(setup: Setup) -> None:
     """The reply does not fit the request's chunk: it leaves the daemon as pieces (header, then each
     output behind its tag), which must arrive as the one message they make up, for tensors larger than the
@@ -467,7 +516,23 @@ def test_system_shared_memory_through_a_front(setup: Setup) -> None:
         shm.destroy_shared_memory_region(handle)
 
 
+def arena_mappings(pid: int) -> int:
+    """The fronts' arenas a process has mapped (Linux: named in /proc/PID/maps, their size the default)."""
+    count = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if len(fields) > 5 and "/mpsd-" in fields[5] and end - start == DaemonConfig().front_arena_bytes:
+            count += 1
+    return count
+
+
 def test_a_killed_front_is_restarted(setup: Setup) -> None:
+    """Its arena is gone from the workers that had mapped it; its successor's is not theirs (they were
+    started before it), so their requests through it are copied by the daemon, whole as ever."""
+    (worker,) = setup.daemon.started_workers("add_sub_wide")
+    if Path("/proc").is_dir():
+        assert arena_mappings(worker) == FRONTS
     victim = front_pids(setup.daemon)[0]
     psutil.Process(victim).kill()
     wait_for(
@@ -491,6 +556,20 @@ def test_a_killed_front_is_restarted(setup: Setup) -> None:
             np.testing.assert_array_equal(
                 fresh.infer("add_sub", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2
             )
+        finally:
+            fresh.close()
+    if Path("/proc").is_dir():
+        wait_for(
+            lambda: arena_mappings(worker) == FRONTS - 1, 30, "the worker unmapped the dead front's arena"
+        )
+    wide = np.random.default_rng(12).standard_normal((1, WIDE_DIMS), dtype=np.float32)
+    for _ in range(4):
+        fresh = grpcclient.InferenceServerClient(
+            setup.daemon.address, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            result = fresh.infer("add_sub_wide", add_sub_inputs(wide, wide))
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * wide)
         finally:
             fresh.close()
 

@@ -94,6 +94,35 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class ArenaRef:
+    """A front's arena that the worker maps from an inherited descriptor, to read request bytes in place."""
+
+    arena_id: int
+    fd: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes of an execution's input that are in a front's arena, not in the slot's input region: the worker
+    takes `nbytes` from offset `src` of arena `arena_id` for input `input` (its index), to stand at offset
+    `dst` of the input region's layout (the region's bytes there are not written)."""
+
+    input: int
+    arena_id: int
+    src: int
+    dst: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ForgetArena:
+    """The arena's front is gone: the worker unmaps it (no execution refers to it any more)."""
+
+    arena_id: int
+
+
+@dataclass(frozen=True)
 class Init:
     model: ModelSpec
     instance: int
@@ -104,6 +133,7 @@ class Init:
     # "mps": Triton's mps accelerator on a KIND_GPU or KIND_AUTO group: MPS where usable, else CUDA, else the
     # CPU, where plain KIND_GPU would fail (the devices passed over are reported with their reasons)
     accelerator: str | None = None
+    arenas: tuple[ArenaRef, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,6 +149,7 @@ class Infer:
     slot: int = 0
     sent_ns: int = 0  # time.monotonic_ns() when the daemon sent it (a clock both processes share)
     requests: int = 1  # client requests batched into this execution (a profile's request window counts them)
+    pieces: tuple[Piece, ...] = ()  # input bytes the worker reads from fronts' arenas in place
 
 
 SLOTS = 2

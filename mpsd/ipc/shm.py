@@ -34,9 +34,12 @@ def page_round(n: int) -> int:
 class Region:
     """A mapped shared-memory segment."""
 
-    def __init__(self, name: str, size: int, *, create: bool, reserve: bool = False) -> None:
+    def __init__(
+        self, name: str, size: int, *, create: bool, reserve: bool = False, keep_fd: bool = False
+    ) -> None:
         self.name = name
         self.size = size
+        self.fd: int | None = None  # kept open with `keep_fd`: another process can be given it
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = _posixshmem.shm_open(name, flags, 0o600)
         try:
@@ -48,19 +51,36 @@ class Region:
                 os.posix_fallocate(fd, 0, size)
             self._mmap = mmap.mmap(fd, size)
         except BaseException:
+            os.close(fd)
             if create:
                 _posixshmem.shm_unlink(name)
             raise
-        finally:
+        if keep_fd:
+            self.fd = fd
+        else:
             os.close(fd)
         self.buf = memoryview(self._mmap)
         self._linked = create
 
     @classmethod
-    def create(cls, size: int, reserve: bool = False) -> Region:
+    def create(cls, size: int, reserve: bool = False, keep_fd: bool = False) -> Region:
         """A new named region; `reserve` allocates all its memory now (Linux), failing with OSError when
-        the shared-memory filesystem (/dev/shm) has no room for it."""
-        return cls(new_name(), page_round(size), create=True, reserve=reserve)
+        the shared-memory filesystem (/dev/shm) has no room for it; `keep_fd` keeps its descriptor (`fd`)
+        open until it is closed, for processes started later (its name is gone by then)."""
+        return cls(new_name(), page_round(size), create=True, reserve=reserve, keep_fd=keep_fd)
+
+    @classmethod
+    def from_fd(cls, fd: int, size: int) -> Region:
+        """Map a region whose descriptor this process inherited (the descriptor is closed: the mapping
+        keeps the memory)."""
+        region = cls.__new__(cls)
+        region.name, region.size, region.fd, region._linked = "", size, None, False
+        try:
+            region._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        region.buf = memoryview(region._mmap)
+        return region
 
     @classmethod
     def attach(cls, name: str, size: int) -> Region:
@@ -73,6 +93,12 @@ class Region:
             with contextlib.suppress(FileNotFoundError):
                 _posixshmem.shm_unlink(self.name)
 
+    def drop_fd(self) -> None:
+        """Close the kept descriptor now (the mapping stays)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
     def close(self) -> bool:
         """Unmap; returns False while tensors still borrow the memory (try again later)."""
         try:
@@ -81,6 +107,7 @@ class Region:
         except BufferError:
             self.buf = memoryview(self._mmap)  # the mapping stays; so must a usable view of it
             return False
+        self.drop_fd()
         return True
 
 

@@ -133,6 +133,8 @@ _refs_tails: dict[tuple[object, ...], bytes] = {}
 
 
 def _pack_infer(msg: p.Infer) -> bytes:
+    if msg.pieces:
+        raise TypeError("pieces: pickled (only large batches have them, where pickling costs little)")
     i, o = msg.input_region, msg.output_region
     key = (msg.outputs, i.name, i.size, o.name, o.size, *map(_REF_FIELDS, msg.inputs))
     tail = _infer_tails.get(key)
@@ -272,6 +274,7 @@ def _unpack_infer(payload: Buffer) -> p.Infer:
         slot=slot,
         sent_ns=sent_ns,
         requests=requests,
+        pieces=(),
     )
     return msg
 

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 from mpsd.errors import Internal
-from mpsd.ipc.protocol import ModelSpec, TensorRef, TensorSpec, WarmupTensor
+from mpsd.ipc.protocol import ModelSpec, Piece, TensorRef, TensorSpec, WarmupTensor
 from mpsd.ipc.shm import Region
 from mpsd.worker.backends import Backend
 from mpsd.worker.device import execution_timer, synchronize
 from mpsd.worker.dtypes import TO_TORCH, datatype_of
+from mpsd.worker.regions import Arenas
 
 
 @dataclass(frozen=True)
@@ -178,13 +179,65 @@ class Runner:
             return typed.detach()  # the model gets its own tensor object: in-place shape changes stay its own
         return typed.to(self.device, non_blocking=True)
 
+    def inputs(
+        self,
+        region: Region,
+        refs: Sequence[TensorRef],
+        views: Views,
+        pieces: Sequence[Piece] = (),
+        arenas: Arenas | None = None,
+    ) -> list[torch.Tensor]:
+        """The execution's inputs: views of the input region (zero-copy on the CPU), with the pieces that
+        are in fronts' arenas taken from there. On a CUDA device each piece goes to the device by DMA from
+        the (page-locked) arena and the rest from the region; elsewhere the pieces are copied into the
+        region first."""
+        if not pieces or arenas is None:
+            return [self._input(region, views, r) for r in refs]
+        if self.device.type != "cuda":
+            buf = region.buf
+            for piece in pieces:
+                arena_buf = arenas.regions[piece.arena_id].buf
+                buf[piece.dst : piece.dst + piece.nbytes] = arena_buf[piece.src : piece.src + piece.nbytes]
+            return [self._input(region, views, r) for r in refs]
+        by_input: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_input.setdefault(piece.input, []).append(piece)
+        host = region_view(region, views, 0, region.size)
+        inputs = []
+        for i, ref in enumerate(refs):
+            mine = by_input.get(i)
+            if not mine:
+                inputs.append(self._input(region, views, ref))
+                continue
+            tensor = torch.empty(ref.shape, dtype=TO_TORCH[ref.datatype], device=self.device)
+            flat = tensor.view(-1).view(torch.uint8)
+            base, at, end = ref.offset, ref.offset, ref.offset + ref.nbytes  # in the region's layout
+            for piece in mine:  # in the order of their places
+                if piece.dst > at:  # bytes the daemon wrote into the region
+                    flat[at - base : piece.dst - base].copy_(host[at : piece.dst], non_blocking=True)
+                arena = _arena_bytes(arenas, piece.arena_id)
+                start = piece.dst - base
+                flat[start : start + piece.nbytes].copy_(
+                    arena[piece.src : piece.src + piece.nbytes], non_blocking=True
+                )
+                at = piece.dst + piece.nbytes
+            if at < end:
+                flat[at - base :].copy_(host[at:end], non_blocking=True)
+            inputs.append(tensor)
+        return inputs
+
     def compute(
-        self, region: Region, refs: Sequence[TensorRef], views: Views
+        self,
+        region: Region,
+        refs: Sequence[TensorRef],
+        views: Views,
+        pieces: Sequence[Piece] = (),
+        arenas: Arenas | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
         """Build inputs (zero-copy on CPU), run the model; returns its outputs, the input and infer times on
         the host, and the device's own time for the model call (None on the CPU)."""
         t0 = time.perf_counter_ns()
-        inputs = [self._input(region, views, r) for r in refs]
+        inputs = self.inputs(region, refs, views, pieces, arenas)
         t1 = time.perf_counter_ns()
         timer = self._timer
         try:
@@ -208,7 +261,12 @@ class Runner:
         return outputs, t1 - t0, t2 - t1, device_ns
 
     def compute_stream(
-        self, region: Region, refs: Sequence[TensorRef], views: Views
+        self,
+        region: Region,
+        refs: Sequence[TensorRef],
+        views: Views,
+        pieces: Sequence[Piece] = (),
+        arenas: Arenas | None = None,
     ) -> Generator[dict[str, torch.Tensor], None, None]:
         """A decoupled model's responses, each on the host's side of a synchronize; closing this closes the
         model's generator. The inputs stay views of the region, which the slot holds until the request
@@ -216,7 +274,7 @@ class Runner:
         stream = getattr(self.backend, "stream", None)
         if stream is None:
             raise Internal(f"backend {type(self.backend).__name__} cannot stream responses")
-        inputs = [self._input(region, views, r) for r in refs]
+        inputs = self.inputs(region, refs, views, pieces, arenas)
         parts = stream(inputs)
         try:
             for outputs in parts:
@@ -243,6 +301,16 @@ class Runner:
                 tensor = tensor.to("cpu")
             prepared.append(tensor.contiguous())
         return prepared
+
+
+def _arena_bytes(arenas: Arenas, arena_id: int) -> torch.Tensor:
+    """The whole arena as a uint8 tensor, made once (through numpy: its buffer export keeps the mapping
+    alive as long as the tensor)."""
+    tensor = arenas.bytes.get(arena_id)
+    if tensor is None:
+        buf = arenas.regions[arena_id].buf
+        tensor = arenas.bytes[arena_id] = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8))
+    return tensor
 
 
 def write_outputs(

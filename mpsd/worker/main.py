@@ -26,7 +26,7 @@ from mpsd.ipc.heap import keep_large_buffers_in_heap
 from mpsd.ipc.shm import Region
 from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.parentwatch import watch_parent
-from mpsd.worker.regions import RegionCache
+from mpsd.worker.regions import Arenas, RegionCache
 
 if TYPE_CHECKING:
     from mpsd.worker.inference import Runner
@@ -109,6 +109,7 @@ def _infer(
     regions: RegionCache,
     msg: p.Infer,
     early: deque[object],
+    arenas: Arenas | None = None,
 ) -> p.InferDone:
     """Run one request from shared memory to shared memory (the regions of its slot).
 
@@ -128,9 +129,9 @@ def _infer(
         raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
     inputs.buf[0] = p.STARTED
     if runner.spec.decoupled:
-        return _stream(reader, sock, runner, regions, msg, early, inputs, waited_ns)
+        return _stream(reader, sock, runner, regions, msg, early, inputs, waited_ns, arenas)
     outputs, in_ns, infer_ns, device_ns = runner.compute(
-        inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot])
+        inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]), msg.pieces, arenas
     )
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)
@@ -168,6 +169,7 @@ def _stream(
     early: deque[object],
     inputs: Region,
     waited_ns: int,
+    arenas: Arenas | None = None,
 ) -> p.InferDone:
     """A decoupled model's request: each response goes to the daemon as a StreamPart through the slot's
     output region, and the model is resumed only once the daemon acknowledges it (so a slow client holds
@@ -177,7 +179,8 @@ def _stream(
 
     t0 = time.perf_counter_ns()
     out_ref = msg.output_region
-    parts = runner.compute_stream(inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]))
+    views = regions.views(_INPUT_ROLES[msg.slot])
+    parts = runner.compute_stream(inputs, msg.inputs, views, msg.pieces, arenas)
     index = 0
     try:
         for outputs in parts:
@@ -198,7 +201,11 @@ def _stream(
 
 
 def _serve(
-    sock: socket.socket, runner: Runner, snapshot_interval_s: float = 5.0, after_request: bool = False
+    sock: socket.socket,
+    runner: Runner,
+    snapshot_interval_s: float = 5.0,
+    after_request: bool = False,
+    arena_refs: tuple[p.ArenaRef, ...] = (),
 ) -> None:
     """Answer requests until the daemon says Shutdown or goes away.
 
@@ -210,7 +217,9 @@ def _serve(
     from mpsd.worker.device import host_pinner, is_out_of_memory, memory_counters, release_cached_memory
     from mpsd.worker.profiling import Profiler
 
-    regions = RegionCache(host_pinner(runner.device))
+    pin = host_pinner(runner.device)
+    regions = RegionCache(pin)
+    arenas = Arenas(arena_refs, pin)
     reader = FrameReader(sock, snapshot_interval_s / 5)
     early: deque[object] = deque()
     last_snapshot = 0.0
@@ -229,7 +238,7 @@ def _serve(
                 failure: p.InferFailed | None = None
                 oom = False
                 try:
-                    send_blocking(sock, _infer(reader, sock, runner, regions, msg, early))
+                    send_blocking(sock, _infer(reader, sock, runner, regions, msg, early, arenas))
                     if after_request:
                         last_snapshot = 0.0
                 except ConnectionClosed:
@@ -246,6 +255,8 @@ def _serve(
                         last_snapshot = 0.0
                     send_blocking(sock, failure)
                 profiler.executed(msg.requests)
+            elif isinstance(msg, p.ForgetArena):
+                arenas.forget(msg.arena_id)
             elif isinstance(msg, p.StartProfile):
                 profiler.start(msg)
             elif isinstance(msg, p.StopProfile):
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     start_heartbeat(beats, init.heartbeat_interval_s)
     try:
         runner = _load(sock, init)
-        _serve(sock, runner, after_request=init.snapshot_after_request)
+        _serve(sock, runner, after_request=init.snapshot_after_request, arena_refs=init.arenas)
     except Exception:
         traceback.print_exc()
         return 1

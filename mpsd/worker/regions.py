@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from mpsd.ipc.protocol import RegionRef
+from mpsd.ipc.protocol import ArenaRef, RegionRef
 from mpsd.ipc.shm import Region
 
 # Called on a freshly mapped region; returns what to call before it is unmapped (or None).
@@ -58,3 +58,31 @@ class RegionCache:
             if pinned is not None:
                 self._unpin[id(region)] = pinned
         return False
+
+
+class Arenas:
+    """The fronts' arenas this worker inherited (`Init.arenas`), mapped from their descriptors and pinned
+    like the regions; pieces of inputs are read from them in place. One is unmapped when its front is gone
+    (`ForgetArena`), between executions, so no execution refers to it any more."""
+
+    def __init__(self, refs: Sequence[ArenaRef], pin: Pin | None = None) -> None:
+        self._pin = pin
+        self.regions: dict[int, Region] = {}
+        self._unpin: dict[int, Callable[[], None]] = {}
+        self.bytes: dict[int, Any] = {}  # arena id -> what the reader built on it (a tensor), dropped first
+        for ref in refs:
+            region = Region.from_fd(ref.fd, ref.size)
+            self.regions[ref.arena_id] = region
+            undo = pin(region.buf) if pin is not None else None
+            if undo is not None:
+                self._unpin[ref.arena_id] = undo
+
+    def forget(self, arena_id: int) -> None:
+        self.bytes.pop(arena_id, None)
+        region = self.regions.pop(arena_id, None)
+        if region is None:
+            return
+        undo = self._unpin.pop(arena_id, None)
+        if undo is not None:
+            undo()
+        region.close()  # a tensor still borrowing it keeps the mapping; it goes with the last one

@@ -149,6 +149,12 @@ class RegistryCollector(Collector):
         restarts = CounterMetricFamily(
             "mpsd_worker_restarts", "Times the worker was restarted after dying.", labels=WORKER_LABELS
         )
+        in_place = CounterMetricFamily(
+            "mpsd_worker_input_bytes_in_place",
+            "Input bytes the current worker process took from front processes' shared memory itself, "
+            "which the daemon did not copy.",
+            labels=WORKER_LABELS,
+        )
         for mv in versions:
             for instance in mv.instances:
                 worker = instance.worker
@@ -159,6 +165,8 @@ class RegistryCollector(Collector):
                 labels = [mv.name, str(mv.version), str(instance.launch.instance), device]
                 up.add_metric(labels, 1 if instance.ready else 0)
                 restarts.add_metric(labels, instance.restarts)
+                if worker is not None:
+                    in_place.add_metric(labels, worker.channel.in_place_bytes)
                 memory = worker.memory if worker is not None else {}
                 if "rss_bytes" in memory:
                     rss.add_metric(labels, memory["rss_bytes"])
@@ -168,7 +176,7 @@ class RegistryCollector(Collector):
                 for family, key in zip((used, allocated, total), keys, strict=True):
                     if key in memory:
                         family.add_metric(labels, memory[key])
-        yield from (used, allocated, total, rss, up, restarts)
+        yield from (used, allocated, total, rss, up, restarts, in_place)
 
 
 class FrontCollector(Collector):

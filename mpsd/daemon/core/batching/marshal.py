@@ -12,10 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpsd.daemon.core.request import InferRequest, OutputTensor
+from mpsd.daemon.supervise.worker.channel import Place
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc import protocol as p
 
 ALIGN = 64
+# Arena bytes at least this large are read by the worker in place; smaller ones cost less to copy than
+# the worker's per-piece work.
+IN_PLACE_BYTES = 64 * 1024
 
 
 def _align(n: int) -> int:
@@ -27,21 +31,30 @@ def assemble(
     refs: Sequence[p.TensorRef],
     requests: Sequence[InferRequest],
     waiting: Sequence[asyncio.Future[Any]],
-) -> None:
+    place: Place | None = None,
+) -> tuple[p.Piece, ...]:
     """Write the batch's inputs in place: each input's requests back to back from its ref's offset, one copy
-    per request's bytes.
+    per request's bytes, except bytes that `place` finds in an arena the worker has mapped (at least
+    IN_PLACE_BYTES): those are returned as pieces for the worker to read, and not copied.
 
     A request whose caller is gone (cancelled after the batch was formed) keeps its rows but lends no bytes:
     they may be in a front's arena chunk that is already in use for another call. Bytes in a client's shared
     memory are read here; a request whose bytes cannot be read any more fails alone (its rows stay as they
     were), when it has a caller to tell.
     """
+    pieces: list[p.Piece] = []
     for i, ref in enumerate(refs):
         pos = ref.offset
         for k, r in enumerate(requests):
             data = r.inputs[i].data
             n = len(data)
             if not (waiting and waiting[k].done()):
+                if isinstance(data, memoryview) and place is not None and n >= IN_PLACE_BYTES:
+                    found = place(data)
+                    if found is not None:
+                        pieces.append(p.Piece(i, found[0], found[1], pos, n))
+                        pos += n
+                        continue
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     buf[pos : pos + n] = data
                 else:
@@ -52,6 +65,7 @@ def assemble(
                             raise
                         waiting[k].set_exception(exc)
             pos += n
+    return tuple(pieces)
 
 
 def split(
@@ -130,8 +144,8 @@ class BatchTensors:
         self.refs = tuple(refs)
         return offset
 
-    def write(self, buf: memoryview) -> None:
-        assemble(buf, self.refs, self.requests, self.waiting)
+    def write(self, buf: memoryview, place: Place | None = None) -> tuple[p.Piece, ...]:
+        return assemble(buf, self.refs, self.requests, self.waiting, place)
 
     def outputs(self) -> tuple[str, ...]:
         """Every output any request asked for, each once, in the order first asked."""

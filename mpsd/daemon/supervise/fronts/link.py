@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from mpsd.daemon.supervise.arenas import ARENAS
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
 from mpsd.ipc.front_protocol import FrontReady, MalformedMessage
@@ -68,6 +69,7 @@ class FrontLink:
     counts: FrontCounts = field(default_factory=FrontCounts)
     writer: FrameWriter = field(default_factory=FrameWriter)
     arena: Region | None = None  # requests' views keep it mapped after the front is gone
+    arena_id: int | None = None  # its id in `ARENAS`, where workers find it
     _paused: bool = False
 
     def protocol(self) -> FrameProtocol:
@@ -153,6 +155,11 @@ class FrontLink:
         for task in list(self.calls.values()):
             task.cancel()
         self.calls.clear()
+        if self.arena is not None:
+            self.arena.drop_fd()
+        if self.arena_id is not None:
+            ARENAS.remove(self.arena_id)  # workers that mapped it unmap it
+            self.arena_id = None
         self.arena = None  # unmapped once the last request's views of it are gone
         if not self.ready.done():  # (a cancelled wait counts as done)
             self.ready.set_exception(FrontFailed("it closed its connection before it was listening"))

@@ -16,6 +16,7 @@ import structlog
 from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token
+from mpsd.daemon.supervise.arenas import ARENAS
 from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes
 from mpsd.daemon.supervise.fronts.policy import front_address
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
@@ -201,6 +202,7 @@ class FrontPool:
         except BaseException as exc:
             if arena is not None:
                 arena.unlink()
+                arena.drop_fd()
             if link.transport is not None:
                 link.transport.close()
             else:
@@ -212,7 +214,8 @@ class FrontPool:
                 raise FrontFailed(f"front process {index} could not start: {reason}") from None
             raise
         if arena is not None:
-            arena.unlink()  # both ends have it mapped: the memory goes when both unmap it, however they end
+            arena.unlink()  # both ends have it mapped: the memory goes when all unmap it, however they end
+            link.arena_id = ARENAS.add(arena)  # workers started from now on read requests from it in place
         front = Front(index, process, link)
         self.fronts[index] = front
         log.info(
@@ -240,7 +243,7 @@ class FrontPool:
         failure: OSError | None = None
         while True:
             try:
-                return Region.create(size, reserve=True)
+                return Region.create(size, reserve=True, keep_fd=True)  # workers inherit it (`arenas`)
             except OSError as exc:
                 failure = exc
             if size // 2 < SMALLEST_ARENA:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
+from mpsd.daemon.supervise.arenas import ARENAS
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.daemon.supervise.worker.liveness import Liveness
@@ -46,8 +47,9 @@ class Tensors(Protocol[T_co]):
         """Place the inputs; returns the input region's size they need (control block included)."""
         ...
 
-    def write(self, buf: memoryview) -> None:
-        """Copy the inputs into the input region."""
+    def write(self, buf: memoryview, place: Place | None) -> tuple[p.Piece, ...]:
+        """Copy the inputs into the input region, except the bytes `place` finds in an arena the worker
+        has mapped: those are returned, for the worker to read in place."""
         ...
 
     def outputs(self) -> tuple[str, ...]:
@@ -57,6 +59,9 @@ class Tensors(Protocol[T_co]):
     def read(self, refs: Sequence[p.TensorRef], buf: memoryview) -> T_co:
         """The results, copied out of the output region where the worker's `refs` say they are."""
         ...
+
+
+Place = Callable[[memoryview], "tuple[int, int] | None"]  # (arena id, offset) of bytes the worker can read
 
 
 class PhaseTimes(Protocol):
@@ -103,6 +108,25 @@ class Channel:
         self._parts: dict[int, asyncio.Queue[p.StreamPart]] = {}  # req_id -> a stream's parts not yet read
         self.profile: ProfileRun | None = None  # the one profile of this worker under way
         self._profile_ids = itertools.count(1)
+        self._arenas: set[int] = set()  # the fronts' arenas the worker has mapped (`arenas.ARENAS`)
+        self.in_place_bytes = 0  # input bytes the worker took from them itself
+        self._unlisten: Callable[[], None] = lambda: None
+
+    def map_arenas(self, arenas: Sequence[p.ArenaRef]) -> None:
+        """The worker maps these arenas (they are in its Init): inputs in them go as pieces from now on,
+        until their front goes."""
+        self._arenas = {a.arena_id for a in arenas}
+        if self._arenas:
+            self._unlisten = ARENAS.listen(self._forget_arena)
+
+    def _forget_arena(self, arena_id: int) -> None:
+        if arena_id in self._arenas:
+            self._arenas.discard(arena_id)
+            if self._transport is not None and not self.refusing:
+                self._transport.write(encode(p.ForgetArena(arena_id)))
+
+    def _place(self, data: memoryview) -> tuple[int, int] | None:
+        return ARENAS.locate(data, self._arenas)
 
     def expect_reply(self) -> asyncio.Future[object]:
         """The next message from the worker, whatever it is (the answer to Init); fails with ConnectionError
@@ -170,6 +194,8 @@ class Channel:
         """The worker is gone: every execution in flight fails with WorkerDied(message), and no other is
         sent."""
         self.refusing = True
+        self._unlisten()
+        self._arenas = set()
         if self.profile is not None:
             self.profile.fail(WorkerDied(message.replace("while running the request", "while profiling")))
         inflight = list(self._inflight.items())
@@ -209,6 +235,7 @@ class Channel:
 
     def close(self) -> None:
         """Close the socket and unmap the slots' regions."""
+        self._unlisten()
         if self._transport is not None:
             self._transport.close()
         self.release()
@@ -278,14 +305,24 @@ class Channel:
         in_region = regions.input_for(size)
         buf = in_region.buf
         buf[0] = 0  # wanted (see `_watch`)
-        tensors.write(buf)
+        pieces = tensors.write(buf, self._place if self._arenas else None)
+        if pieces:
+            self.in_place_bytes += sum(piece.nbytes for piece in pieces)
         out = regions.output_region()
         wanted = tensors.outputs()
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
         in_ref, out_ref = region_ref(in_region), region_ref(out)
         msg = p.Infer(
-            req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns(), max(1, len(waiting))
+            req_id,
+            tensors.refs,
+            wanted,
+            in_ref,
+            out_ref,
+            slot,
+            time.monotonic_ns(),
+            max(1, len(waiting)),
+            pieces,
         )
         # Settled by the answer, the worker's death, or (past the deadline, not started) DeadlineExceeded.
         pending: asyncio.Future[object] = loop.create_future()

@@ -73,7 +73,9 @@ class WorkerProcess:
             heartbeat_interval_s=self.liveness.interval_s,
             snapshot_after_request=self.liveness.snapshots_wanted,
             accelerator=self.launch.accelerator,
+            arenas=self.process.arenas,
         )
+        self.channel.map_arenas(self.process.arenas)
         self.channel.send(init)
         try:
             reply = await asyncio.wait_for(asyncio.shield(load_reply), timeout_s)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from mpsd.daemon.supervise.arenas import ARENAS
 from mpsd.daemon.supervise.child_output import output_lines
 from mpsd.ipc import protocol as p
 
@@ -64,6 +65,7 @@ class Process:
         self.returncode: int | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._pumps: list[asyncio.Task[None]] = []
+        self.arenas: tuple[p.ArenaRef, ...] = ()  # the fronts' arenas it inherited (`arenas.ARENAS`)
 
     @property
     def started(self) -> bool:
@@ -78,6 +80,8 @@ class Process:
         """
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         beats, child_beats = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        arenas = ARENAS.refs()
+        self.arenas = tuple(ref for ref, _ in arenas)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -89,7 +93,7 @@ class Process:
                 str(child_beats.fileno()),
                 "--parent-pid",
                 str(os.getpid()),
-                pass_fds=(child_sock.fileno(), child_beats.fileno()),
+                pass_fds=(child_sock.fileno(), child_beats.fileno(), *(fd for _, fd in arenas)),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,

@@ -1,0 +1,88 @@
+"""The fronts' arenas, for the workers to read request bytes in place.
+
+A large request that comes through a front lies in its arena; copying it from there into a worker's input
+region took half of the daemon's main thread with ResNet-50 at saturation (300 KB per image), and helper
+threads could not take the copy over (the GIL). Instead, a worker started while an arena exists inherits
+its descriptor, maps it (page-locked on a CUDA device), and takes those bytes straight from it: the daemon
+sends where they are (`Piece`) and copies nothing. A worker started before an arena (a front restarted
+since) does not have it: the daemon copies those bytes as before.
+
+The arena's chunk stays the call's until the daemon answers it, so it cannot change under the worker,
+except for a call whose client went away: its rows may then be read from a chunk in use for another call,
+and nobody reads that call's results.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpsd.ipc import protocol as p
+from mpsd.ipc.shm import Region
+
+
+def address(buf: memoryview) -> int:
+    """Where a buffer's first byte is in this process's memory."""
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+@dataclass(frozen=True)
+class Arena:
+    arena_id: int
+    region: Region
+    start: int  # the mapping's address
+    end: int
+
+
+class ArenaBook:
+    """The daemon's live arenas by id, which workers to tell when one goes (`forgotten` callbacks), and
+    where a buffer lies among the arenas a worker has mapped."""
+
+    def __init__(self) -> None:
+        self._arenas: dict[int, Arena] = {}
+        self._ids = itertools.count(1)
+        self._listeners: list[Callable[[int], None]] = []
+
+    def add(self, region: Region) -> int:
+        """A front's new arena (its region keeps its descriptor open for the workers to inherit)."""
+        arena_id = next(self._ids)
+        start = address(region.buf)
+        self._arenas[arena_id] = Arena(arena_id, region, start, start + region.size)
+        return arena_id
+
+    def remove(self, arena_id: int) -> None:
+        """The arena's front is gone: workers that mapped it are told to unmap it."""
+        if self._arenas.pop(arena_id, None) is not None:
+            for forgotten in list(self._listeners):
+                forgotten(arena_id)
+
+    def refs(self) -> list[tuple[p.ArenaRef, int]]:
+        """For a worker about to start: each live arena as Init names it, with the descriptor to pass."""
+        return [
+            (p.ArenaRef(a.arena_id, a.region.fd, a.region.size), a.region.fd)
+            for a in self._arenas.values()
+            if a.region.fd is not None
+        ]
+
+    def listen(self, forgotten: Callable[[int], None]) -> Callable[[], None]:
+        """Call `forgotten(arena_id)` when an arena goes; returns what stops that."""
+        self._listeners.append(forgotten)
+        return lambda: self._listeners.remove(forgotten) if forgotten in self._listeners else None
+
+    def locate(self, data: memoryview, mapped: Collection[int]) -> tuple[int, int] | None:
+        """(arena id, offset) of `data` when it lies whole in one of the `mapped` arenas, else None."""
+        if not mapped:
+            return None
+        at = address(data)
+        end = at + data.nbytes
+        for arena_id in mapped:
+            arena = self._arenas.get(arena_id)
+            if arena is not None and arena.start <= at and end <= arena.end:
+                return arena_id, at - arena.start
+        return None
+
+
+ARENAS = ArenaBook()  # the daemon's one book: the front pool adds to it, workers' channels read it

@@ -1,0 +1,154 @@
+"""Input bytes read in place from the fronts' arenas: which bytes the daemon leaves to the worker (pieces),
+how the worker builds its inputs from them on the CPU and on a CUDA GPU, the book of arenas, and the
+message that carries them. The end to end case (a daemon with fronts, batched requests) is in
+test_fronts.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mpsd.daemon.core.batching.marshal import IN_PLACE_BYTES, BatchTensors
+from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.supervise.arenas import ArenaBook
+from mpsd.ipc import protocol as p
+from mpsd.ipc.shm import Region
+from mpsd.ipc.wire_codec import PICKLED, dumps, loads
+from mpsd.worker.inference import Runner
+from mpsd.worker.regions import Arenas
+
+ROW = IN_PLACE_BYTES  # bytes per request: just large enough to be read in place
+FLOATS = ROW // 4
+
+
+def request(data: bytes | memoryview) -> InferRequest:
+    return InferRequest("m", "1", "", (InputTensor("x", "FP32", (1, FLOATS), data),), ("y",), 1)
+
+
+def rows(*values: float) -> bytes:
+    return b"".join(np.full(FLOATS, v, dtype=np.float32).tobytes() for v in values)
+
+
+def test_bytes_in_a_mapped_arena_are_left_to_the_worker_and_the_rest_copied() -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        arena = bytearray(rows(1, 2, 3))
+        view = memoryview(arena)
+        live, gone = loop.create_future(), loop.create_future()
+        gone.cancel()
+
+        def place(data: memoryview) -> tuple[int, int] | None:
+            base = np.frombuffer(view, np.uint8).ctypes.data
+            at = np.frombuffer(data, np.uint8).ctypes.data
+            return (7, at - base) if base <= at < base + len(arena) else None
+
+        batch = [
+            request(view[0:ROW]),  # in the arena: a piece
+            request(rows(9)),  # the daemon's own bytes: copied
+            request(view[2 * ROW : 3 * ROW]),  # in the arena, but its caller is gone: neither
+            request(view[ROW : 2 * ROW]),  # in the arena: a piece
+        ]
+        tensors = BatchTensors(batch, [live, live, gone, live])
+        buf = memoryview(bytearray(tensors.lay_out()))
+        pieces = tensors.write(buf, place)
+        (x,) = tensors.refs
+        assert pieces == (
+            p.Piece(0, 7, 0, x.offset, ROW),
+            p.Piece(0, 7, ROW, x.offset + 3 * ROW, ROW),
+        )
+        written = bytes(buf[x.offset : x.offset + x.nbytes])
+        assert written == bytes(ROW) + rows(9) + bytes(2 * ROW)  # only the daemon's bytes were copied
+        # Without arenas (a worker started before them), everything is copied.
+        plain = BatchTensors(batch, [])
+        buf = memoryview(bytearray(plain.lay_out()))
+        assert plain.write(buf, None) == ()
+        assert bytes(buf[x.offset : x.offset + x.nbytes]) == rows(1, 9, 3, 2)
+
+    asyncio.run(run())
+
+
+def test_small_bytes_are_copied_even_in_an_arena() -> None:
+    arena = memoryview(bytearray(64))
+    small = InferRequest("m", "1", "", (InputTensor("x", "UINT8", (1, 16), arena[0:16]),), ("y",), 1)
+    tensors = BatchTensors([small], [])
+    buf = memoryview(bytearray(tensors.lay_out()))
+    assert tensors.write(buf, lambda data: (1, 0)) == ()
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_worker_builds_its_inputs_from_the_pieces_and_the_region(device: str) -> None:
+    """Rows 0 and 2 come from the arena (in another order there), rows 1 and 3 from the region."""
+    arena = Region.create(4 * ROW, keep_fd=True)
+    try:
+        arena.buf[: 2 * ROW] = rows(20, 10)
+        assert arena.fd is not None
+        arenas = Arenas([p.ArenaRef(5, os.dup(arena.fd), arena.size)])
+        offset = p.CONTROL_BYTES
+        region_bytes = bytearray(offset + 4 * ROW)
+        region_bytes[offset + ROW : offset + 2 * ROW] = rows(11)
+        region_bytes[offset + 3 * ROW :] = rows(13)
+        region = SimpleNamespace(buf=memoryview(region_bytes), size=len(region_bytes))
+        ref = p.TensorRef("x", "FP32", (4, FLOATS), offset, 4 * ROW)
+        pieces = (p.Piece(0, 5, ROW, offset, ROW), p.Piece(0, 5, 0, offset + 2 * ROW, ROW))
+        spec = p.ModelSpec("m", 1, "python", "", 8, (p.TensorSpec("x", "FP32", (FLOATS,)),), ())
+        runner = Runner(spec, lambda inputs: {}, torch.device(device))
+        (x,) = runner.inputs(region, [ref], {}, pieces, arenas)  # type: ignore[arg-type]
+        assert x.device.type == device
+        assert x[:, 0].tolist() == [10.0, 11.0, 20.0, 13.0]
+        expected = np.frombuffer(rows(10, 11, 20, 13), np.float32).reshape(4, -1)
+        np.testing.assert_array_equal(x.cpu().numpy(), expected)
+        arenas.forget(5)
+        assert arenas.regions == {}
+    finally:
+        arena.unlink()
+        arena.close()
+
+
+def test_the_book_finds_bytes_only_in_arenas_the_worker_mapped_and_tells_when_one_goes() -> None:
+    book = ArenaBook()
+    one, two = Region.create(1 << 16, keep_fd=True), Region.create(1 << 16, keep_fd=True)
+    try:
+        first, second = book.add(one), book.add(two)
+        assert [ref.arena_id for ref, _ in book.refs()] == [first, second]
+        assert book.locate(two.buf[100:200], {first, second}) == (second, 100)
+        assert book.locate(two.buf[100:200], {first}) is None  # not mapped by this worker
+        assert book.locate(memoryview(bytearray(100)), {first, second}) is None
+        assert book.locate(two.buf[two.size - 10 :], {second}) == (second, two.size - 10)
+        gone: list[int] = []
+        stop = book.listen(gone.append)
+        book.remove(first)
+        stop()
+        book.remove(second)
+        assert gone == [first] and book.refs() == []
+    finally:
+        for region in (one, two):
+            region.unlink()
+            region.close()
+
+
+def test_an_execution_with_pieces_crosses_the_channel_whole() -> None:
+    msg = p.Infer(
+        3,
+        (p.TensorRef("x", "FP32", (2, 4), 64, 32),),
+        ("y",),
+        p.RegionRef("/in", 4096),
+        p.RegionRef("/out", 4096),
+        1,
+        5,
+        2,
+        (p.Piece(0, 1, 4096, 64, 16), p.Piece(0, 2, 0, 80, 16)),
+    )
+    payload = dumps(msg)
+    assert payload[0] == PICKLED  # the fixed layout is for the small executions that have no pieces
+    assert loads(payload) == msg
