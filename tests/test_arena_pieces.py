@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import socket
+import threading
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as grpcclient
+from torch import nn
 
 from mpsd.daemon.core.batching.marshal import IN_PLACE_BYTES, BatchTensors
 from mpsd.daemon.core.request import InferRequest, InputTensor
@@ -19,8 +28,10 @@ from mpsd.daemon.supervise.arenas import ArenaBook
 from mpsd.ipc import protocol as p
 from mpsd.ipc.shm import Region
 from mpsd.ipc.wire_codec import PICKLED, dumps, loads
-from mpsd.worker.inference import Runner
+from mpsd.worker.inference import Prepared, Runner
 from mpsd.worker.regions import Arenas
+from tests import models
+from tests.conftest import free_port, serving
 
 ROW = IN_PLACE_BYTES  # bytes per request: just large enough to be read in place
 FLOATS = ROW // 4
@@ -80,10 +91,8 @@ def test_small_bytes_are_copied_even_in_an_arena() -> None:
     assert tensors.write(buf, lambda data: (1, 0)) == ()
 
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
-]
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=NO_GPU)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -152,3 +161,137 @@ def test_an_execution_with_pieces_crosses_the_channel_whole() -> None:
     payload = dumps(msg)
     assert payload[0] == PICKLED  # the fixed layout is for the small executions that have no pieces
     assert loads(payload) == msg
+
+
+class RowMix(nn.Module):
+    """Each row's answer depends on all of that row and nothing else: a row read from the wrong place, or
+    another request's, shows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3 + x.sum(dim=1, keepdim=True)
+
+
+@NO_GPU
+def test_batches_through_fronts_on_a_gpu_are_read_in_place_and_each_request_gets_its_rows(
+    tmp_path: Path,
+) -> None:
+    """The whole path on a CUDA GPU: requests through 2 fronts, batched, read by the worker from the arenas
+    by DMA, the next batch's inputs built while the GPU runs the current one, CUDA graphs on."""
+    repo = tmp_path / "repo"
+    models.save_torchscript(RowMix(), repo / "mix" / "1" / "model.pt")
+    models.write_config(
+        repo / "mix",
+        {
+            "backend": "torchscript",
+            "max_batch_size": 8,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [FLOATS]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [FLOATS]}],
+            "instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [0]}],
+            "dynamic_batching": {"max_queue_delay_microseconds": 20_000},
+            "optimization": {"cuda": {"graphs": True, "graph_spec": [{"batch_size": 4}, {"batch_size": 8}]}},
+        },
+    )
+    port = free_port()
+    args = ["--front-processes", "2", "--metrics-address", f"127.0.0.1:{port}"]
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1, FLOATS), dtype=np.float32) for _ in range(48)]
+    with serving(repo, tmp_path / "daemon.log", extra_args=args) as daemon:
+        client = grpcclient.InferenceServerClient(daemon.address)
+        results: dict[int, object] = {}
+        done = threading.Event()
+
+        def record(k: int) -> Callable[[object, object], None]:
+            def on_answer(result: object, error: object) -> None:
+                results[k] = error if error is not None else result
+                if len(results) == len(xs):
+                    done.set()
+
+            return on_answer
+
+        try:
+            for k, x in enumerate(xs):
+                inp = grpcclient.InferInput("x", [1, FLOATS], "FP32")
+                inp.set_data_from_numpy(x)
+                client.async_infer("mix", [inp], record(k))
+            assert done.wait(120)
+        finally:
+            client.close()
+        for k, x in enumerate(xs):
+            result = results[k]
+            assert isinstance(result, grpcclient.InferResult), result
+            np.testing.assert_allclose(
+                result.as_numpy("y"), x * 3 + x.sum(axis=1, keepdims=True), rtol=1e-4, atol=1e-3
+            )
+        stats = daemon.client.get_inference_statistics("mix").model_stats[0]
+        assert any(b.batch_size > 1 for b in stats.batch_stats)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        in_place = re.search(
+            r'^mpsd_worker_input_bytes_in_place_total\{[^}]*model="mix"[^}]*\} (\S+)$', text, re.M
+        )
+        assert in_place is not None and float(in_place.group(1)) == len(xs) * ROW
+
+
+class Recording:
+    """A backend that keeps the inputs it was called with."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[torch.Tensor]] = []
+
+    def __call__(self, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        self.calls.append(inputs)
+        return {"y": inputs[0].clone()}
+
+
+def test_the_next_executions_inputs_are_built_while_the_current_one_runs() -> None:
+    """`_prepare_next` (run while the device works) builds the inputs of the execution waiting in the
+    socket, and that execution runs on them; one nobody waits for any more is not prepared."""
+    from mpsd.ipc.framing import FrameReader, encode
+    from mpsd.worker.main import _infer, _prepare_next
+    from mpsd.worker.regions import RegionCache
+
+    ours, theirs = socket.socketpair()
+    slot = [Region.create(1 << 16) for _ in range(4)]  # input and output of slots 0 and 1
+    try:
+        spec = p.ModelSpec(
+            "m", 1, "python", "", 8, (p.TensorSpec("x", "FP32", (4,)),), (p.TensorSpec("y", "FP32", (4,)),)
+        )
+        backend = Recording()
+        runner = Runner(spec, backend, torch.device("cpu"))
+        reader, regions, early = FrameReader(ours, 5.0), RegionCache(), deque[object]()
+        ahead: dict[int, Prepared] = {}
+        ref = p.TensorRef("x", "FP32", (1, 4), p.CONTROL_BYTES, 16)
+
+        def execution(req_id: int, k: int) -> p.Infer:
+            inputs, outputs = slot[2 * k], slot[2 * k + 1]
+            inputs.buf[p.CONTROL_BYTES : p.CONTROL_BYTES + 16] = np.full(4, req_id, np.float32).tobytes()
+            return p.Infer(
+                req_id,
+                (ref,),
+                ("y",),
+                p.RegionRef(inputs.name, inputs.size),
+                p.RegionRef(outputs.name, outputs.size),
+                k,
+            )
+
+        _prepare_next(reader, runner, regions, early, None, ahead)
+        assert not early and not ahead  # nothing in the socket: nothing to do
+        second = execution(2, 1)
+        theirs.sendall(encode(second))
+        _prepare_next(reader, runner, regions, early, None, ahead)
+        assert list(early) == [second] and list(ahead) == [2]
+        prepared = ahead[2][0]
+        done = _infer(reader, ours, runner, regions, early.popleft(), early, None, ahead)  # type: ignore[arg-type]
+        assert done.req_id == 2 and not ahead
+        assert backend.calls[-1] is prepared  # it ran on the inputs built ahead
+        assert prepared[0].tolist() == [[2.0] * 4]
+        third = execution(3, 0)
+        slot[0].buf[0] = p.ABANDONED_CANCELLED  # its callers went away before it ran
+        theirs.sendall(encode(third))
+        _prepare_next(reader, runner, regions, early, None, ahead)
+        assert list(early) == [third] and not ahead
+    finally:
+        ours.close()
+        theirs.close()
+        for region in slot:
+            region.unlink()
+            region.close()

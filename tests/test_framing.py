@@ -111,6 +111,34 @@ def test_the_worker_reader_takes_binary_frames_whole_and_larger_than_its_buffer(
         theirs.close()
 
 
+def test_the_worker_reader_polls_without_waiting_and_keeps_what_came_in_part() -> None:
+    """`poll` hands over a message only when it is here whole; a partial one, or one larger than the
+    buffer, stays for `recv`, in order."""
+    ours, theirs = socket.socketpair()
+    try:
+        reader = FrameReader(ours, 5.0)
+        t0 = time.monotonic()
+        assert reader.poll() is None  # nothing sent: no wait for the 5 s timeout
+        assert time.monotonic() - t0 < 2.5
+        first, second = encode(p.StopProfile(1)), encode(p.StopProfile(2))
+        theirs.sendall(first + second[:3])
+        assert reader.poll() == p.StopProfile(1)
+        assert reader.poll() is None  # a partial header
+        theirs.sendall(second[3:6])
+        assert reader.poll() is None  # a partial body
+        large = encode(p.InferFailed(3, "INTERNAL", "w" * 200_000))
+        theirs.sendall(second[6:] + large[:100])
+        assert reader.poll() == p.StopProfile(2)
+        assert reader.poll() is None  # larger than the buffer: left to recv
+        thread = threading.Thread(target=theirs.sendall, args=(large[100:],))
+        thread.start()
+        assert reader.recv_wait() == p.InferFailed(3, "INTERNAL", "w" * 200_000)
+        thread.join()
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_the_worker_reader_times_out_and_notices_a_closed_peer() -> None:
     ours, theirs = socket.socketpair()
     reader = FrameReader(ours, 0.1)

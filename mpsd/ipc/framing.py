@@ -74,8 +74,9 @@ class FrameReader:
         # on macOS: the same bytes on little-endian machines).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("qq", seconds, micros))
 
-    def _fill(self) -> bool:
-        """Read what is available; False when the timeout passed with nothing read."""
+    def _fill(self, flags: int = 0) -> bool:
+        """Read what is available; False when the timeout passed (or, with MSG_DONTWAIT, nothing was
+        there) with nothing read."""
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end == len(self._buf):  # compact: the partial message moves to the front
@@ -83,7 +84,7 @@ class FrameReader:
             self._buf[:pending] = self._view[self._start : self._end]
             self._start, self._end = 0, pending
         try:
-            n = self._sock.recv_into(self._view[self._end :])
+            n = self._sock.recv_into(self._view[self._end :], 0, flags)
         except (BlockingIOError, TimeoutError):
             return False
         if n == 0:
@@ -120,6 +121,27 @@ class FrameReader:
             have += k
         message = loads(whole)
         return message
+
+    def _whole(self) -> bool:
+        """A whole message is in the buffer."""
+        if self._end - self._start < _HEADER.size:
+            return False
+        (length,) = _HEADER.unpack_from(self._buf, self._start)
+        return bool(self._start + _HEADER.size + length <= self._end)
+
+    def poll(self) -> object | None:
+        """The next message if it is here whole (buffered, or in the socket already), without waiting;
+        else None, and what did arrive stays buffered for `recv`. A message larger than the buffer is
+        only ever read by `recv`."""
+        if self._whole():
+            return self.recv()
+        if self._end - self._start >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buf, self._start)
+            if _HEADER.size + length > len(self._buf):
+                return None
+        if not self._fill(socket.MSG_DONTWAIT) or not self._whole():
+            return None
+        return self.recv()
 
     def recv_wait(self) -> object:
         """The next message, however long it takes."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,6 +124,9 @@ def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
         raise ValueError(str(mismatch))
 
 
+# An execution's inputs built ahead of it, and the nanoseconds that took.
+Prepared = tuple[list[torch.Tensor], int]
+
 # The set of output (name, dtype, shape) already checked against the config is bounded: a model whose
 # output shapes vary without end is checked every time past this many.
 CHECKED_LIMIT = 1024
@@ -233,11 +236,23 @@ class Runner:
         views: Views,
         pieces: Sequence[Piece] = (),
         arenas: Arenas | None = None,
+        prepared: Prepared | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
         """Build inputs (zero-copy on CPU), run the model; returns its outputs, the input and infer times on
-        the host, and the device's own time for the model call (None on the CPU)."""
+        the host, and the device's own time for the model call (None on the CPU).
+
+        `prepared`: the inputs, built already (while the execution before ran). On a device that runs the
+        model asynchronously, `meanwhile` is called once the model's work is queued, before waiting for it:
+        the host's work for the next execution then overlaps the device's for this one, and the infer time
+        includes it where it lasts longer.
+        """
         t0 = time.perf_counter_ns()
-        inputs = self.inputs(region, refs, views, pieces, arenas)
+        if prepared is None:
+            inputs = self.inputs(region, refs, views, pieces, arenas)
+            input_ns = time.perf_counter_ns() - t0
+        else:
+            inputs, input_ns = prepared
         t1 = time.perf_counter_ns()
         timer = self._timer
         try:
@@ -252,13 +267,15 @@ class Runner:
             with contextlib.suppress(Exception):
                 synchronize(self.device)
             raise
+        if meanwhile is not None and not self._on_cpu:
+            meanwhile()
         synchronize(self.device)
         del inputs
         t2 = time.perf_counter_ns()
         # After the synchronize the outputs needed anyway: both events are complete, reading them waits for
         # nothing.
         device_ns = timer.elapsed_ns() if timer is not None else None
-        return outputs, t1 - t0, t2 - t1, device_ns
+        return outputs, input_ns, t2 - t1, device_ns
 
     def compute_stream(
         self,

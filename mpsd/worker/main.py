@@ -29,7 +29,7 @@ from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import Arenas, RegionCache
 
 if TYPE_CHECKING:
-    from mpsd.worker.inference import Runner
+    from mpsd.worker.inference import Prepared, Runner
 
 
 def _load(sock: socket.socket, init: p.Init) -> Runner:
@@ -110,15 +110,18 @@ def _infer(
     msg: p.Infer,
     early: deque[object],
     arenas: Arenas | None = None,
+    ahead: dict[int, Prepared] | None = None,
 ) -> p.InferDone:
     """Run one request from shared memory to shared memory (the regions of its slot).
 
     Messages that arrive while it waits for a larger output region (the daemon's next request) go to
-    `early`, to be handled after it.
+    `early`, to be handled after it. With `ahead`, the inputs of the next execution are built while the
+    device runs this one (`_prepare_next`), and this one's are taken from there when they were.
     """
     from mpsd.worker.inference import write_outputs
 
     waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
+    prepared = ahead.pop(msg.req_id, None) if ahead is not None else None
     inputs = regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
     abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
     if abandoned == p.ABANDONED_EXPIRED:
@@ -130,8 +133,15 @@ def _infer(
     inputs.buf[0] = p.STARTED
     if runner.spec.decoupled:
         return _stream(reader, sock, runner, regions, msg, early, inputs, waited_ns, arenas)
+    meanwhile = None
+    if ahead is not None:
+        table = ahead
+
+        def meanwhile() -> None:
+            _prepare_next(reader, runner, regions, early, arenas, table)
+
     outputs, in_ns, infer_ns, device_ns = runner.compute(
-        inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]), msg.pieces, arenas
+        inputs, msg.inputs, regions.views(_INPUT_ROLES[msg.slot]), msg.pieces, arenas, prepared, meanwhile
     )
     t0 = time.perf_counter_ns()
     tensors = runner.prepare_outputs(outputs, msg.outputs)
@@ -141,6 +151,41 @@ def _infer(
     refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
     output_ns = time.perf_counter_ns() - t0
     return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, waited_ns, device_ns)
+
+
+def _prepare_next(
+    reader: FrameReader,
+    runner: Runner,
+    regions: RegionCache,
+    early: deque[object],
+    arenas: Arenas | None,
+    ahead: dict[int, Prepared],
+) -> None:
+    """While the device runs an execution: if the next message is here and is an execution, build its
+    inputs now (queueing their copies to the device behind this one's work), so the device waits less for
+    the host between the two. Only building: whether it runs (cancelled, past its deadline) is decided
+    when its turn comes, as for any other; a failure here is left for that turn to meet and report."""
+    if not early:
+        try:
+            message = reader.poll()
+        except ConnectionClosed:
+            return  # the serving loop meets the closed socket on its next read
+        if message is None:
+            return
+        early.append(message)
+    msg = early[0]
+    if not isinstance(msg, p.Infer) or runner.spec.decoupled:
+        return
+    t0 = time.perf_counter_ns()
+    try:
+        region = regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
+        if region.buf[0]:  # nobody waits for it any more: it will not run
+            return
+        views = regions.views(_INPUT_ROLES[msg.slot])
+        inputs = runner.inputs(region, msg.inputs, views, msg.pieces, arenas)
+    except Exception:
+        return
+    ahead[msg.req_id] = (inputs, time.perf_counter_ns() - t0)
 
 
 def _output_region(
@@ -220,6 +265,9 @@ def _serve(
     pin = host_pinner(runner.device)
     regions = RegionCache(pin)
     arenas = Arenas(arena_refs, pin)
+    # The next execution's inputs, built while the device runs the current one (a device that runs the model
+    # asynchronously; on the CPU the model's call returns when its work is done).
+    ahead: dict[int, Prepared] | None = None if runner.device.type == "cpu" else {}
     reader = FrameReader(sock, snapshot_interval_s / 5)
     early: deque[object] = deque()
     last_snapshot = 0.0
@@ -238,7 +286,7 @@ def _serve(
                 failure: p.InferFailed | None = None
                 oom = False
                 try:
-                    send_blocking(sock, _infer(reader, sock, runner, regions, msg, early, arenas))
+                    send_blocking(sock, _infer(reader, sock, runner, regions, msg, early, arenas, ahead))
                     if after_request:
                         last_snapshot = 0.0
                 except ConnectionClosed:
