@@ -362,7 +362,11 @@ def start_peers(args: argparse.Namespace, work: Path, only: set[str]) -> dict[st
 
 
 def baseline_info(tree: Path) -> dict[str, str]:
-    """Which commit the baseline mpsd ran (a checkout given with --baseline-tree)."""
+    """Which commit the baseline mpsd ran (a checkout given with --baseline-tree; an exported tree names
+    its commit in a file COMMIT, as `git -C` would find the repository around it instead)."""
+    named = tree / "COMMIT"
+    if named.is_file():
+        return {"commit": named.read_text().strip()}
     commit = subprocess.run(
         ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
     )
