@@ -225,6 +225,27 @@ def test_cpu_counters_are_rss_only() -> None:
     assert counters["rss_bytes"] > 0
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux: RssShmem in /proc/self/status")
+def test_shared_memory_the_worker_maps_is_not_counted_as_its_own() -> None:
+    """The regions and arenas a worker maps (a CUDA worker page-locks them, all resident) are the daemon's
+    buffers: a worker's memory ceiling must not count them."""
+    import psutil
+
+    from mpsd.ipc.shm import Region
+
+    region = Region.create(64 << 20)
+    try:
+        before_rss = psutil.Process().memory_info().rss
+        before = memory_counters(torch.device("cpu"))["rss_bytes"]
+        for page in range(0, region.size, 4096):  # every page resident, with no large buffer of our own
+            region.buf[page] = 1
+        assert psutil.Process().memory_info().rss - before_rss >= 48 << 20  # the plain RSS counts it
+        assert memory_counters(torch.device("cpu"))["rss_bytes"] - before < 16 << 20
+    finally:
+        region.unlink()
+        region.close()
+
+
 def test_cuda_style_oom_is_detected() -> None:
     exc = torch.OutOfMemoryError(
         "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "

@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import psutil
 import torch
@@ -334,8 +335,26 @@ def memory_counters(device: torch.device) -> dict[str, int]:
         recommended = getattr(torch.mps, "recommended_max_memory", None)  # torch 2.5 and later
         if recommended is not None:
             counters["recommended_max_bytes"] = int(recommended())
-    counters["rss_bytes"] = int(psutil.Process().memory_info().rss)
+    counters["rss_bytes"] = private_rss()
     return counters
+
+
+_STATUS = Path("/proc/self/status")
+
+
+def private_rss() -> int:
+    """The process's resident memory less the shared memory mapped into it (Linux: RssShmem): the daemon's
+    regions and the fronts' arenas, which a CUDA worker page-locks (all resident) and which are the
+    daemon's buffers, not the model's memory. Elsewhere the RSS as it is."""
+    rss = int(psutil.Process().memory_info().rss)
+    try:
+        status = _STATUS.read_text()
+    except OSError:
+        return rss
+    for line in status.splitlines():
+        if line.startswith("RssShmem:"):
+            return max(0, rss - int(line.split()[1]) * 1024)
+    return rss
 
 
 def _oom_type() -> type[BaseException]:
