@@ -337,6 +337,26 @@ def test_the_worker_reads_batched_rows_from_the_fronts_arenas_itself(setup: Setu
     assert bytes_in_place(setup.metrics_port, "add_sub_wide") - before == 8 * 2 * WIDE_DIMS * 4
 
 
+def test_workers_can_be_kept_out_of_the_arenas(tmp_path: Path) -> None:
+    """`arenas_to_workers: false`: the arenas hold every model's calls, so where models must not see each
+    other's data the workers map none, and the daemon copies their inputs."""
+    repo = tmp_path / "repo"
+    models.add_sub(repo, "wide", dims=WIDE_DIMS, max_batch_size=4)
+    port = free_port()
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(yaml.safe_dump({"arenas_to_workers": False, "metrics_address": f"127.0.0.1:{port}"}))
+    with serving(
+        repo, tmp_path / "daemon.log", config=config, extra_args=["--front-processes", "1"]
+    ) as daemon:
+        a = np.random.default_rng(13).standard_normal((1, WIDE_DIMS), dtype=np.float32)
+        result = daemon.client.infer("wide", add_sub_inputs(a, a))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * a)
+        assert bytes_in_place(port, "wide") == 0
+        (worker,) = daemon.started_workers("wide")
+        if Path("/proc").is_dir():
+            assert arena_mappings(worker) == 0
+
+
 def test_a_reply_larger_than_its_request_comes_back_through_the_socket(setup: Setup) -> None:
     """The reply does not fit the request's chunk: it leaves the daemon as pieces (header, then each
     output behind its tag), which must arrive as the one message they make up, for tensors larger than the

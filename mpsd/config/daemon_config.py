@@ -159,6 +159,13 @@ class DaemonConfig(BaseModel):
         "300 KB in flight. Where /dev/shm has no room for it, half as much is tried, down to 4 MiB, "
         "then none. 0: no arena.",
     )
+    arenas_to_workers: bool = Field(
+        True,
+        description="Workers map the front processes' arenas and take large inputs of the calls that came "
+        "through them from there themselves, so the daemon copies none of those bytes. The arenas hold every "
+        "model's calls: with this on, a model's code can read other models' requests and replies. Turn it "
+        "off where models must not see each other's data (models of different tenants in one daemon).",
+    )
     event_loop: Literal["asyncio", "uvloop"] = Field(
         "asyncio",
         description="Event loop of the daemon and its front processes: asyncio's own, or uvloop (pip install "

@@ -215,7 +215,8 @@ class FrontPool:
             raise
         if arena is not None:
             arena.unlink()  # both ends have it mapped: the memory goes when all unmap it, however they end
-            link.arena_id = ARENAS.add(arena)  # workers started from now on read requests from it in place
+            if self._config.arenas_to_workers:  # workers started from now on read requests from it in place
+                link.arena_id = ARENAS.add(arena)
         front = Front(index, process, link)
         self.fronts[index] = front
         log.info(
