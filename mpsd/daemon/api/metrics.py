@@ -166,7 +166,7 @@ class RegistryCollector(Collector):
                 up.add_metric(labels, 1 if instance.ready else 0)
                 restarts.add_metric(labels, instance.restarts)
                 if worker is not None:
-                    in_place.add_metric(labels, worker.channel.in_place_bytes)
+                    in_place.add_metric(labels, worker.channel.arenas.in_place_bytes)
                 memory = worker.memory if worker is not None else {}
                 if "rss_bytes" in memory:
                     rss.add_metric(labels, memory["rss_bytes"])

@@ -86,3 +86,33 @@ class ArenaBook:
 
 
 ARENAS = ArenaBook()  # the daemon's one book: the front pool adds to it, workers' channels read it
+
+
+class WorkerArenas:
+    """The arenas one worker has mapped (those in its Init), as its channel uses them: where an input's
+    bytes are (`place`), how many it took in place, and `forget(arena_id)` called when one goes (the channel
+    tells the worker)."""
+
+    def __init__(self, forget: Callable[[int], None]) -> None:
+        self.mapped: set[int] = set()
+        self.in_place_bytes = 0  # input bytes the worker took from them itself
+        self._forget = forget
+        self._unlisten: Callable[[], None] = lambda: None
+
+    def map(self, arenas: Collection[p.ArenaRef]) -> None:
+        self.mapped = {a.arena_id for a in arenas}
+        if self.mapped:
+            self._unlisten = ARENAS.listen(self._gone)
+
+    def _gone(self, arena_id: int) -> None:
+        if arena_id in self.mapped:
+            self.mapped.discard(arena_id)
+            self._forget(arena_id)
+
+    def place(self, data: memoryview) -> tuple[int, int] | None:
+        return ARENAS.locate(data, self.mapped)
+
+    def close(self) -> None:
+        """The worker is gone: nothing more goes to it in place."""
+        self._unlisten()
+        self.mapped = set()

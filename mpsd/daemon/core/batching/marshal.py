@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mpsd.daemon.core.request import InferRequest, OutputTensor
-from mpsd.daemon.supervise.worker.channel import Place
+from mpsd.daemon.supervise.worker.tensors import Place
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc import protocol as p
 

@@ -14,13 +14,14 @@ import itertools
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
-from mpsd.daemon.supervise.arenas import ARENAS
+from mpsd.daemon.supervise.arenas import WorkerArenas
 from mpsd.daemon.supervise.slot_regions import SlotRegions
 from mpsd.daemon.supervise.slot_regions import ref as region_ref
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.profiling import ProfileRun
+from mpsd.daemon.supervise.worker.tensors import PhaseTimes, Tensors
 from mpsd.daemon.supervise.worker.watch import watch as _watch
 from mpsd.errors import DeadlineExceeded, Internal, ResourceExhausted, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
@@ -31,47 +32,6 @@ from mpsd.ipc.framing import FrameProtocol, encode
 PROFILE_PATIENCE_S = 120.0
 
 T = TypeVar("T")
-T_co = TypeVar("T_co", covariant=True)
-
-
-class Tensors(Protocol[T_co]):
-    """One execution's tensors, laid out, written and read by the caller (`core.batching.marshal`): the
-    channel provides the slot's regions and calls these while it holds the slot."""
-
-    @property
-    def refs(self) -> tuple[p.TensorRef, ...]:
-        """Each input's place in the input region, as `lay_out` set it."""
-        ...
-
-    def lay_out(self) -> int:
-        """Place the inputs; returns the input region's size they need (control block included)."""
-        ...
-
-    def write(self, buf: memoryview, place: Place | None) -> tuple[p.Piece, ...]:
-        """Copy the inputs into the input region, except the bytes `place` finds in an arena the worker
-        has mapped: those are returned, for the worker to read in place."""
-        ...
-
-    def outputs(self) -> tuple[str, ...]:
-        """The outputs to compute."""
-        ...
-
-    def read(self, refs: Sequence[p.TensorRef], buf: memoryview) -> T_co:
-        """The results, copied out of the output region where the worker's `refs` say they are."""
-        ...
-
-
-Place = Callable[[memoryview], "tuple[int, int] | None"]  # (arena id, offset) of bytes the worker can read
-
-
-class PhaseTimes(Protocol):
-    """Where an execution's time went, in nanoseconds (`core.request.Timings`)."""
-
-    worker_wait_ns: int
-    compute_input_ns: int
-    compute_infer_ns: int
-    compute_output_ns: int
-    device_compute_ns: int | None
 
 
 class _Abandoned(Exception):
@@ -108,25 +68,11 @@ class Channel:
         self._parts: dict[int, asyncio.Queue[p.StreamPart]] = {}  # req_id -> a stream's parts not yet read
         self.profile: ProfileRun | None = None  # the one profile of this worker under way
         self._profile_ids = itertools.count(1)
-        self._arenas: set[int] = set()  # the fronts' arenas the worker has mapped (`arenas.ARENAS`)
-        self.in_place_bytes = 0  # input bytes the worker took from them itself
-        self._unlisten: Callable[[], None] = lambda: None
-
-    def map_arenas(self, arenas: Sequence[p.ArenaRef]) -> None:
-        """The worker maps these arenas (they are in its Init): inputs in them go as pieces from now on,
-        until their front goes."""
-        self._arenas = {a.arena_id for a in arenas}
-        if self._arenas:
-            self._unlisten = ARENAS.listen(self._forget_arena)
+        self.arenas = WorkerArenas(self._forget_arena)  # the fronts' arenas the worker has mapped
 
     def _forget_arena(self, arena_id: int) -> None:
-        if arena_id in self._arenas:
-            self._arenas.discard(arena_id)
-            if self._transport is not None and not self.refusing:
-                self._transport.write(encode(p.ForgetArena(arena_id)))
-
-    def _place(self, data: memoryview) -> tuple[int, int] | None:
-        return ARENAS.locate(data, self._arenas)
+        if self._transport is not None and not self.refusing:
+            self._transport.write(encode(p.ForgetArena(arena_id)))
 
     def expect_reply(self) -> asyncio.Future[object]:
         """The next message from the worker, whatever it is (the answer to Init); fails with ConnectionError
@@ -194,8 +140,7 @@ class Channel:
         """The worker is gone: every execution in flight fails with WorkerDied(message), and no other is
         sent."""
         self.refusing = True
-        self._unlisten()
-        self._arenas = set()
+        self.arenas.close()
         if self.profile is not None:
             self.profile.fail(WorkerDied(message.replace("while running the request", "while profiling")))
         inflight = list(self._inflight.items())
@@ -235,7 +180,7 @@ class Channel:
 
     def close(self) -> None:
         """Close the socket and unmap the slots' regions."""
-        self._unlisten()
+        self.arenas.close()
         if self._transport is not None:
             self._transport.close()
         self.release()
@@ -305,24 +250,16 @@ class Channel:
         in_region = regions.input_for(size)
         buf = in_region.buf
         buf[0] = 0  # wanted (see `_watch`)
-        pieces = tensors.write(buf, self._place if self._arenas else None)
-        if pieces:
-            self.in_place_bytes += sum(piece.nbytes for piece in pieces)
+        pieces = tensors.write(buf, self.arenas.place if self.arenas.mapped else None)
+        self.arenas.in_place_bytes += sum(piece.nbytes for piece in pieces)
         out = regions.output_region()
         wanted = tensors.outputs()
         write_ns = int((loop.time() - t0) * 1e9)
         req_id = next(self._req_ids)
         in_ref, out_ref = region_ref(in_region), region_ref(out)
+        requests = max(1, len(waiting))
         msg = p.Infer(
-            req_id,
-            tensors.refs,
-            wanted,
-            in_ref,
-            out_ref,
-            slot,
-            time.monotonic_ns(),
-            max(1, len(waiting)),
-            pieces,
+            req_id, tensors.refs, wanted, in_ref, out_ref, slot, time.monotonic_ns(), requests, pieces
         )
         # Settled by the answer, the worker's death, or (past the deadline, not started) DeadlineExceeded.
         pending: asyncio.Future[object] = loop.create_future()

@@ -75,7 +75,7 @@ class WorkerProcess:
             accelerator=self.launch.accelerator,
             arenas=self.process.arenas,
         )
-        self.channel.map_arenas(self.process.arenas)
+        self.channel.arenas.map(self.process.arenas)
         self.channel.send(init)
         try:
             reply = await asyncio.wait_for(asyncio.shield(load_reply), timeout_s)
