@@ -217,6 +217,8 @@ class FrontPool:
             arena.unlink()  # both ends have it mapped: the memory goes when all unmap it, however they end
             if self._config.arenas_to_workers:  # workers started from now on read requests from it in place
                 link.arena_id = ARENAS.add(arena)
+            else:
+                arena.drop_fd()
         front = Front(index, process, link)
         self.fronts[index] = front
         log.info(
