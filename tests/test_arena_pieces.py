@@ -6,6 +6,7 @@ test_fronts.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -295,3 +296,18 @@ def test_the_next_executions_inputs_are_built_while_the_current_one_runs() -> No
         for region in slot:
             region.unlink()
             region.close()
+
+
+def test_an_arena_the_worker_cannot_map_fails_its_load_with_the_reason() -> None:
+    from mpsd.worker.main import _map_arenas
+
+    read_end, write_end = os.pipe()  # a descriptor that cannot be mapped
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"mapping the front processes' arenas failed.*arenas_to_workers"
+        ):
+            _map_arenas((p.ArenaRef(1, read_end, 1 << 16),), torch.device("cpu"))
+    finally:
+        os.close(write_end)
+        with contextlib.suppress(OSError):
+            os.close(read_end)  # from_fd closes it once it tried

@@ -29,10 +29,12 @@ from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import Arenas, RegionCache
 
 if TYPE_CHECKING:
+    import torch
+
     from mpsd.worker.inference import Prepared, Runner
 
 
-def _load(sock: socket.socket, init: p.Init) -> Runner:
+def _load(sock: socket.socket, init: p.Init) -> tuple[Runner, Arenas]:
     """Select the device, load and warm up the model; report Ready or LoadFailed."""
     import torch
 
@@ -68,6 +70,7 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
                 graphed = GraphedBackend(backend, spec, device)
             backend, recorded = graphed, graphed.sizes
         t3 = time.perf_counter()
+        arenas = _map_arenas(init.arenas, device)
     except DeviceUnavailable as exc:
         _fail_load(sock, str(exc))
     except Exception as exc:
@@ -86,7 +89,21 @@ def _load(sock: socket.socket, init: p.Init) -> Runner:
     )
     from mpsd.worker.inference import Runner
 
-    return Runner(spec, backend, device)
+    return Runner(spec, backend, device), arenas
+
+
+def _map_arenas(refs: tuple[p.ArenaRef, ...], device: torch.device) -> Arenas:
+    """The fronts' arenas this worker inherited, mapped (and page-locked on CUDA) before it says Ready: a
+    failure is a failed load with its reason, not a worker that dies serving."""
+    from mpsd.worker.device import host_pinner
+
+    try:
+        return Arenas(refs, host_pinner(device))
+    except OSError as exc:
+        raise RuntimeError(
+            f"mapping the front processes' arenas failed ({exc}); the daemon's `arenas_to_workers: false` "
+            "keeps workers out of them"
+        ) from None
 
 
 def _fail_load(sock: socket.socket, reason: str) -> None:
@@ -250,7 +267,7 @@ def _serve(
     runner: Runner,
     snapshot_interval_s: float = 5.0,
     after_request: bool = False,
-    arena_refs: tuple[p.ArenaRef, ...] = (),
+    arenas: Arenas | None = None,
 ) -> None:
     """Answer requests until the daemon says Shutdown or goes away.
 
@@ -264,7 +281,7 @@ def _serve(
 
     pin = host_pinner(runner.device)
     regions = RegionCache(pin)
-    arenas = Arenas(arena_refs, pin)
+    arenas = arenas if arenas is not None else Arenas(())
     # The next execution's inputs, built while the device runs the current one (a device that runs the model
     # asynchronously; on the CPU the model's call returns when its work is done).
     ahead: dict[int, Prepared] | None = None if runner.device.type == "cpu" else {}
@@ -366,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     setproctitle(f"mpsd: worker {init.model.name}/{init.model.version}#{init.instance}")
     start_heartbeat(beats, init.heartbeat_interval_s)
     try:
-        runner = _load(sock, init)
-        _serve(sock, runner, after_request=init.snapshot_after_request, arena_refs=init.arenas)
+        runner, arenas = _load(sock, init)
+        _serve(sock, runner, after_request=init.snapshot_after_request, arenas=arenas)
     except Exception:
         traceback.print_exc()
         return 1
