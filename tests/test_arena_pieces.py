@@ -130,7 +130,7 @@ def test_the_book_finds_bytes_only_in_arenas_the_worker_mapped_and_tells_when_on
     one, two = Region.create(1 << 16, keep_fd=True), Region.create(1 << 16, keep_fd=True)
     try:
         first, second = book.add(one), book.add(two)
-        assert [ref.arena_id for ref, _ in book.refs()] == [first, second]
+        assert [(ref.arena_id, ref.fd) for ref in book.refs()] == [(first, one.fd), (second, two.fd)]
         assert book.locate(two.buf[100:200], {first, second}) == (second, 100)
         assert book.locate(two.buf[100:200], {first}) is None  # not mapped by this worker
         assert book.locate(memoryview(bytearray(100)), {first, second}) is None

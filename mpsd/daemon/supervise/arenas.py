@@ -59,10 +59,10 @@ class ArenaBook:
             for forgotten in list(self._listeners):
                 forgotten(arena_id)
 
-    def refs(self) -> list[tuple[p.ArenaRef, int]]:
-        """For a worker about to start: each live arena as Init names it, with the descriptor to pass."""
+    def refs(self) -> list[p.ArenaRef]:
+        """For a worker about to start: each live arena as Init names it (its `fd` is the one to pass)."""
         return [
-            (p.ArenaRef(a.arena_id, a.region.fd, a.region.size), a.region.fd)
+            p.ArenaRef(a.arena_id, a.region.fd, a.region.size)
             for a in self._arenas.values()
             if a.region.fd is not None
         ]

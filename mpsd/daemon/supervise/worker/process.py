@@ -80,8 +80,7 @@ class Process:
         """
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         beats, child_beats = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        arenas = ARENAS.refs()
-        self.arenas = tuple(ref for ref, _ in arenas)
+        self.arenas = tuple(ARENAS.refs())
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -93,7 +92,7 @@ class Process:
                 str(child_beats.fileno()),
                 "--parent-pid",
                 str(os.getpid()),
-                pass_fds=(child_sock.fileno(), child_beats.fileno(), *(fd for _, fd in arenas)),
+                pass_fds=(child_sock.fileno(), child_beats.fileno(), *(ref.fd for ref in self.arenas)),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
