@@ -130,7 +130,10 @@ def test_the_worker_reader_polls_without_waiting_and_keeps_what_came_in_part() -
         theirs.sendall(second[6:] + large[:100])
         assert reader.poll() == p.StopProfile(2)
         assert reader.poll() is None  # larger than the buffer: left to recv
-        thread = threading.Thread(target=theirs.sendall, args=(large[100:],))
+        theirs.sendall(large[100 : 100 + 2 * FrameReader.BUFFER])  # more of it than the buffer holds
+        for _ in range(4):  # the buffer fills up, then stays full: that is no closed peer
+            assert reader.poll() is None
+        thread = threading.Thread(target=theirs.sendall, args=(large[100 + 2 * FrameReader.BUFFER :],))
         thread.start()
         assert reader.recv_wait() == p.InferFailed(3, "INTERNAL", "w" * 200_000)
         thread.join()
