@@ -9,10 +9,8 @@ import asyncio
 import contextlib
 import os
 import re
-import socket
 import threading
 import urllib.request
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +27,7 @@ from mpsd.daemon.supervise.arenas import ArenaBook
 from mpsd.ipc import protocol as p
 from mpsd.ipc.shm import Region
 from mpsd.ipc.wire_codec import PICKLED, dumps, loads
-from mpsd.worker.inference import Prepared, Runner
+from mpsd.worker.inference import Runner
 from mpsd.worker.regions import Arenas
 from tests import models
 from tests.conftest import free_port, serving
@@ -230,72 +228,6 @@ def test_batches_through_fronts_on_a_gpu_are_read_in_place_and_each_request_gets
             r'^mpsd_worker_input_bytes_in_place_total\{[^}]*model="mix"[^}]*\} (\S+)$', text, re.M
         )
         assert in_place is not None and float(in_place.group(1)) == len(xs) * ROW
-
-
-class Recording:
-    """A backend that keeps the inputs it was called with."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[torch.Tensor]] = []
-
-    def __call__(self, inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        self.calls.append(inputs)
-        return {"y": inputs[0].clone()}
-
-
-def test_the_next_executions_inputs_are_built_while_the_current_one_runs() -> None:
-    """`_prepare_next` (run while the device works) builds the inputs of the execution waiting in the
-    socket, and that execution runs on them; one nobody waits for any more is not prepared."""
-    from mpsd.ipc.framing import FrameReader, encode
-    from mpsd.worker.main import _infer, _prepare_next
-    from mpsd.worker.regions import RegionCache
-
-    ours, theirs = socket.socketpair()
-    slot = [Region.create(1 << 16) for _ in range(4)]  # input and output of slots 0 and 1
-    try:
-        spec = p.ModelSpec(
-            "m", 1, "python", "", 8, (p.TensorSpec("x", "FP32", (4,)),), (p.TensorSpec("y", "FP32", (4,)),)
-        )
-        backend = Recording()
-        runner = Runner(spec, backend, torch.device("cpu"))
-        reader, regions, early = FrameReader(ours, 5.0), RegionCache(), deque[object]()
-        ahead: dict[int, Prepared] = {}
-        ref = p.TensorRef("x", "FP32", (1, 4), p.CONTROL_BYTES, 16)
-
-        def execution(req_id: int, k: int) -> p.Infer:
-            inputs, outputs = slot[2 * k], slot[2 * k + 1]
-            inputs.buf[p.CONTROL_BYTES : p.CONTROL_BYTES + 16] = np.full(4, req_id, np.float32).tobytes()
-            return p.Infer(
-                req_id,
-                (ref,),
-                ("y",),
-                p.RegionRef(inputs.name, inputs.size),
-                p.RegionRef(outputs.name, outputs.size),
-                k,
-            )
-
-        _prepare_next(reader, runner, regions, early, None, ahead)
-        assert not early and not ahead  # nothing in the socket: nothing to do
-        second = execution(2, 1)
-        theirs.sendall(encode(second))
-        _prepare_next(reader, runner, regions, early, None, ahead)
-        assert list(early) == [second] and list(ahead) == [2]
-        prepared = ahead[2][0]
-        done = _infer(reader, ours, runner, regions, early.popleft(), early, None, ahead)  # type: ignore[arg-type]
-        assert done.req_id == 2 and not ahead
-        assert backend.calls[-1] is prepared  # it ran on the inputs built ahead
-        assert prepared[0].tolist() == [[2.0] * 4]
-        third = execution(3, 0)
-        slot[0].buf[0] = p.ABANDONED_CANCELLED  # its callers went away before it ran
-        theirs.sendall(encode(third))
-        _prepare_next(reader, runner, regions, early, None, ahead)
-        assert list(early) == [third] and not ahead
-    finally:
-        ours.close()
-        theirs.close()
-        for region in slot:
-            region.unlink()
-            region.close()
 
 
 def test_an_arena_the_worker_cannot_map_fails_its_load_with_the_reason() -> None:

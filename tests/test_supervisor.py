@@ -89,8 +89,11 @@ class Rig:
         self.made.append(worker)
         return worker
 
-    async def next_batch(self) -> str:
+    async def next_batch(self, partial: Callable[[], bool] | None = None) -> str:
         return await self.batches.get()
+
+    def wake(self) -> None:
+        pass
 
     def requeue(self, batch: str) -> None:
         self.requeued.append(batch)

@@ -25,6 +25,7 @@ import torch
 
 from mpsd.errors import ConfigError
 from mpsd.ipc.dtypes import config_to_wire
+from mpsd.worker.completions import CompletionFactory, completions
 from mpsd.worker.device_time import ExecutionTimer, timing_events
 
 # Substrings of allocator messages that mean "out of memory" even when the exception type was lost, e.g. an
@@ -317,6 +318,11 @@ def execution_timer(device: torch.device) -> ExecutionTimer | None:
         return None
     _device_thread.enter("execution_timer")
     return ExecutionTimer(new_event)
+
+
+def completion(device: torch.device) -> CompletionFactory | None:
+    """Completion events on this device, where executions may overlap (CUDA); None elsewhere."""
+    return completions(device.type)
 
 
 def memory_counters(device: torch.device) -> dict[str, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +17,9 @@ from mpsd.errors import Internal
 from mpsd.ipc.protocol import ModelSpec, Piece, TensorRef, TensorSpec, WarmupTensor
 from mpsd.ipc.shm import Region
 from mpsd.worker.backends import Backend
-from mpsd.worker.device import execution_timer, synchronize
+from mpsd.worker.completions import Completion
+from mpsd.worker.device import completion, execution_timer, synchronize
+from mpsd.worker.device_time import ExecutionTimer
 from mpsd.worker.dtypes import TO_TORCH, datatype_of
 from mpsd.worker.regions import Arenas
 
@@ -124,8 +126,20 @@ def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
         raise ValueError(str(mismatch))
 
 
-# An execution's inputs built ahead of it, and the nanoseconds that took.
-Prepared = tuple[list[torch.Tensor], int]
+@dataclass
+class Launch:
+    """An execution whose work is queued on the device: its outputs (device tensors, valid once the work
+    is done), the host time its inputs took, when the model call began, and its timer. With `copy_out`,
+    also its requested outputs on their way to the host, and the completion that says they have arrived."""
+
+    outputs: dict[str, torch.Tensor]
+    input_ns: int
+    started_ns: int
+    timer: ExecutionTimer | None
+    host: list[torch.Tensor] | None = None
+    done: Completion | None = None
+    waited_ns: int = 0  # from the daemon's sending to the launch
+
 
 # The set of output (name, dtype, shape) already checked against the config is bounded: a model whose
 # output shapes vary without end is checked every time past this many.
@@ -168,7 +182,14 @@ class Runner:
         self._outputs = {o.name: o for o in spec.outputs}
         self._batched = spec.max_batch_size > 0
         self._checked: set[tuple[str, torch.dtype, tuple[int, ...]]] = set()
-        self._timer = execution_timer(device)  # None on the CPU: no device time
+        # One timer for each execution that can be on the device at once (`overlaps`); None on the CPU.
+        self._timers = (execution_timer(device), execution_timer(device))
+        self._turn = 0
+        self._completion = completion(device)
+        # Whether the next execution may be launched while this one runs: only where outputs can be copied
+        # to the host behind the model's work and their arrival awaited alone (CUDA). Elsewhere reading one
+        # execution's outputs waits for everything queued on the device, the next execution too.
+        self.overlaps = self._completion is not None and not spec.decoupled
 
     def _input(self, region: Region, views: Views, ref: TensorRef) -> torch.Tensor:
         if ref.nbytes == 0:
@@ -229,32 +250,21 @@ class Runner:
             inputs.append(tensor)
         return inputs
 
-    def compute(
+    def launch(
         self,
         region: Region,
         refs: Sequence[TensorRef],
         views: Views,
         pieces: Sequence[Piece] = (),
         arenas: Arenas | None = None,
-        prepared: Prepared | None = None,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
-        """Build inputs (zero-copy on CPU), run the model; returns its outputs, the input and infer times on
-        the host, and the device's own time for the model call (None on the CPU).
-
-        `prepared`: the inputs, built already (while the execution before ran). On a device that runs the
-        model asynchronously, `meanwhile` is called once the model's work is queued, before waiting for it:
-        the host's work for the next execution then overlaps the device's for this one, and the infer time
-        includes it where it lasts longer.
-        """
+    ) -> Launch:
+        """Build the inputs (zero-copy on the CPU) and call the model. On a device that runs the model
+        asynchronously its work is queued when this returns; on the CPU it is done."""
         t0 = time.perf_counter_ns()
-        if prepared is None:
-            inputs = self.inputs(region, refs, views, pieces, arenas)
-            input_ns = time.perf_counter_ns() - t0
-        else:
-            inputs, input_ns = prepared
+        inputs = self.inputs(region, refs, views, pieces, arenas)
         t1 = time.perf_counter_ns()
-        timer = self._timer
+        timer = self._timers[self._turn]
+        self._turn ^= 1
         try:
             if timer is not None:
                 timer.start()
@@ -267,15 +277,45 @@ class Runner:
             with contextlib.suppress(Exception):
                 synchronize(self.device)
             raise
-        if meanwhile is not None and not self._on_cpu:
-            meanwhile()
-        synchronize(self.device)
-        del inputs
+        return Launch(outputs, t1 - t0, t1, timer)
+
+    def copy_out(self, launch: Launch, names: Sequence[str]) -> None:
+        """Queue the requested outputs' copies to the host behind the model's work, then the completion
+        that `finish` waits for (`overlaps` devices only): the next execution may then be queued at once,
+        and overwrite its buffers (a CUDA graph's outputs) after these copies have read them."""
+        assert self._completion is not None, "copy_out needs a device with completions"
+        try:
+            launch.host = self.prepare_outputs(launch.outputs, names, non_blocking=True)
+            launch.done = self._completion()
+            launch.done.record()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                synchronize(self.device)
+            raise
+
+    def finish(self, launch: Launch) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
+        """Wait for the execution's work; returns its outputs, the input and infer times on the host, and
+        the device's own time for the model call (None on the CPU). The infer time includes whatever the
+        host did between launching and finishing, where that lasted longer than the device's work."""
+        if launch.done is not None:
+            launch.done.synchronize()
+        else:
+            synchronize(self.device)
         t2 = time.perf_counter_ns()
-        # After the synchronize the outputs needed anyway: both events are complete, reading them waits for
-        # nothing.
-        device_ns = timer.elapsed_ns() if timer is not None else None
-        return outputs, input_ns, t2 - t1, device_ns
+        # Past the wait both timing events are complete: reading them waits for nothing.
+        device_ns = launch.timer.elapsed_ns() if launch.timer is not None else None
+        return launch.outputs, launch.input_ns, t2 - launch.started_ns, device_ns
+
+    def compute(
+        self,
+        region: Region,
+        refs: Sequence[TensorRef],
+        views: Views,
+        pieces: Sequence[Piece] = (),
+        arenas: Arenas | None = None,
+    ) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
+        """One execution from its inputs to its outputs, nothing else queued meanwhile (`finish`)."""
+        return self.finish(self.launch(region, refs, views, pieces, arenas))
 
     def compute_stream(
         self,
@@ -302,8 +342,11 @@ class Runner:
             with contextlib.suppress(Exception):
                 synchronize(self.device)
 
-    def prepare_outputs(self, outputs: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
-        """Requested outputs as contiguous CPU tensors, each checked against its config."""
+    def prepare_outputs(
+        self, outputs: dict[str, torch.Tensor], names: Sequence[str], non_blocking: bool = False
+    ) -> list[torch.Tensor]:
+        """Requested outputs as contiguous CPU tensors, each checked against its config. `non_blocking`:
+        the copies from the device are only queued (into page-locked memory), valid once they are done."""
         prepared = []
         for name in names:
             tensor = outputs[name]
@@ -315,7 +358,8 @@ class Runner:
                 if len(self._checked) < CHECKED_LIMIT:
                     self._checked.add(seen)
             if not self._on_cpu:
-                tensor = tensor.to("cpu")
+                # Contiguous on the device: a queued copy cannot be made contiguous on the host.
+                tensor = tensor.contiguous().to("cpu", non_blocking=non_blocking)
             prepared.append(tensor.contiguous())
         return prepared
 

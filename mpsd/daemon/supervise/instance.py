@@ -59,7 +59,11 @@ H = TypeVar("H", bound=WorkerHandle)
 class Batches(Protocol[B]):
     """The version's queue, as an instance pulls from it."""
 
-    async def next_batch(self) -> B: ...
+    async def next_batch(self, partial: Callable[[], bool] | None = None) -> B: ...
+
+    def wake(self) -> None:
+        """An execution of the instance ended: `partial` may answer otherwise now."""
+        ...
 
     def requeue(self, batch: B) -> None:
         """Give a batch back, in front: its instance went away before running it."""
@@ -246,7 +250,9 @@ class Instance(Generic[B, H]):
                 self._freed.clear()
                 await self._freed.wait()
                 continue
-            batch = await queue.next_batch()
+            # The second execution in flight waits in the worker anyway: it goes only when full, or
+            # once the first has ended (`_ended` wakes the queue).
+            batch = await queue.next_batch(self._nothing_running if self._depth() > 1 else None)
             if worker.died.is_set() or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
@@ -294,8 +300,12 @@ class Instance(Generic[B, H]):
         self._running.discard(task)
         self._ended()
 
+    def _nothing_running(self) -> bool:
+        return not self._busy()
+
     def _ended(self) -> None:
         self._freed.set()
+        self._batches.wake()
         if not self._busy():
             self._idle.set()
 

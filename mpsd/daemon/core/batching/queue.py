@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
@@ -33,9 +34,9 @@ class Pending:
     timer: asyncio.TimerHandle | None = None  # answers it at its deadline while it is queued
     stream: ResponseStream | None = None  # a decoupled model's request: where its responses go
 
-    @property
+    @functools.cached_property
     def key(self) -> Hashable:
-        """Requests with equal keys can share a batch."""
+        """Requests with equal keys can share a batch (made once: batches are formed again and again)."""
         return tuple((t.datatype, t.shape[1:]) for t in self.request.inputs)
 
 
@@ -51,6 +52,10 @@ class RequestQueue:
         self.max_size = db.max_queue_size if db is not None else 0
         self.timeout_s = (db.default_timeout_microseconds / 1e6) if db is not None else 0.0
         self._items: deque[Pending] = deque()
+        self._rows = 0  # queued rows, of every shape
+        # For each waiting `next_batch` (an instance's dispatcher), the queued rows at which it wants to
+        # look again (a first request; a full batch): arrivals short of all of them wake nobody.
+        self._waiting: list[int] = []
         self._arrived = asyncio.Event()
 
     def __len__(self) -> int:
@@ -64,8 +69,10 @@ class RequestQueue:
             )
         self.admit(item)
         self._items.append(item)
+        self._rows += item.request.batch_size
         self._arm(item)
-        self._arrived.set()
+        if self._waiting and self._rows >= min(self._waiting):
+            self._arrived.set()
 
     def admit(self, item: Pending) -> None:
         """Apply the queue's default timeout to a request's deadline (also to one that skips the queue)."""
@@ -85,12 +92,14 @@ class RequestQueue:
         items = list(items)
         self._items.extendleft(reversed(items))
         for item in items:
+            self._rows += item.request.batch_size
             self._arm(item)
         self._arrived.set()
 
     def take_all(self) -> list[Pending]:
         items = list(self._items)
         self._items.clear()
+        self._rows = 0
         _disarm(items)
         return items
 
@@ -106,6 +115,7 @@ class RequestQueue:
         item.timer = None
         with contextlib.suppress(ValueError):  # taken meanwhile
             self._items.remove(item)
+            self._rows -= item.request.batch_size
             self._expired(item)
 
     def _expired(self, item: Pending) -> None:
@@ -132,6 +142,7 @@ class RequestQueue:
                 continue
             kept.append(item)
         self._items = kept
+        self._rows = sum(item.request.batch_size for item in kept)
 
     def _form(self) -> tuple[list[Pending], int]:
         """The next batch: the oldest request plus later compatible ones, up to max rows."""
@@ -147,27 +158,58 @@ class RequestQueue:
                     rows += item.request.batch_size
         return batch, rows
 
-    async def next_batch(self) -> list[Pending]:
-        """Wait for work and return it; with batching, wait up to the queue delay for a fuller batch."""
+    async def next_batch(self, partial: Callable[[], bool] | None = None) -> list[Pending]:
+        """Wait for work and return it; with batching, wait up to the queue delay for a fuller batch.
+
+        `partial`: whether a batch short of the target may go now that its delay is over. While it says
+        no (its instance is still running another execution, whose end the caller signals with `wake`),
+        only a full batch goes: requests keep gathering meanwhile, instead of a small batch waiting behind
+        the running one with no gain in latency.
+        """
         while True:
             self._prune()
             if not self._items:
-                self._arrived.clear()
-                await self._arrived.wait()
+                await self._wait(1)
                 continue
-            batch, rows = self._form()
+            head = self._items[0]
+            # Fewer rows queued than a full batch: short for certain, not worth forming yet.
+            batch: list[Pending] | None = None
+            short = self.batching and self._rows < self.target_rows
+            if not short:
+                batch, rows = self._form()
+                short = self.batching and rows < self.target_rows
             remaining = 0.0
-            if self.batching and rows < self.target_rows and self.delay_s > 0:
-                waited_s = (time.perf_counter_ns() - batch[0].enqueued_ns) / 1e9
-                remaining = self.delay_s - waited_s
-            if remaining <= 0:
+            if short and self.delay_s > 0:
+                remaining = self.delay_s - (time.perf_counter_ns() - head.enqueued_ns) / 1e9
+            if remaining <= 0 and (not short or partial is None or partial()):
+                if batch is None:
+                    batch, rows = self._form()
                 taken = {id(i) for i in batch}
                 self._items = deque(i for i in self._items if id(i) not in taken)
+                self._rows -= rows
                 _disarm(batch)
+                if self._items:
+                    self._arrived.set()  # what is left, for another instance's dispatcher
                 return batch
-            self._arrived.clear()
+            wanted = self._rows + 1 if batch is not None else self.target_rows
+            if remaining <= 0:
+                await self._wait(wanted)  # a fuller batch, or `wake`
+                continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), remaining)
+                await asyncio.wait_for(self._wait(wanted), remaining)
+
+    async def _wait(self, rows: int) -> None:
+        """Until `rows` rows are queued, something is put back, or `wake`."""
+        self._waiting.append(rows)
+        self._arrived.clear()
+        try:
+            await self._arrived.wait()
+        finally:
+            self._waiting.remove(rows)
+
+    def wake(self) -> None:
+        """Have a waiting `next_batch` look again (its `partial` may say yes now)."""
+        self._arrived.set()
 
 
 def _disarm(items: Iterable[Pending]) -> None:

@@ -1,0 +1,320 @@
+"""The worker's serving loop: requests from the daemon, run from shared memory to shared memory.
+
+On a device with completion events (CUDA) the loop keeps up to two executions on the device: while one
+runs it watches the socket, and the next execution that arrives is launched behind it at once, its
+outputs' copies to the host queued too. The device then goes from one to the next without waiting for the
+host to answer the first and launch the second. Answers still leave in order, one per execution.
+Elsewhere executions run one at a time.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from mpsd.errors import ErrorCode, MpsdError
+from mpsd.ipc import protocol as p
+from mpsd.ipc.framing import ConnectionClosed, FrameReader, send_blocking
+from mpsd.ipc.shm import Region
+from mpsd.worker.regions import Arenas, RegionCache
+
+if TYPE_CHECKING:
+    from mpsd.worker.inference import Launch, Runner
+    from mpsd.worker.profiling import Profiler
+
+
+# Each slot's regions, by role name in the region cache.
+_INPUT_ROLES = tuple(f"input{slot}" for slot in range(p.SLOTS))
+_OUTPUT_ROLES = tuple(f"output{slot}" for slot in range(p.SLOTS))
+
+
+def _launch(
+    runner: Runner,
+    regions: RegionCache,
+    msg: p.Infer,
+    arenas: Arenas | None = None,
+) -> Launch:
+    """Queue one execution's work on the device (on the CPU: run it), from its slot's input region."""
+    waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
+    inputs = _claim(regions, msg)
+    views = regions.views(_INPUT_ROLES[msg.slot])
+    launch = runner.launch(inputs, msg.inputs, views, msg.pieces, arenas)
+    launch.waited_ns = waited_ns
+    if runner.overlaps:
+        runner.copy_out(launch, msg.outputs)
+    return launch
+
+
+def _claim(regions: RegionCache, msg: p.Infer) -> Region:
+    """The execution's input region, marked started; an execution nobody waits for any more (every caller
+    cancelled or past its deadline) fails instead."""
+    inputs = regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
+    abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
+    if abandoned == p.ABANDONED_EXPIRED:
+        raise MpsdError(
+            "every request of the batch was past its deadline before it ran", ErrorCode.DEADLINE_EXCEEDED
+        )
+    if abandoned:
+        raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
+    inputs.buf[0] = p.STARTED
+    return inputs
+
+
+def _answer(
+    reader: FrameReader,
+    sock: socket.socket,
+    runner: Runner,
+    regions: RegionCache,
+    msg: p.Infer,
+    launch: Launch,
+    early: deque[object],
+) -> p.InferDone:
+    """Wait for a launched execution and write its outputs to its slot's output region.
+
+    Messages that arrive while it waits for a larger output region (the daemon's next request) go to
+    `early`, to be handled after it.
+    """
+    from mpsd.worker.inference import write_outputs
+
+    outputs, in_ns, infer_ns, device_ns = runner.finish(launch)
+    t0 = time.perf_counter_ns()
+    tensors = launch.host if launch.host is not None else runner.prepare_outputs(outputs, msg.outputs)
+    del outputs
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    out_ref = _output_region(reader, sock, msg, msg.output_region, needed, early)
+    refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+    output_ns = time.perf_counter_ns() - t0
+    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, launch.waited_ns, device_ns)
+
+
+def _infer(
+    reader: FrameReader,
+    sock: socket.socket,
+    runner: Runner,
+    regions: RegionCache,
+    msg: p.Infer,
+    early: deque[object],
+    arenas: Arenas | None = None,
+) -> p.InferDone:
+    """Run one request from shared memory to shared memory (the regions of its slot), nothing else on the
+    device meanwhile."""
+    if runner.spec.decoupled:
+        waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
+        return _stream(reader, sock, runner, regions, msg, early, _claim(regions, msg), waited_ns, arenas)
+    launch = _launch(runner, regions, msg, arenas)
+    return _answer(reader, sock, runner, regions, msg, launch, early)
+
+
+def _next_or_done(reader: FrameReader, launch: Launch) -> object | None:
+    """While a launched execution runs: the next message, as soon as one is here, or None once the
+    execution is done (whichever comes first). The worker's thread waits for the device here either way
+    (CUDA's own wait spins too); polling the socket alongside lets the next execution be queued before the
+    device runs dry."""
+    done = launch.done
+    assert done is not None
+    while not done.query():
+        message = reader.poll()
+        if message is not None:
+            return message
+    return None
+
+
+def _output_region(
+    reader: FrameReader,
+    sock: socket.socket,
+    msg: p.Infer,
+    current: p.RegionRef,
+    needed: int,
+    early: deque[object],
+) -> p.RegionRef:
+    """The slot's output region, asking the daemon for a larger one when `needed` bytes do not fit."""
+    if needed <= current.size:
+        return current
+    send_blocking(sock, p.NeedOutput(msg.req_id, needed))
+    while not isinstance(reply := reader.recv_wait(), p.OutputRegion):
+        early.append(reply)
+    return reply.region
+
+
+def _stream(
+    reader: FrameReader,
+    sock: socket.socket,
+    runner: Runner,
+    regions: RegionCache,
+    msg: p.Infer,
+    early: deque[object],
+    inputs: Region,
+    waited_ns: int,
+    arenas: Arenas | None = None,
+) -> p.InferDone:
+    """A decoupled model's request: each response goes to the daemon as a StreamPart through the slot's
+    output region, and the model is resumed only once the daemon acknowledges it (so a slow client holds
+    the model back); a `stop` in the acknowledgement closes the model's generator. The InferDone at the
+    end carries no outputs: it is the final flag."""
+    from mpsd.worker.inference import write_outputs
+
+    t0 = time.perf_counter_ns()
+    out_ref = msg.output_region
+    views = regions.views(_INPUT_ROLES[msg.slot])
+    parts = runner.compute_stream(inputs, msg.inputs, views, msg.pieces, arenas)
+    index = 0
+    try:
+        for outputs in parts:
+            tensors = runner.prepare_outputs(outputs, msg.outputs)
+            del outputs
+            needed = sum(t.numel() * t.element_size() for t in tensors)
+            out_ref = _output_region(reader, sock, msg, out_ref, needed, early)
+            refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+            send_blocking(sock, p.StreamPart(msg.req_id, index, refs))
+            while not (isinstance(ack := reader.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id):
+                early.append(ack)
+            index += 1
+            if ack.stop:
+                raise MpsdError(f"the stream was stopped after {index} responses", ErrorCode.CANCELLED)
+    finally:
+        parts.close()  # the model's generator: its `finally` runs now
+    return p.InferDone(msg.req_id, (), 0, time.perf_counter_ns() - t0, 0, waited_ns, None)
+
+
+class Serving:
+    """Answers requests until the daemon says Shutdown or goes away (`run`).
+
+    Runs under inference mode, entered once rather than per request. Between requests, and at least every
+    fifth of the snapshot interval while idle, memory counters are sent when they are due.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        runner: Runner,
+        snapshot_interval_s: float = 5.0,
+        after_request: bool = False,
+        arenas: Arenas | None = None,
+    ) -> None:
+        from mpsd.worker.device import host_pinner
+        from mpsd.worker.profiling import Profiler
+
+        self.sock = sock
+        self.runner = runner
+        self.snapshot_interval_s = snapshot_interval_s
+        self.after_request = after_request
+        self.regions = RegionCache(host_pinner(runner.device))
+        self.arenas = arenas if arenas is not None else Arenas(())
+        self.reader = FrameReader(sock, snapshot_interval_s / 5)
+        self.early: deque[object] = deque()
+        self.last_snapshot = 0.0
+        self.profiler: Profiler = Profiler(runner.device, lambda m: send_blocking(sock, m))
+        self.running: tuple[p.Infer, Launch] | None = None  # launched, not answered yet
+
+    def run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            try:
+                while self._step():
+                    pass
+            except ConnectionClosed:
+                return
+
+    def _step(self) -> bool:
+        """Handle the next message (or the end of the execution on the device); False: stop serving."""
+        self._snapshot_if_due()
+        if self.early:
+            msg = self.early.popleft()
+        elif self.running is not None:
+            msg = _next_or_done(self.reader, self.running[1])
+        else:
+            msg = self.reader.recv()
+        if msg is None:  # the execution on the device is done (or, idle, the reader's timeout)
+            self._settle()
+        elif isinstance(msg, p.Infer):
+            self._execute(msg)
+        else:
+            self._settle()  # anything else waits for the execution on the device
+            if isinstance(msg, p.ForgetArena):
+                self.arenas.forget(msg.arena_id)
+            elif isinstance(msg, p.StartProfile):
+                self.profiler.start(msg)
+            elif isinstance(msg, p.StopProfile):
+                self.profiler.stop(msg.profile_id)
+            elif isinstance(msg, p.Shutdown):
+                self.profiler.stop(self.profiler.profile_id)
+                return False
+        return True
+
+    def _snapshot_if_due(self) -> None:
+        from mpsd.worker.device import memory_counters
+
+        if time.monotonic() - self.last_snapshot >= self.snapshot_interval_s:
+            # Counters are read on this (the device) thread, between requests, never during one.
+            send_blocking(self.sock, p.MemorySnapshot(memory_counters(self.runner.device)))
+            self.last_snapshot = time.monotonic()
+
+    def _execute(self, msg: p.Infer) -> None:
+        """Run one execution: launched behind the one on the device where executions overlap (which is then
+        answered first), else from start to answer."""
+        launch: Launch | None = None
+        try:
+            if self.runner.overlaps:
+                launch = _launch(self.runner, self.regions, msg, self.arenas)
+            else:
+                self._done(
+                    msg,
+                    _infer(self.reader, self.sock, self.runner, self.regions, msg, self.early, self.arenas),
+                )
+                return
+        except ConnectionClosed:
+            raise
+        except Exception as exc:
+            failure, oom = _failure(msg, exc)
+            self._settle()
+            self._fail(msg, failure, oom)
+            return
+        self._settle()
+        self.running = (msg, launch)
+
+    def _settle(self) -> None:
+        """Answer the execution on the device, if there is one, once its work is done."""
+        if self.running is None:
+            return
+        msg, launch = self.running
+        self.running = None
+        try:
+            done = _answer(self.reader, self.sock, self.runner, self.regions, msg, launch, self.early)
+        except ConnectionClosed:
+            raise
+        except Exception as exc:
+            failure, oom = _failure(msg, exc)
+        else:
+            self._done(msg, done)
+            return
+        del launch  # its tensors, before any release of cached memory
+        self._fail(msg, failure, oom)
+
+    def _done(self, msg: p.Infer, done: p.InferDone) -> None:
+        send_blocking(self.sock, done)
+        if self.after_request:
+            self.last_snapshot = 0.0
+        self.profiler.executed(msg.requests)
+
+    def _fail(self, msg: p.Infer, failure: p.InferFailed, oom: bool) -> None:
+        from mpsd.worker.device import release_cached_memory
+
+        if oom:  # outside the except block, so the traceback no longer pins the request's tensors
+            release_cached_memory(self.runner.device)
+            self.last_snapshot = 0.0
+        send_blocking(self.sock, failure)
+        self.profiler.executed(msg.requests)
+
+
+def _failure(msg: p.Infer, exc: Exception) -> tuple[p.InferFailed, bool]:
+    """The answer for an execution that raised, and whether the device ran out of memory."""
+    from mpsd.worker.device import is_out_of_memory
+
+    if isinstance(exc, MpsdError):
+        return p.InferFailed(msg.req_id, exc.code.value, exc.message), False
+    oom = is_out_of_memory(exc)
+    code = ErrorCode.RESOURCE_EXHAUSTED if oom else ErrorCode.INTERNAL
+    return p.InferFailed(msg.req_id, code.value, f"{type(exc).__name__}: {exc}"), oom
