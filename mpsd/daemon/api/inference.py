@@ -100,9 +100,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         request: Any,
         deadline: float | None = None,
         raw_contents: Sequence[bytes | memoryview] | None = None,
+        header: bytes | None = None,
     ) -> tuple[Any, list[bytes]]:
         """The response without its raw_output_contents, and those entries (see `convert`)."""
-        answered = await self.ops.infer(request, deadline, raw_contents)
+        answered = await self.ops.infer(request, deadline, raw_contents, header)
         return convert.infer_response_parts(answered.result, request.id, in_shm=answered.in_shm)
 
     async def _infer(self, request: Any) -> Any:
@@ -124,11 +125,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         header, raw = split if split is not None else (data, None)
         if isinstance(header, memoryview):  # no raw contents to cut out: parse a copy, as protobuf wants
             header = bytes(header)
+        key = bytes(header) if raw else None  # only a request with raw contents has a header to learn
+        known = self.ops.known.get(key) if key is not None else None
+        if known is not None and key is not None and raw:
+            answered = await self.ops.infer_known(known, key, raw, deadline)
+            if answered is not None:
+                response, contents = convert.infer_response_parts(answered.result, known.request_id)
+                return raw_output_parts(response.SerializeToString(), contents)
         try:
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:
             raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
-        response, contents = await self._infer_parts(request, deadline, raw or None)
+        response, contents = await self._infer_parts(request, deadline, raw or None, key)
         return raw_output_parts(response.SerializeToString(), contents)
 
     @rpc

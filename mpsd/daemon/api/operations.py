@@ -16,6 +16,7 @@ import structlog
 import mpsd
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
+from mpsd.daemon.api.known_headers import KnownHeader, KnownHeaders, known_header, learnable
 from mpsd.daemon.api.parse import RawEntry, check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
@@ -60,6 +61,7 @@ class Operations:
         self.refusing = refusing if refusing is not None else shutting_down
         self.model_control = model_control
         self.client_shm = client_shm if client_shm is not None else ClientShmRegistry()
+        self.known = KnownHeaders()  # ModelInfer headers that passed their checks
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -108,10 +110,15 @@ class Operations:
     # ---- inference -----------------------------------------------------------------------------------
 
     async def infer(
-        self, request: Any, deadline: float | None = None, raw_contents: Sequence[RawEntry] | None = None
+        self,
+        request: Any,
+        deadline: float | None = None,
+        raw_contents: Sequence[RawEntry] | None = None,
+        header: bytes | None = None,
     ) -> Answered:
         """Check a ModelInferRequest against its model, run it, and write the outputs bound to shared
-        memory. `raw_contents` stands for its raw_input_contents (see `parse_infer_request`)."""
+        memory. `raw_contents` stands for its raw_input_contents (see `parse_infer_request`); `header`,
+        the request's bytes without them, is learned (`known_headers`) once the request passed its checks."""
         check_name("model", request.model_name)
         deadline = deadline_of(request, deadline)
         mv = await self.registry.acquire(request.model_name, request.model_version, deadline)
@@ -123,11 +130,31 @@ class Operations:
         try:
             with self.client_shm.lease() as shm:  # regions the request names stay open until answered
                 parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
+                if header is not None and learnable(request, raw_contents):
+                    self.known.add(header, known_header(request, parsed, mv.config))
                 result = await mv.infer(parsed, deadline)
                 shm.write_outputs(result.outputs)
                 return Answered(result, frozenset(shm.outputs))
         finally:
             self.registry.touch(request.model_name)
+
+    async def infer_known(
+        self, known: KnownHeader, header: bytes, raw: Sequence[bytes | memoryview], deadline: float | None
+    ) -> Answered | None:
+        """Run a request whose header is known, without parsing or checking it again; None when the header
+        no longer stands for it (the model's config changed, or the bytes do not fit): the caller then takes
+        the full path, which also reports what is wrong."""
+        mv = await self.registry.acquire(known.model, known.version, deadline)
+        try:
+            if mv.config is not known.config:
+                self.known.forget(header)
+                return None
+            parsed = known.bind(raw)
+            if parsed is None:
+                return None
+            return Answered(await mv.infer(parsed, deadline), frozenset())
+        finally:
+            self.registry.touch(known.model)
 
     def decoupled(self, name: str, version: str) -> bool:
         """Whether the model answers with a stream of responses (False for a model not known: its request

@@ -1,0 +1,109 @@
+"""ModelInfer headers seen before, and what their checks made of them.
+
+A client sends the same header (the request without its tensor bytes: model, input names, datatypes and
+shapes, requested outputs) again and again. Once a header has passed parsing and every check against a
+model's config, its bytes are kept with the checked request they stand for. The next request with the same
+bytes then skips protobuf parsing and the checks: its tensor bytes are bound to that request after their
+sizes are checked. A header is learned only where nothing in it depends on the moment or on other state
+(no parameters: a timeout counts from now, shared memory names regions), and it stands only for the config
+it was checked against: a reloaded model's new config sends it through the full path again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core.request import InferRequest, InputTensor
+
+MAX_HEADERS = 1024  # past this many (request ids that change each time, say) the table starts again
+MAX_HEADER_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class KnownInput:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    raw_index: int  # its entry among the request's raw_input_contents
+
+
+@dataclass(frozen=True)
+class KnownHeader:
+    """A checked header: the request it stands for, less the tensor bytes."""
+
+    model: str
+    version: str
+    request_id: str
+    config: ModelConfig  # the config it was checked against
+    inputs: tuple[KnownInput, ...]  # in config order
+    outputs: tuple[str, ...]
+    batch_size: int
+    raw_count: int
+
+    def bind(self, raw: Sequence[bytes | memoryview]) -> InferRequest | None:
+        """The request with these tensor bytes; None when they do not fit the header (the full path then
+        reports what is wrong)."""
+        if len(raw) != self.raw_count:
+            return None
+        inputs = []
+        for known in self.inputs:
+            data = raw[known.raw_index]
+            if len(data) != known.nbytes:
+                return None
+            inputs.append(InputTensor(known.name, known.datatype, known.shape, data))
+        return InferRequest(
+            self.model, self.version, self.request_id, tuple(inputs), self.outputs, self.batch_size
+        )
+
+
+def learnable(request: Any, raw: Sequence[object] | None) -> bool:
+    """Whether a request's header can stand for later ones: every input in raw contents, no parameters."""
+    if not raw or len(raw) != len(request.inputs) or request.parameters:
+        return False
+    return not any(t.parameters for t in request.inputs) and not any(o.parameters for o in request.outputs)
+
+
+def known_header(request: Any, parsed: InferRequest, config: ModelConfig) -> KnownHeader:
+    """What a checked, `learnable` request's header stands for."""
+    order = {t.name: i for i, t in enumerate(request.inputs)}
+    inputs = []
+    for t in parsed.inputs:
+        assert isinstance(t.data, bytes | memoryview), "a learnable request's inputs are raw contents"
+        inputs.append(KnownInput(t.name, t.datatype, t.shape, len(t.data), order[t.name]))
+    return KnownHeader(
+        parsed.model,
+        parsed.version,
+        parsed.id,
+        config,
+        tuple(inputs),
+        parsed.outputs,
+        parsed.batch_size,
+        len(request.inputs),
+    )
+
+
+class KnownHeaders:
+    """Checked headers by their bytes, at most MAX_HEADERS of them."""
+
+    def __init__(self) -> None:
+        self._known: dict[bytes, KnownHeader] = {}
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def get(self, header: bytes) -> KnownHeader | None:
+        return self._known.get(header)
+
+    def add(self, header: bytes, known: KnownHeader) -> None:
+        if len(header) > MAX_HEADER_BYTES:
+            return
+        if len(self._known) >= MAX_HEADERS:
+            self._known.clear()
+        self._known[header] = known
+
+    def forget(self, header: bytes) -> None:
+        self._known.pop(header, None)

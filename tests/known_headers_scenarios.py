@@ -1,0 +1,146 @@
+"""The scenarios of test_known_headers.py, run in a fresh interpreter (`python -m
+tests.known_headers_scenarios NAME`): the daemon's gRPC messages and tritonclient's share protobuf
+package names, so they cannot be loaded in one process, and the test process has tritonclient's."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import mpsd.daemon.api.operations as operations
+from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.inference import InferenceServicer
+from mpsd.daemon.api.parse import parse_infer_request
+from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor
+from mpsd.errors import InvalidArgument
+from mpsd.proto import grpc_service_pb2 as pb
+
+CONFIG = {
+    "max_batch_size": 8,
+    "input": [
+        {"name": "a", "data_type": "TYPE_FP32", "dims": [4]},
+        {"name": "b", "data_type": "TYPE_INT32", "dims": [2]},
+    ],
+    "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4]}],
+}
+
+
+class Version:
+    """Stands in for a ModelVersion: answers with input `a` as `y` and keeps the requests it ran."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.ran: list[InferRequest] = []
+
+    async def infer(self, request: InferRequest, deadline: float | None) -> InferResult:
+        self.ran.append(request)
+        a = request.inputs[0]
+        return InferResult("m", 1, (OutputTensor("y", "FP32", a.shape, bytes(a.data)),))  # type: ignore[arg-type]
+
+
+class Registry:
+    """Stands in for the registry: one model, `m`, whose version can be swapped (a reload)."""
+
+    def __init__(self) -> None:
+        self.version = Version(ModelConfig.model_validate(CONFIG))
+
+    async def acquire(self, name: str, version: str, deadline: float | None) -> Version:
+        assert name == "m"
+        return self.version
+
+    def touch(self, name: str) -> None:
+        pass
+
+
+def counted_parses() -> list[str]:
+    """The requests (by id) that go through the full parse and checks from now on."""
+    seen: list[str] = []
+    full = parse_infer_request
+
+    def counting(request: Any, *args: Any, **kwargs: Any) -> InferRequest:
+        seen.append(request.id)
+        return full(request, *args, **kwargs)
+
+    operations.parse_infer_request = counting  # type: ignore[attr-defined]
+    return seen
+
+
+def request(a: np.ndarray, b_bytes: bytes | None = None, rid: str = "", **params: int) -> bytes:
+    message = pb.ModelInferRequest(model_name="m", id=rid)
+    for name, datatype, shape in (("a", "FP32", a.shape), ("b", "INT32", (a.shape[0], 2))):
+        tensor = message.inputs.add(name=name, datatype=datatype)
+        tensor.shape.extend(shape)
+    for key, value in params.items():
+        message.parameters[key].int64_param = value
+    message.raw_input_contents.append(a.astype(np.float32).tobytes())
+    message.raw_input_contents.append(b_bytes if b_bytes is not None else bytes(8 * a.shape[0]))
+    data: bytes = message.SerializeToString()
+    return data
+
+
+def answer(servicer: InferenceServicer, data: bytes) -> tuple[str, np.ndarray]:
+    parts = asyncio.run(servicer.infer_serialized_parts(data, None))
+    response = pb.ModelInferResponse.FromString(b"".join(bytes(p) for p in parts))
+    return response.id, np.frombuffer(response.raw_output_contents[0], np.float32)
+
+
+def servicer(registry: Registry) -> InferenceServicer:
+    return InferenceServicer(registry, lambda: False)  # type: ignore[arg-type]
+
+
+def known_header_skips_the_parse() -> None:
+    parses = counted_parses()
+    registry = Registry()
+    api = servicer(registry)
+    rows = [np.full((1, 4), k, np.float32) for k in range(3)]
+    answers = [answer(api, request(x, rid="r")) for x in rows]
+    assert parses == ["r"], "only the first request was parsed and checked"
+    for (rid, y), x in zip(answers, rows, strict=True):
+        assert rid == "r" and y.tolist() == x.ravel().tolist()
+    assert [r.inputs[1].shape for r in registry.version.ran] == [(1, 2)] * 3
+
+
+def other_bytes_a_reload_and_parameters_take_the_full_path() -> None:
+    parses = counted_parses()
+    registry = Registry()
+    api = servicer(registry)
+    x = np.ones((1, 4), np.float32)
+    answer(api, request(x, rid="1"))
+    answer(api, request(x, rid="2"))  # another id: other header bytes
+    answer(api, request(np.ones((2, 4), np.float32), rid="1"))  # another shape
+    assert parses == ["1", "2", "1"]
+    registry.version = Version(ModelConfig.model_validate(CONFIG))  # reloaded: a new config
+    answer(api, request(x, rid="1"))
+    assert parses[-1] == "1" and len(parses) == 4
+    answer(api, request(x, rid="t", timeout=10_000_000))
+    answer(api, request(x, rid="t", timeout=10_000_000))  # a timeout counts from now: never learned
+    assert parses[-2:] == ["t", "t"]
+
+
+def bytes_that_do_not_fit_get_the_full_paths_error() -> None:
+    parses = counted_parses()
+    api = servicer(Registry())
+    x = np.ones((1, 4), np.float32)
+    answer(api, request(x, rid="k"))
+    try:
+        answer(api, request(x, b_bytes=bytes(4), rid="k"))
+    except InvalidArgument as exc:
+        assert "input 'b': raw content has 4 bytes, expected 8" in exc.message, exc.message
+    else:
+        raise AssertionError("bytes of the wrong size were accepted")
+    assert parses == ["k", "k"]
+
+
+SCENARIOS: dict[str, Callable[[], None]] = {
+    "skips": known_header_skips_the_parse,
+    "full-path": other_bytes_a_reload_and_parameters_take_the_full_path,
+    "sizes": bytes_that_do_not_fit_get_the_full_paths_error,
+}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]]()
+    print("ok")
