@@ -177,8 +177,16 @@ class Runner:
         self.backend = backend
         self.device = device
         self._on_cpu = device.type == "cpu"
-        # A backend that takes host tensors moves them itself (CUDA graphs: straight into a graph's inputs).
-        self._keep_on_host = self._on_cpu or getattr(backend, "accepts_host_inputs", False)
+        # On CUDA, inputs go to the device on a stream of their own, which the model's stream waits for:
+        # the next execution's copies then run while the current one computes (`overlaps`).
+        on_cuda = device.type == "cuda"
+        self._copies = torch.cuda.Stream(device) if on_cuda else None  # type: ignore[no-untyped-call]
+        # A backend that takes host tensors moves them itself (CUDA graphs: straight into a graph's inputs);
+        # with a copy stream they come as device tensors instead, since a graph's inputs may still be read by
+        # the execution before.
+        self._keep_on_host = self._on_cpu or (
+            self._copies is None and getattr(backend, "accepts_host_inputs", False)
+        )
         self._outputs = {o.name: o for o in spec.outputs}
         self._batched = spec.max_batch_size > 0
         self._checked: set[tuple[str, torch.dtype, tuple[int, ...]]] = set()
@@ -204,6 +212,28 @@ class Runner:
         return typed.to(self.device, non_blocking=True)
 
     def inputs(
+        self,
+        region: Region,
+        refs: Sequence[TensorRef],
+        views: Views,
+        pieces: Sequence[Piece] = (),
+        arenas: Arenas | None = None,
+    ) -> list[torch.Tensor]:
+        """The execution's inputs (`_inputs`); on CUDA copied on the copy stream, the model's stream made to
+        wait for them, and each tensor marked as used there (its memory is not reused before that use)."""
+        if self._copies is None:
+            return self._inputs(region, refs, views, pieces, arenas)
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copies):
+            tensors = self._inputs(region, refs, views, pieces, arenas)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record()
+        compute.wait_event(copied)
+        for tensor in tensors:
+            tensor.record_stream(compute)
+        return tensors
+
+    def _inputs(
         self,
         region: Region,
         refs: Sequence[TensorRef],
