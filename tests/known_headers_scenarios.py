@@ -14,7 +14,7 @@ import numpy as np
 import mpsd.daemon.api.operations as operations
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.inference import InferenceServicer
-from mpsd.daemon.api.parse import parse_infer_request
+from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
 from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor
 from mpsd.errors import InvalidArgument
 from mpsd.proto import grpc_service_pb2 as pb
@@ -97,10 +97,12 @@ def known_header_skips_the_parse() -> None:
     registry = Registry()
     api = servicer(registry)
     rows = [np.full((1, 4), k, np.float32) for k in range(3)]
-    answers = [answer(api, request(x, rid="r")) for x in rows]
+    ids = ["r", "s", ""]  # the id is not part of the key: each request keeps its own
+    answers = [answer(api, request(x, rid=rid)) for x, rid in zip(rows, ids, strict=True)]
     assert parses == ["r"], "only the first request was parsed and checked"
-    for (rid, y), x in zip(answers, rows, strict=True):
-        assert rid == "r" and y.tolist() == x.ravel().tolist()
+    for (rid, y), x, sent in zip(answers, rows, ids, strict=True):
+        assert rid == sent and y.tolist() == x.ravel().tolist()
+    assert [r.id for r in registry.version.ran] == ids
     assert [r.inputs[1].shape for r in registry.version.ran] == [(1, 2)] * 3
 
 
@@ -110,12 +112,11 @@ def other_bytes_a_reload_and_parameters_take_the_full_path() -> None:
     api = servicer(registry)
     x = np.ones((1, 4), np.float32)
     answer(api, request(x, rid="1"))
-    answer(api, request(x, rid="2"))  # another id: other header bytes
-    answer(api, request(np.ones((2, 4), np.float32), rid="1"))  # another shape
-    assert parses == ["1", "2", "1"]
+    answer(api, request(np.ones((2, 4), np.float32), rid="2"))  # another shape: other header bytes
+    assert parses == ["1", "2"]
     registry.version = Version(ModelConfig.model_validate(CONFIG))  # reloaded: a new config
-    answer(api, request(x, rid="1"))
-    assert parses[-1] == "1" and len(parses) == 4
+    answer(api, request(x, rid="3"))
+    assert parses == ["1", "2", "3"]
     answer(api, request(x, rid="t", timeout=10_000_000))
     answer(api, request(x, rid="t", timeout=10_000_000))  # a timeout counts from now: never learned
     assert parses[-2:] == ["t", "t"]
@@ -126,13 +127,17 @@ def bytes_that_do_not_fit_get_the_full_paths_error() -> None:
     api = servicer(Registry())
     x = np.ones((1, 4), np.float32)
     answer(api, request(x, rid="k"))
-    try:
-        answer(api, request(x, b_bytes=bytes(4), rid="k"))
-    except InvalidArgument as exc:
-        assert "input 'b': raw content has 4 bytes, expected 8" in exc.message, exc.message
-    else:
-        raise AssertionError("bytes of the wrong size were accepted")
-    assert parses == ["k", "k"]
+    for bad, message in (
+        (request(x, b_bytes=bytes(4), rid="k"), "input 'b': raw content has 4 bytes, expected 8"),
+        (request(x, rid="i" * (MAX_ID + 1)), f"request id is {MAX_ID + 1} characters long"),
+    ):
+        try:
+            answer(api, bad)
+        except InvalidArgument as exc:
+            assert message in exc.message, exc.message
+        else:
+            raise AssertionError(f"accepted: {message}")
+    assert len(parses) == 3
 
 
 SCENARIOS: dict[str, Callable[[], None]] = {

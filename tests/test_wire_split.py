@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from mpsd.daemon.api.wire_split import raw_output_parts, split_raw_contents
+from mpsd.daemon.api.wire_split import raw_output_parts, split_raw_contents, split_request
 
 names = st.text(min_size=0, max_size=12)
 tensors = st.builds(
@@ -109,3 +109,30 @@ def test_a_joined_response_parses_as_the_message_with_its_raw_contents(
     expected.CopyFrom(header)
     expected.raw_output_contents.extend(contents)
     assert pb.ModelInferResponse.FromString(joined) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests())
+def test_the_key_is_the_message_without_raw_contents_and_id(request: pb.ModelInferRequest) -> None:
+    data = request.SerializeToString(deterministic=True)
+    split = split_request(data)
+    assert split is not None
+    assert [bytes(v) for v in split.raw] == list(request.raw_input_contents)
+    assert split.request_id == (request.id.encode() if request.id else None)
+    without = pb.ModelInferRequest()
+    without.CopyFrom(request)
+    del without.raw_input_contents[:]
+    assert pb.ModelInferRequest.FromString(bytes(split.rest)) == without
+    without.id = ""
+    assert pb.ModelInferRequest.FromString(split.key) == without
+
+
+def test_requests_that_differ_only_in_their_ids_share_a_key() -> None:
+    def wire(rid: str) -> bytes:
+        message = pb.ModelInferRequest(model_name="m", id=rid, raw_input_contents=[b"\x01"])
+        data: bytes = message.SerializeToString()
+        return data
+
+    first, second = split_request(wire("a")), split_request(wire("bb"))
+    assert first is not None and second is not None
+    assert first.key == second.key and (first.request_id, second.request_id) == (b"a", b"bb")

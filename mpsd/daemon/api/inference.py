@@ -13,8 +13,9 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from mpsd.daemon.api import respond as convert
+from mpsd.daemon.api.known_headers import known_id
 from mpsd.daemon.api.operations import Operations, server_metadata
-from mpsd.daemon.api.wire_split import raw_output_parts, split_raw_contents
+from mpsd.daemon.api.wire_split import raw_output_parts, split_request
 from mpsd.daemon.core.registry import Registry
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
@@ -121,17 +122,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         """ModelInfer for a front process: the response as consecutive pieces (`raw_output_parts`), which
         its link writes with one scatter-gather send, copying no tensor bytes. `data` may be a view of the
         front's arena: the tensor bytes are then read in place."""
-        split = split_raw_contents(data)
-        header, raw = split if split is not None else (data, None)
+        split = split_request(data)
+        header, raw = (split.rest, split.raw) if split is not None else (data, None)
         if isinstance(header, memoryview):  # no raw contents to cut out: parse a copy, as protobuf wants
             header = bytes(header)
-        key = bytes(header) if raw else None  # only a request with raw contents has a header to learn
+        # Only a request with raw contents has a header to learn; its key leaves the id out.
+        key = split.key if split is not None and raw else None
         known = self.ops.known.get(key) if key is not None else None
-        if known is not None and key is not None and raw:
-            answered = await self.ops.infer_known(known, key, raw, deadline)
-            if answered is not None:
-                response, contents = convert.infer_response_parts(answered.result, known.request_id)
-                return raw_output_parts(response.SerializeToString(), contents)
+        if known is not None and key is not None and raw and split is not None:
+            request_id = known_id(split.request_id)
+            if request_id is not None:
+                answered = await self.ops.infer_known(known, key, raw, request_id, deadline)
+                if answered is not None:
+                    response, contents = convert.infer_response_parts(answered.result, request_id)
+                    return raw_output_parts(response.SerializeToString(), contents)
         try:
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:

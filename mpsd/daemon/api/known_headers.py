@@ -4,11 +4,12 @@ A client sends the same header (the request without its tensor bytes: model, inp
 shapes, requested outputs) again and again. Once a header has passed parsing and every check against a
 model's config, its bytes are kept with the checked request they stand for. The next request with the same
 bytes then skips protobuf parsing and the checks: its tensor bytes are bound to that request after their
-sizes are checked. A header is learned only where nothing in it depends on the moment or on other state
-(no parameters: a timeout counts from now, shared memory names regions), and it stands only for the config
-it was checked against: a reloaded model's new config sends it through the full path again.
+sizes are checked. The key leaves the request's id out (each request's own id is read from its bytes), so
+requests that differ only in their ids share an entry. A header is learned only where nothing in it
+depends on the moment or on other state (no parameters: a timeout counts from now, shared memory names
+regions), and it stands only for the config it was checked against: a reloaded model's new config sends it
+through the full path again.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.parse import MAX_ID
 from mpsd.daemon.core.request import InferRequest, InputTensor
 
 MAX_HEADERS = 1024  # past this many (request ids that change each time, say) the table starts again
@@ -37,16 +39,15 @@ class KnownHeader:
 
     model: str
     version: str
-    request_id: str
     config: ModelConfig  # the config it was checked against
     inputs: tuple[KnownInput, ...]  # in config order
     outputs: tuple[str, ...]
     batch_size: int
     raw_count: int
 
-    def bind(self, raw: Sequence[bytes | memoryview]) -> InferRequest | None:
-        """The request with these tensor bytes; None when they do not fit the header (the full path then
-        reports what is wrong)."""
+    def bind(self, raw: Sequence[bytes | memoryview], request_id: str) -> InferRequest | None:
+        """The request with these tensor bytes and this id; None when they do not fit the header (the full
+        path then reports what is wrong)."""
         if len(raw) != self.raw_count:
             return None
         inputs = []
@@ -56,8 +57,21 @@ class KnownHeader:
                 return None
             inputs.append(InputTensor(known.name, known.datatype, known.shape, data))
         return InferRequest(
-            self.model, self.version, self.request_id, tuple(inputs), self.outputs, self.batch_size
+            self.model, self.version, request_id, tuple(inputs), self.outputs, self.batch_size
         )
+
+
+def known_id(raw_id: bytes | None) -> str | None:
+    """A request's id from its wire bytes, for a request with a known header; None when the full path must
+    judge it (not UTF-8, or too long)."""
+    if raw_id is None:
+        return ""
+    if len(raw_id) > MAX_ID:
+        return None
+    try:
+        return raw_id.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def learnable(request: Any, raw: Sequence[object] | None) -> bool:
@@ -77,7 +91,6 @@ def known_header(request: Any, parsed: InferRequest, config: ModelConfig) -> Kno
     return KnownHeader(
         parsed.model,
         parsed.version,
-        parsed.id,
         config,
         tuple(inputs),
         parsed.outputs,

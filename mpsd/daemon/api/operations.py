@@ -139,7 +139,12 @@ class Operations:
             self.registry.touch(request.model_name)
 
     async def infer_known(
-        self, known: KnownHeader, header: bytes, raw: Sequence[bytes | memoryview], deadline: float | None
+        self,
+        known: KnownHeader,
+        header: bytes,
+        raw: Sequence[bytes | memoryview],
+        request_id: str,
+        deadline: float | None,
     ) -> Answered | None:
         """Run a request whose header is known, without parsing or checking it again; None when the header
         no longer stands for it (the model's config changed, or the bytes do not fit): the caller then takes
@@ -149,7 +154,7 @@ class Operations:
             if mv.config is not known.config:
                 self.known.forget(header)
                 return None
-            parsed = known.bind(raw)
+            parsed = known.bind(raw, request_id)
             if parsed is None:
                 return None
             return Answered(await mv.infer(parsed, deadline), frozenset())

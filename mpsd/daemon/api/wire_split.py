@@ -11,11 +11,13 @@ follow those bytes as separate pieces (joined once, or sent as they are by a sca
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mpsd.ipc.front_wire import nbytes
 
 RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
 RAW_OUTPUT_CONTENTS = 6  # field number of ModelInferResponse.raw_output_contents
+_ID = 3  # field number of ModelInferRequest.id
 _LENGTH_DELIMITED = 2
 _OUTPUT_TAG = bytes([RAW_OUTPUT_CONTENTS << 3 | _LENGTH_DELIMITED])
 
@@ -38,11 +40,35 @@ def split_raw_contents(
 ) -> tuple[bytes | bytearray | memoryview, list[memoryview]] | None:
     """(the message without its raw_input_contents, views of those entries in order), or None when the
     bytes are not a well-formed message (the caller then lets protobuf report the error)."""
+    split = _split(data, cut_id=False)
+    return None if split is None else (split.rest, split.raw)
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """A ModelInferRequest's wire bytes taken apart: `rest`, the message without its raw_input_contents (to
+    parse); `key`, `rest` without its id as well (what requests of one kind share); the raw entries; and the
+    id's bytes, if it has one."""
+
+    rest: bytes | bytearray | memoryview
+    key: bytes
+    raw: list[memoryview]
+    request_id: bytes | None
+
+
+def split_request(data: bytes | bytearray | memoryview) -> SplitRequest | None:
+    """`SplitRequest` of the bytes, or None when they are not a well-formed message."""
+    return _split(data, cut_id=True)
+
+
+def _split(data: bytes | bytearray | memoryview, cut_id: bool) -> SplitRequest | None:
     view = memoryview(data)
     size = len(data)
-    rest: list[memoryview] = []
+    rest: list[memoryview] = []  # the pieces between raw entries
+    keyed: list[memoryview] = []  # the pieces between raw entries and ids
     raw: list[memoryview] = []
-    pos = start = 0
+    request_id: memoryview | None = None
+    pos = start = key_start = 0
     try:
         while pos < size:
             field_start = pos
@@ -53,10 +79,16 @@ def split_raw_contents(
                 end = pos + length
                 if end > size:
                     return None
-                if tag >> 3 == RAW_INPUT_CONTENTS:
+                field = tag >> 3
+                if field == RAW_INPUT_CONTENTS:
                     rest.append(view[start:field_start])
+                    keyed.append(view[key_start:field_start])
                     raw.append(view[pos:end])
-                    start = end
+                    start = key_start = end
+                elif field == _ID and cut_id:
+                    keyed.append(view[key_start:field_start])
+                    request_id = view[pos:end]  # the last one counts, as protobuf reads it
+                    key_start = end
                 pos = end
             elif wire_type == 0:
                 _, pos = _varint(data, pos)
@@ -70,10 +102,15 @@ def split_raw_contents(
         return None
     if pos != size:
         return None
-    if not raw:
-        return data, raw
-    rest.append(view[start:size])
-    return b"".join(rest), raw
+    whole: bytes | bytearray | memoryview = data
+    if raw:
+        rest.append(view[start:size])
+        whole = b"".join(rest)
+    if not cut_id:
+        return SplitRequest(whole, b"", raw, None)
+    keyed.append(view[key_start:size])
+    key = b"".join(keyed)
+    return SplitRequest(whole, key, raw, None if request_id is None else bytes(request_id))
 
 
 def _varint_bytes(n: int) -> bytes:
