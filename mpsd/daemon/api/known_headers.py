@@ -10,6 +10,7 @@ depends on the moment or on other state (no parameters: a timeout counts from no
 regions), and it stands only for the config it was checked against: a reloaded model's new config sends it
 through the full path again.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
