@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from mpsd.daemon.api.wire_split import raw_output_parts, split_raw_contents, split_request
+from mpsd.daemon.api.wire_split import raw_output_parts, split_request
 
 names = st.text(min_size=0, max_size=12)
 tensors = st.builds(
@@ -45,9 +45,9 @@ def test_the_rest_parses_to_the_message_and_the_views_are_its_raw_contents(
     request: pb.ModelInferRequest, as_bytearray: bool
 ) -> None:
     data = request.SerializeToString(deterministic=True)
-    split = split_raw_contents(bytearray(data) if as_bytearray else data)
+    split = split_request(bytearray(data) if as_bytearray else data)
     assert split is not None
-    rest, raw = split
+    rest, raw = split.rest, split.raw
     assert [bytes(v) for v in raw] == list(request.raw_input_contents)
     expected = pb.ModelInferRequest()
     expected.CopyFrom(request)
@@ -59,23 +59,25 @@ def test_a_raw_entry_placed_between_other_fields_is_found() -> None:
     head = pb.ModelInferRequest(model_name="m").SerializeToString()
     raw = pb.ModelInferRequest(raw_input_contents=[b"\x01\x02\x03"]).SerializeToString()
     tail = pb.ModelInferRequest(id="x").SerializeToString()
-    rest, views = split_raw_contents(raw + head + raw + tail) or (b"", [])
+    split = split_request(raw + head + raw + tail)
+    assert split is not None
+    rest, views = split.rest, split.raw
     assert [bytes(v) for v in views] == [b"\x01\x02\x03", b"\x01\x02\x03"]
     assert pb.ModelInferRequest.FromString(bytes(rest)) == pb.ModelInferRequest(model_name="m", id="x")
 
 
 @given(st.binary(max_size=64))
 def test_malformed_bytes_are_left_to_protobuf(data: bytes) -> None:
-    split = split_raw_contents(data)
+    split = split_request(data)
     if split is not None:  # well-formed at the wire level; views lie inside the data
-        rest, raw = split
-        assert len(rest) + sum(len(v) for v in raw) <= len(data)
+        assert len(split.rest) + sum(len(v) for v in split.raw) <= len(data)
+        assert len(split.key) <= len(split.rest)
 
 
 def test_truncated_messages_are_not_split() -> None:
     data = pb.ModelInferRequest(model_name="m", raw_input_contents=[b"x" * 100]).SerializeToString()
     for cut in (1, 5, 50):
-        assert split_raw_contents(data[:-cut]) is None
+        assert split_request(data[:-cut]) is None
 
 
 Output = pb.ModelInferResponse.InferOutputTensor

@@ -35,15 +35,6 @@ def _varint(data: bytes | bytearray | memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
-def split_raw_contents(
-    data: bytes | bytearray | memoryview,
-) -> tuple[bytes | bytearray | memoryview, list[memoryview]] | None:
-    """(the message without its raw_input_contents, views of those entries in order), or None when the
-    bytes are not a well-formed message (the caller then lets protobuf report the error)."""
-    split = _split(data, cut_id=False)
-    return None if split is None else (split.rest, split.raw)
-
-
 @dataclass(frozen=True)
 class SplitRequest:
     """A ModelInferRequest's wire bytes taken apart: `rest`, the message without its raw_input_contents (to
@@ -57,11 +48,8 @@ class SplitRequest:
 
 
 def split_request(data: bytes | bytearray | memoryview) -> SplitRequest | None:
-    """`SplitRequest` of the bytes, or None when they are not a well-formed message."""
-    return _split(data, cut_id=True)
-
-
-def _split(data: bytes | bytearray | memoryview, cut_id: bool) -> SplitRequest | None:
+    """`SplitRequest` of the bytes, or None when they are not a well-formed message (the caller then lets
+    protobuf report the error)."""
     view = memoryview(data)
     size = len(data)
     rest: list[memoryview] = []  # the pieces between raw entries
@@ -85,7 +73,7 @@ def _split(data: bytes | bytearray | memoryview, cut_id: bool) -> SplitRequest |
                     keyed.append(view[key_start:field_start])
                     raw.append(view[pos:end])
                     start = key_start = end
-                elif field == _ID and cut_id:
+                elif field == _ID:
                     keyed.append(view[key_start:field_start])
                     request_id = view[pos:end]  # the last one counts, as protobuf reads it
                     key_start = end
@@ -106,8 +94,6 @@ def _split(data: bytes | bytearray | memoryview, cut_id: bool) -> SplitRequest |
     if raw:
         rest.append(view[start:size])
         whole = b"".join(rest)
-    if not cut_id:
-        return SplitRequest(whole, b"", raw, None)
     keyed.append(view[key_start:size])
     key = b"".join(keyed)
     return SplitRequest(whole, key, raw, None if request_id is None else bytes(request_id))
