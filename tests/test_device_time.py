@@ -115,7 +115,7 @@ def identity_runner() -> tuple[Runner, Region, list[TensorRef]]:
 def test_the_cpu_has_no_device_time() -> None:
     assert execution_timer(torch.device("cpu")) is None
     runner, region, refs = identity_runner()
-    outputs, _, _, device_ns = runner.compute(region, refs, {})
+    outputs, _, _, device_ns = runner.finish(runner.launch(region, refs, {}))
     assert device_ns is None
     assert outputs["y"].tolist() == [0.0, 2.0, 4.0, 6.0]
 
@@ -126,7 +126,7 @@ def test_the_runner_reads_its_timer_around_the_model_call() -> None:
     runner._timers = (timer, timer)  # type: ignore[assignment]
     order: list[str] = []
     runner.backend = lambda inputs: (order.extend(timer.calls), {"y": inputs[0]})[1]  # type: ignore[assignment]
-    _, _, infer_ns, device_ns = runner.compute(region, refs, {})
+    _, _, infer_ns, device_ns = runner.finish(runner.launch(region, refs, {}))
     assert device_ns == 1_500_000 and infer_ns > 0
     assert order == ["start"], "started before the model call"
     assert timer.calls == ["start", "stop", "elapsed"]

@@ -44,11 +44,9 @@ class GraphedBackend:
     """A backend that replays a recorded graph for every batch that fits one, and calls the model directly
     for the rest (batches larger than every recorded size, inputs of other shapes).
 
-    Inputs may be in host memory: they are copied straight into the graph's inputs (from the page-locked
-    region, one transfer), not to a device tensor first and then again into the graph's.
+    Inputs come as device tensors (copied on the worker's copy stream) and go into the graph's inputs on the
+    model's stream, where the execution before has finished with them.
     """
-
-    accepts_host_inputs = True
 
     def __init__(self, backend: Backend, spec: ModelSpec, device: torch.device) -> None:
         self.backend = backend

@@ -181,12 +181,6 @@ class Runner:
         # the next execution's copies then run while the current one computes (`overlaps`).
         on_cuda = device.type == "cuda"
         self._copies = torch.cuda.Stream(device) if on_cuda else None  # type: ignore[no-untyped-call]
-        # A backend that takes host tensors moves them itself (CUDA graphs: straight into a graph's inputs);
-        # with a copy stream they come as device tensors instead, since a graph's inputs may still be read by
-        # the execution before.
-        self._keep_on_host = self._on_cpu or (
-            self._copies is None and getattr(backend, "accepts_host_inputs", False)
-        )
         self._outputs = {o.name: o for o in spec.outputs}
         self._batched = spec.max_batch_size > 0
         self._checked: set[tuple[str, torch.dtype, tuple[int, ...]]] = set()
@@ -207,7 +201,7 @@ class Runner:
         if typed is None:
             flat = region_view(region, views, ref.offset, ref.nbytes)  # may start the cache again
             typed = views[key] = flat.view(TO_TORCH[ref.datatype]).reshape(ref.shape)
-        if self._keep_on_host:
+        if self._on_cpu:
             return typed.detach()  # the model gets its own tensor object: in-place shape changes stay its own
         return typed.to(self.device, non_blocking=True)
 
@@ -335,17 +329,6 @@ class Runner:
         # Past the wait both timing events are complete: reading them waits for nothing.
         device_ns = launch.timer.elapsed_ns() if launch.timer is not None else None
         return launch.outputs, launch.input_ns, t2 - launch.started_ns, device_ns
-
-    def compute(
-        self,
-        region: Region,
-        refs: Sequence[TensorRef],
-        views: Views,
-        pieces: Sequence[Piece] = (),
-        arenas: Arenas | None = None,
-    ) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
-        """One execution from its inputs to its outputs, nothing else queued meanwhile (`finish`)."""
-        return self.finish(self.launch(region, refs, views, pieces, arenas))
 
     def compute_stream(
         self,

@@ -37,7 +37,7 @@ def _launch(
     arenas: Arenas | None = None,
 ) -> Launch:
     """Queue one execution's work on the device (on the CPU: run it), from its slot's input region."""
-    waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
+    waited_ns = _waited_ns(msg)
     inputs = _claim(regions, msg)
     views = regions.views(_INPUT_ROLES[msg.slot])
     launch = runner.launch(inputs, msg.inputs, views, msg.pieces, arenas)
@@ -45,6 +45,11 @@ def _launch(
     if runner.overlaps:
         runner.copy_out(launch, msg.outputs)
     return launch
+
+
+def _waited_ns(msg: p.Infer) -> int:
+    """From the daemon's sending of the execution until now (0 when it did not say when it sent it)."""
+    return max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
 
 
 def _claim(regions: RegionCache, msg: p.Infer) -> Region:
@@ -101,7 +106,7 @@ def _infer(
     """Run one request from shared memory to shared memory (the regions of its slot), nothing else on the
     device meanwhile."""
     if runner.spec.decoupled:
-        waited_ns = max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
+        waited_ns = _waited_ns(msg)
         return _stream(reader, sock, runner, regions, msg, early, _claim(regions, msg), waited_ns, arenas)
     launch = _launch(runner, regions, msg, arenas)
     return _answer(reader, sock, runner, regions, msg, launch, early)

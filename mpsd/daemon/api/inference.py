@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from mpsd.daemon.api import respond as convert
 from mpsd.daemon.api.known_headers import known_id
 from mpsd.daemon.api.operations import Operations, server_metadata
-from mpsd.daemon.api.wire_split import raw_output_parts, split_request
+from mpsd.daemon.api.wire_split import SplitRequest, raw_output_parts, split_request
 from mpsd.daemon.core.registry import Registry
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
@@ -128,19 +128,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             header = bytes(header)
         # Only a request with raw contents has a header to learn; its key leaves the id out.
         key = split.key if split is not None and raw else None
-        known = self.ops.known.get(key) if key is not None else None
-        if known is not None and key is not None and raw and split is not None:
-            request_id = known_id(split.request_id)
-            if request_id is not None:
-                answered = await self.ops.infer_known(known, key, raw, request_id, deadline)
-                if answered is not None:
-                    response, contents = convert.infer_response_parts(answered.result, request_id)
-                    return raw_output_parts(response.SerializeToString(), contents)
+        if split is not None and key is not None:
+            parts = await self._infer_known(split, deadline)
+            if parts is not None:
+                return parts
         try:
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:
             raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
         response, contents = await self._infer_parts(request, deadline, raw or None, key)
+        return raw_output_parts(response.SerializeToString(), contents)
+
+    async def _infer_known(
+        self, split: SplitRequest, deadline: float | None
+    ) -> list[bytes | memoryview] | None:
+        """The answer to a request whose header is known, without parsing it; None: the full path takes it."""
+        known = self.ops.known.get(split.key)
+        request_id = known_id(split.request_id) if known is not None else None
+        if known is None or request_id is None:
+            return None
+        answered = await self.ops.infer_known(known, split.key, split.raw, request_id, deadline)
+        if answered is None:
+            return None
+        response, contents = convert.infer_response_parts(answered.result, request_id)
         return raw_output_parts(response.SerializeToString(), contents)
 
     @rpc
