@@ -98,6 +98,9 @@ class Rig:
     def requeue(self, batch: str) -> None:
         self.requeued.append(batch)
 
+    async def gather(self, batch: str) -> str:
+        return f"{batch}+joined"  # what arrived while it gathered
+
     async def execute(self, batch: str, worker: FakeWorker) -> None:
         self.runs.append((batch, worker))
         self.running += 1
@@ -215,6 +218,8 @@ def test_direct_executions_count_toward_the_depth_and_a_batch_taken_meanwhile_go
         for _ in range(50):
             await asyncio.sleep(0)
         assert rig.most_running == depth and len(rig.runs) == depth
+        # A direct execution runs its batch with what joined it.
+        assert sorted(batch for batch, _ in rig.runs) == [f"d{i}+joined" for i in range(depth)]
         rig.execution_gate.set()
         await asyncio.gather(*direct)
         assert rig.instance.direct_worker() is rig.made[0]

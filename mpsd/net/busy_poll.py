@@ -9,6 +9,9 @@ those events while they are on their way, as kernel busy polling (SO_BUSY_POLL) 
 It spins only after activity: once a sleep ended on a timer with nothing to read, the loop is idle and sleeps
 at once until a socket wakes it, so an idle daemon uses no CPU for this. A loop under load rarely sleeps,
 so it rarely spins either; the cost is at most the budget per sleep in between.
+
+The selector also tells when the loop has settled (`when_settled`, for `mpsd.net.settle`): it is the one
+place that sees each pass of the loop and knows whether the loop has ready work left.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ T = TypeVar("T")
 Events = list[tuple[selectors.SelectorKey, int]]
 
 
+# A settle waits at most this many passes of the loop: under a load that never lets the loop run out of
+# work, the callbacks still run, after the loop has taken in a few requests' worth of events.
+SETTLE_PASSES = 16
+
+
 class BusyPollSelector(selectors.DefaultSelector):
     """The platform's default selector (epoll, kqueue), polling for up to `budget_s` before each sleep that
     follows activity. `caught` and `missed` count the polls that found an event and those that ran out."""
@@ -34,8 +42,17 @@ class BusyPollSelector(selectors.DefaultSelector):
         self.caught = 0
         self.missed = 0
         self._active = False  # the last sleep ended on an event, not a timer: more may be coming
+        self._on_settled: list[Callable[[], None]] = []
+        self._passes = 0  # passes of the loop since the first of `_on_settled` was registered
+
+    def when_settled(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the loop's thread) at the first pass of the loop that finds no ready work
+        left, or at the SETTLE_PASSES-th pass from now at the latest."""
+        self._on_settled.append(callback)
 
     def select(self, timeout: float | None = None) -> Events:
+        if self._on_settled:
+            timeout = self._settle_pass(timeout)
         if timeout is not None and timeout <= 0:  # the loop has callbacks ready: a poll, not a sleep
             events = super().select(timeout)
             self._active = self._active or bool(events)
@@ -57,6 +74,18 @@ class BusyPollSelector(selectors.DefaultSelector):
         events = super().select(timeout)
         self._active = bool(events)
         return events
+
+    def _settle_pass(self, timeout: float | None) -> float | None:
+        """The loop asks for I/O with `timeout` 0 while it has callbacks ready; otherwise it has settled.
+        Once settled (or at the bound), run the waiting callbacks and poll instead of sleeping: the work
+        they schedule runs in this pass."""
+        self._passes += 1
+        if timeout is not None and timeout <= 0 and self._passes < SETTLE_PASSES:
+            return timeout
+        callbacks, self._on_settled, self._passes = self._on_settled, [], 0
+        for callback in callbacks:
+            callback()
+        return 0.0
 
 
 def run(main: Coroutine[Any, Any, T], budget_s: float) -> T:

@@ -3,7 +3,7 @@
 Nothing in mpsd depends on which loop runs it. uvloop (libuv) runs the same asyncio code with cheaper
 callbacks, futures and transports; on the shortened request path it measured no faster than asyncio's loop
 (docs/performance.md), so it is a setting, not the default. asyncio's loop busy-polls before it sleeps
-(`busy_poll`); uvloop's cannot be made to.
+(`busy_poll`) and tells when it has settled (`settle`); uvloop's cannot be made to.
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0) -> 
         import uvloop
 
         return uvloop.run(main)
-    if busy_poll_us > 0:
-        return busy_poll.run(main, busy_poll_us / 1e6)
-    return asyncio.run(main)
+    return busy_poll.run(main, busy_poll_us / 1e6)  # with 0 it never polls, and still tells a settled loop
 
 
 def loop_name() -> str:

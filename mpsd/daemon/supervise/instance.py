@@ -69,6 +69,10 @@ class Batches(Protocol[B]):
         """Give a batch back, in front: its instance went away before running it."""
         ...
 
+    async def gather(self, batch: B) -> B:
+        """`batch`, which skipped the queue, with what may join it before it runs."""
+        ...
+
 
 @dataclass(frozen=True)
 class SupervisorSettings:
@@ -282,11 +286,13 @@ class Instance(Generic[B, H]):
     async def run_direct(self, batch: B, worker: H) -> None:
         """Run `batch` on `worker` in the caller's task, counted as this instance's execution: a request
         that finds its instance free skips the queue, the dispatcher's wake-up and a task of its own.
-        `execute` settles its requests; a cancelled caller leaves the execution to its channel, which
-        skips it in the worker if it has not started."""
+        Requests that arrive while the queue gathers join it (`Batches.gather`). `execute` settles its
+        requests; a cancelled caller leaves the execution to its channel, which skips it in the worker if
+        it has not started."""
         self._direct += 1
         self._idle.clear()
         try:
+            batch = await self._batches.gather(batch)
             await self._execute(batch, worker)
         finally:
             self._direct -= 1

@@ -3,7 +3,9 @@
 Instances pull work when they are free, so a batch always goes to an idle instance. With dynamic
 batching, compatible requests (same datatypes and same shapes apart from the batch dimension) are taken
 in arrival order up to `max_batch_size` rows, waiting at most `max_queue_delay_microseconds` for more.
-Incompatible requests are never mixed; they wait for a batch of their own.
+Incompatible requests are never mixed; they wait for a batch of their own. With no queue delay, a batch
+short of full goes once the daemon's loop has settled (`mpsd.net.settle`): the requests already on their
+way join it instead of each taking an execution of its own.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import contextlib
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.core.request import InferRequest, InferResult, Timings
 from mpsd.daemon.core.streaming import ResponseStream
 from mpsd.errors import DeadlineExceeded, MpsdError, ResourceExhausted
+from mpsd.net.settle import settled
 
 
 @dataclass
@@ -41,7 +44,11 @@ class Pending:
 
 
 class RequestQueue:
-    def __init__(self, config: ModelConfig, label: str) -> None:
+    """`settle` waits until the requests already on their way have arrived (the loop's, by default)."""
+
+    def __init__(
+        self, config: ModelConfig, label: str, settle: Callable[[], Awaitable[None]] = settled
+    ) -> None:
         self.label = label
         db = config.dynamic_batching
         self.batching = db is not None and config.max_batch_size > 0
@@ -57,6 +64,13 @@ class RequestQueue:
         # look again (a first request; a full batch): arrivals short of all of them wake nobody.
         self._waiting: list[int] = []
         self._arrived = asyncio.Event()
+        self._settle = settle
+        self._gathering = 0  # requests that skipped the queue and wait for others to join them
+
+    @property
+    def gathers(self) -> bool:
+        """Batching with no queue delay: a short batch waits for the loop to settle, and no longer."""
+        return self.batching and self.delay_s <= 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -83,7 +97,7 @@ class RequestQueue:
     def runs_at_once(self, item: Pending) -> bool:
         """Whether a free instance would take `item` the moment it arrived: nothing waits ahead of it and
         batching would not hold it for more rows. Such a request may go to that instance directly."""
-        if self._items:
+        if self._items or self._gathering:
             return False
         return not (self.batching and self.delay_s > 0 and item.request.batch_size < self.target_rows)
 
@@ -147,16 +161,47 @@ class RequestQueue:
     def _form(self) -> tuple[list[Pending], int]:
         """The next batch: the oldest request plus later compatible ones, up to max rows."""
         head = self._items[0]
-        batch, rows = [head], head.request.batch_size
+        return self._joining([head], head.request.batch_size, list(self._items)[1:])
+
+    def _joining(
+        self, batch: list[Pending], rows: int, candidates: Iterable[Pending]
+    ) -> tuple[list[Pending], int]:
+        """`batch` (`rows` rows) with the candidates that fit it, in order, up to max rows."""
         if self.batching:
-            key = head.key
-            for item in list(self._items)[1:]:
+            key = batch[0].key
+            for item in candidates:
                 if rows >= self.max_rows:
                     break
                 if item.key == key and rows + item.request.batch_size <= self.max_rows:
                     batch.append(item)
                     rows += item.request.batch_size
         return batch, rows
+
+    def _take(self, batch: list[Pending], rows: int) -> None:
+        """Remove queued members of `batch` (`rows` rows of them)."""
+        taken = {id(i) for i in batch}
+        self._items = deque(i for i in self._items if id(i) not in taken)
+        self._rows -= rows
+        _disarm(batch)
+        if self._items:
+            self._arrived.set()  # what is left, for another instance's dispatcher
+
+    async def gather(self, batch: list[Pending]) -> list[Pending]:
+        """`batch`, which skipped the queue for a free instance, with the compatible requests that arrive
+        while the loop settles (`gathers`); meanwhile arrivals queue behind it."""
+        rows = sum(item.request.batch_size for item in batch)
+        if not self.gathers or rows >= self.target_rows:
+            return batch
+        self._gathering += 1
+        try:
+            await self._settle()
+        finally:
+            self._gathering -= 1
+        self._prune()
+        own = len(batch)
+        batch, total = self._joining(list(batch), rows, self._items)
+        self._take(batch[own:], total - rows)
+        return batch
 
     async def next_batch(self, partial: Callable[[], bool] | None = None) -> list[Pending]:
         """Wait for work and return it; with batching, wait up to the queue delay for a fuller batch.
@@ -166,6 +211,7 @@ class RequestQueue:
         only a full batch goes: requests keep gathering meanwhile, instead of a small batch waiting behind
         the running one with no gain in latency.
         """
+        settled = False  # a short batch waits for one settle of the loop (`gathers`)
         while True:
             self._prune()
             if not self._items:
@@ -182,14 +228,13 @@ class RequestQueue:
             if short and self.delay_s > 0:
                 remaining = self.delay_s - (time.perf_counter_ns() - head.enqueued_ns) / 1e9
             if remaining <= 0 and (not short or partial is None or partial()):
+                if short and self.gathers and not settled:
+                    settled = True
+                    await self._settle()
+                    continue
                 if batch is None:
                     batch, rows = self._form()
-                taken = {id(i) for i in batch}
-                self._items = deque(i for i in self._items if id(i) not in taken)
-                self._rows -= rows
-                _disarm(batch)
-                if self._items:
-                    self._arrived.set()  # what is left, for another instance's dispatcher
+                self._take(batch, rows)
                 return batch
             wanted = self._rows + 1 if batch is not None else self.target_rows
             if remaining <= 0:
