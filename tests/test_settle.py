@@ -1,5 +1,5 @@
 """Settling: with no queue delay, a batch that finds its instance free waits until the daemon's loop has
-taken in the requests already on their way, and they join it.
+taken in the requests already on their way, and they join it; a request alone in the daemon does not wait.
 
 The loop-level tests run on mpsd's own loop (`busy_poll.run`); the queue-level ones hand the queue a settle
 the test controls, so what arrives "while the loop settles" is exact."""
@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.core.batching.queue import Pending, RequestQueue
-from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.core.model_version import ModelVersion, VersionState
+from mpsd.daemon.core.request import InferRequest, InferResult, InputTensor
+from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.net import busy_poll
 from mpsd.net.settle import settled
 
@@ -167,3 +169,57 @@ def test_no_settle_with_a_queue_delay_a_full_batch_or_without_batching() -> None
             assert settle.calls == 0, config
 
     asyncio.run(scenario())
+
+
+class FakeInstance:
+    """An instance that is always free and records, for each direct execution, whether it gathered; each
+    execution ends when the test releases it."""
+
+    ready = True
+
+    def __init__(self) -> None:
+        self.gathered: list[bool] = []
+        self.release = asyncio.Event()
+
+    def direct_worker(self) -> object:
+        return self
+
+    async def run_direct(self, batch: list[Pending], worker: object, gather: bool = True) -> None:
+        self.gathered.append(gather)
+        await self.release.wait()
+        for item in batch:
+            item.future.set_result(InferResult("m", 1, ()))
+
+
+def test_a_request_alone_in_the_daemon_runs_without_gathering_and_one_beside_others_gathers() -> None:
+    """One client's requests, one after another, have nobody to wait for; a request that arrives while
+    another of its model is in progress waits for the loop to settle."""
+
+    async def scenario() -> list[bool]:
+        version = ModelVersion(
+            "m", 1, ModelConfig.model_validate(CONFIG), ("", ""), [], [], SupervisorSettings()
+        )
+        instance = FakeInstance()
+        version.instances = [instance]  # type: ignore[list-item]
+        version.state = VersionState.READY
+        request = pending().request
+        instance.release.set()
+        await version.infer(request)  # alone
+        instance.release.clear()
+        first = asyncio.create_task(version.infer(request))
+        await until_called(instance, 2)
+        second = asyncio.create_task(version.infer(request))  # beside the first
+        await until_called(instance, 3)
+        instance.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        return instance.gathered
+
+    assert asyncio.run(scenario()) == [False, False, True]
+
+
+async def until_called(instance: FakeInstance, calls: int) -> None:
+    for _ in range(1000):
+        if len(instance.gathered) >= calls:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{len(instance.gathered)} direct executions, expected {calls}")

@@ -130,7 +130,9 @@ class ModelVersion:
             with self._counted():
                 if direct is not None:
                     instance, worker = direct
-                    await instance.run_direct([item], worker)
+                    # Alone in the daemon (one client's requests, one after another), a request has
+                    # nobody to wait for; beside others, more are likely on their way.
+                    await instance.run_direct([item], worker, gather=self.inflight > 1)
                 result = await future  # already settled after a direct execution
         except MpsdError as exc:
             self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)

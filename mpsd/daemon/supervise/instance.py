@@ -283,16 +283,17 @@ class Instance(Generic[B, H]):
             return None
         return worker
 
-    async def run_direct(self, batch: B, worker: H) -> None:
+    async def run_direct(self, batch: B, worker: H, gather: bool = True) -> None:
         """Run `batch` on `worker` in the caller's task, counted as this instance's execution: a request
         that finds its instance free skips the queue, the dispatcher's wake-up and a task of its own.
-        Requests that arrive while the queue gathers join it (`Batches.gather`). `execute` settles its
-        requests; a cancelled caller leaves the execution to its channel, which skips it in the worker if
-        it has not started."""
+        With `gather`, requests that arrive while the queue gathers join it (`Batches.gather`). `execute`
+        settles its requests; a cancelled caller leaves the execution to its channel, which skips it in
+        the worker if it has not started."""
         self._direct += 1
         self._idle.clear()
         try:
-            batch = await self._batches.gather(batch)
+            if gather:
+                batch = await self._batches.gather(batch)
             await self._execute(batch, worker)
         finally:
             self._direct -= 1
