@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument(
         "--event-loop", choices=["asyncio", "uvloop"], help="mpsd's event_loop (default: asyncio)"
     )
+    parser.add_argument("--busy-poll-us", type=int, help="mpsd's busy_poll_us (default: the daemon's)")
     parser.add_argument(
         "--cuda-graphs",
         action="store_true",
@@ -164,8 +165,13 @@ def main() -> None:
         print(f"model written ({time.time() - started:.0f} s)", flush=True)
         pool = ClientPool(args.client_processes)
         inproc = InProcess(openmp_variants=args.device == "cpu")
+        settings = {"busy_poll_us": args.busy_poll_us} if args.busy_poll_us is not None else None
         server = common.start_mpsd(
-            work / "repo", work, front_processes=args.front_processes, event_loop=args.event_loop
+            work / "repo",
+            work,
+            front_processes=args.front_processes,
+            event_loop=args.event_loop,
+            settings=settings,
         )
         floor = common.start_floor(work, [1, 1000])
         per_proc = args.clients // args.client_processes
