@@ -171,12 +171,13 @@ def test_batches_go_to_free_instances(setup: tuple[RunningDaemon, Path]) -> None
 
 
 def test_a_single_instance_takes_the_next_batch_while_it_runs_one(setup: tuple[RunningDaemon, Path]) -> None:
-    """With one instance the next batch is handed to the worker at once and waits there, in its own
+    """With one instance a full next batch is handed to the worker at once and waits there, in its own
     regions, instead of in the queue: while a slow batch runs, one more request (of another shape, so its
-    own batch) is accepted beyond `max_queue_size` (2)."""
+    own batch, and of max_batch_size rows) is accepted beyond `max_queue_size` (2). A short one would wait
+    in the queue for company until the running batch ends."""
     daemon, _ = setup
     done: queue.Queue[tuple[int, object, object]] = queue.Queue()
-    shapes = [(1, 2), (1, 3), (1, 4), (1, 5), (1, 6)]  # incompatible: one batch each
+    shapes = [(1, 2), (8, 3), (1, 4), (1, 5), (1, 6)]  # incompatible: one batch each
     metrics = (setup[1] / "metrics").read_text()
     for i, shape in enumerate(shapes):
         daemon.client.async_infer(

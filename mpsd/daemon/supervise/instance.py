@@ -269,8 +269,10 @@ class Instance(Generic[B, H]):
             task.add_done_callback(self._finished)
 
     def direct_worker(self) -> H | None:
-        """The worker, when this instance can start an execution right now (ready, not handing over, below
-        its depth); None otherwise."""
+        """The worker, when this instance is idle and can start an execution right now (ready, not handing
+        over); None otherwise. A request that arrives while an execution runs queues instead, and the
+        dispatcher forms the next batch (`_dispatch`): requests gather there rather than each taking a
+        small execution of its own."""
         worker = self.worker
         if (
             self.state != "ready"
@@ -278,7 +280,7 @@ class Instance(Generic[B, H]):
             or self._handing_over
             or worker is None
             or worker.died.is_set()
-            or self._busy() >= self._depth()
+            or self._busy() > 0
         ):
             return None
         return worker
