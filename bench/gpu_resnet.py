@@ -30,7 +30,7 @@ from torch import nn
 from bench import common, profile, report
 from bench.inprocess import InProcess, throughput_at
 from bench.loadgen import ClientPool
-from bench.run import measure
+from bench.run import baseline_info, measure
 from mpsd.proto import grpc_service_pb2 as pb
 
 IMAGE = (3, 224, 224)
@@ -140,6 +140,17 @@ def main() -> None:
     )
     parser.add_argument("--busy-poll-us", type=int, help="mpsd's busy_poll_us (default: the daemon's)")
     parser.add_argument(
+        "--beside-tree",
+        type=Path,
+        help="a second mpsd, from this checkout, measured next to the first in every round, first in every "
+        "other one (a comparison that the host's drift between runs cannot tilt)",
+    )
+    parser.add_argument(
+        "--beside-busy-poll-us",
+        type=int,
+        help="a second mpsd (this tree, unless --beside-tree) with this busy_poll_us, measured the same way",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="optimization.cuda.graphs on (recorded at the default sizes)",
@@ -174,11 +185,15 @@ def main() -> None:
             settings=settings,
         )
         floor = common.start_floor(work, [1, 1000])
+        beside = start_beside(args, work)
         per_proc = args.clients // args.client_processes
         shared: common.SharedInput | None = None
         try:
             results["ready_s"] = server.wait_ready()
             floor.wait_ready()
+            if beside is not None:
+                beside.wait_ready()
+                results["beside"] = beside_info(args)
             print(f"mpsd ready in {results['ready_s']:.1f} s", flush=True)
             request = common.infer_request("resnet50", [1, *IMAGE], wire, input_name="input")
             floor_request = request
@@ -189,16 +204,31 @@ def main() -> None:
                 request = shared.request("resnet50", "input", wire, [1, *IMAGE])
             # Warm-up at the batch sizes the load will form (the TorchScript executor specializes per shape).
             measure(pool, server, request, per_proc, args.client_processes, args.warmup * 2, 0.0)
+            if beside is not None:
+                measure(pool, beside, request, per_proc, args.client_processes, args.warmup * 2, 0.0)
             rounds = []
             for r in range(args.rounds):
                 before = common.batch_stats(server, "resnet50")
-                with GpuSampler() as gpu:
-                    row: dict[str, Any] = {
-                        "mpsd": measure(
-                            pool, server, request, per_proc, args.client_processes, args.duration, args.warmup
+                row: dict[str, Any] = {}
+                # The second mpsd goes before the first in every other round: neither always goes second.
+                order = [beside, server] if beside is not None and r % 2 else [server, beside]
+                for target in order:
+                    if target is beside and beside is not None:
+                        row["beside"] = measure(
+                            pool, beside, request, per_proc, args.client_processes, args.duration, args.warmup
                         )
-                    }
-                row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
+                    elif target is server:
+                        with GpuSampler() as gpu:
+                            row["mpsd"] = measure(
+                                pool,
+                                server,
+                                request,
+                                per_proc,
+                                args.client_processes,
+                                args.duration,
+                                args.warmup,
+                            )
+                        row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
                 row["floor"] = measure(
                     pool, floor, floor_request, per_proc, args.client_processes, args.duration, args.warmup
                 )
@@ -241,6 +271,8 @@ def main() -> None:
                 shared.close()
             server.stop()
             floor.stop()
+            if beside is not None:
+                beside.stop()
             pool.close()
             inproc.close()
         results["wall_s"] = time.time() - started
@@ -251,6 +283,31 @@ def main() -> None:
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     stem.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
+
+
+def start_beside(args: argparse.Namespace, work: Path) -> common.Server | None:
+    """The second mpsd of --beside-tree / --beside-busy-poll-us (same model repository), or None."""
+    if args.beside_tree is None and args.beside_busy_poll_us is None:
+        return None
+    settings = {"busy_poll_us": args.beside_busy_poll_us} if args.beside_busy_poll_us is not None else None
+    return common.start_mpsd(
+        work / "repo",
+        work,
+        name="mpsd-beside",
+        front_processes=args.front_processes,
+        event_loop=args.event_loop,
+        settings=settings,
+        source=args.beside_tree,
+    )
+
+
+def beside_info(args: argparse.Namespace) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    if args.beside_tree is not None:
+        info |= baseline_info(args.beside_tree)
+    if args.beside_busy_poll_us is not None:
+        info["busy_poll_us"] = args.beside_busy_poll_us
+    return info
 
 
 def round_line(row: dict[str, Any]) -> str:
@@ -266,7 +323,24 @@ def round_line(row: dict[str, Any]) -> str:
             else ""
         )
         + f"; floor {row['floor']['throughput_rps']:.0f}/s"
+        + (f"; beside {row['beside']['throughput_rps']:.0f}/s" if "beside" in row else "")
     )
+
+
+def beside_lines(results: dict[str, Any]) -> list[str]:
+    """The second mpsd's line, when one ran (--beside-tree / --beside-busy-poll-us)."""
+    b = results.get("summary", {}).get("beside")
+    if b is None:
+        return []
+    what = ", ".join(f"{k} {v}" for k, v in results.get("beside", {}).items())
+    best = b.get("ratio_throughput_full_batch_graphs_on_device")
+    return [
+        f"Beside it, measured next to it in each round (first in every other one), mpsd ({what}): "
+        f"{b['throughput_rps']:.0f} images/s, p50 {b['p50_ms']:.1f} ms, daemon and fronts "
+        f"{b['server_cpu_us_per_request']:.0f} us of CPU per request"
+        + (f", x{best:.2f} the GPU's best" if best is not None else "")
+        + f"; mpsd / beside, median of the rounds' ratios: x{b['ratio_throughput_mpsd_beside']:.2f}."
+    ]
 
 
 def _pct(value: float | None) -> str:
@@ -301,6 +375,21 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         extra["ratio_throughput_mpsd_full_batch_graphs_on_device"] = med(
             [m["throughput_rps"] / b for m, b in zip(mp, best, strict=True) if b]
         )
+    beside = [r["beside"] for r in rounds if "beside" in r]
+    if beside:
+        extra["beside"] = {
+            "throughput_rps": med([b["throughput_rps"] for b in beside]),
+            "p50_ms": med([b["p50_ms"] for b in beside]),
+            "server_cpu_us_per_request": med([b["cpu_us_per_request"]["server"] for b in beside]),
+            # Per round, measured next to mpsd: the host's drift between runs does not enter it.
+            "ratio_throughput_mpsd_beside": med(
+                [m["throughput_rps"] / b["throughput_rps"] for m, b in zip(mp, beside, strict=True)]
+            ),
+        }
+        if best:
+            extra["beside"]["ratio_throughput_full_batch_graphs_on_device"] = med(
+                [b["throughput_rps"] / g for b, g in zip(beside, best, strict=True) if g]
+            )
     if graphed:
         extra["inprocess_graphs_host_to_host_rps"] = med(graphed)
         extra["ratio_throughput_mpsd_inprocess_graphs"] = med(
@@ -405,6 +494,7 @@ def markdown(results: dict[str, Any]) -> str:
             if (best := s.get("ratio_throughput_mpsd_full_batch_graphs_on_device")) is not None
             else []
         ),
+        *beside_lines(results),
         "",
         f"Batches formed (size: executions): {', '.join(f'{k}: {v}' for k, v in s['batch_sizes'].items())}; "
         f"mean batch {s['mean_batch']:.1f}.",
