@@ -206,6 +206,33 @@ def test_the_server_is_not_ready_before_the_repository_was_read(tmp_path: Path) 
     asyncio.run(check())
 
 
+def test_a_shutdown_that_comes_while_a_watch_writes_still_reaches_the_watcher() -> None:
+    """The client can have a status before the daemon's write of it has completed. A shutdown that comes
+    in between must still be written (NOT_SERVING) before the stream ends."""
+    import asyncio
+
+    from mpsd.daemon.api.health import HealthService
+
+    service = HealthService({"": SERVING}.get)
+
+    class Context:
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        async def write(self, reply: health_pb2.HealthCheckResponse) -> None:
+            self.sent.append(int(reply.status))
+            if len(self.sent) == 1:
+                service.close()  # SIGTERM, while the first write is still in flight
+            await asyncio.sleep(0)
+
+    async def scenario() -> list[int]:
+        context = Context()
+        await asyncio.wait_for(service.Watch(health_pb2.HealthCheckRequest(service=""), context), 5)
+        return context.sent
+
+    assert asyncio.run(scenario()) == [SERVING, NOT_SERVING]
+
+
 def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
     """Watches re-evaluate on lifecycle events, and once a second as a safety net: a change of readiness
     that no event announced still reaches the watcher."""

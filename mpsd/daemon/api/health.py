@@ -109,13 +109,15 @@ class HealthService(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
             self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
         last: int | None = None
         while True:
-            wake = self._wake  # taken before reading the status, so no change can slip in between
+            # Both taken before reading the status, so no change can slip in between: a shutdown that comes
+            # while the write below is in flight wakes this loop once more, to write NOT_SERVING first.
+            wake, closing = self._wake, self._closing
             status = self.status(request.service)
             current = SERVICE_UNKNOWN if status is None else status
             if current != last:
                 await context.write(health_pb2.HealthCheckResponse(status=current))
                 last = current
-            if self._closing:
+            if closing:
                 return
             with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not yet the builtin TimeoutError
                 await asyncio.wait_for(wake.wait(), WATCH_RECHECK_S)
