@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from mpsd.daemon.api import respond as convert
 from mpsd.daemon.api.known_headers import known_id
 from mpsd.daemon.api.operations import Operations, server_metadata
-from mpsd.daemon.api.wire_split import SplitRequest, raw_output_parts, split_request
+from mpsd.daemon.api.wire_split import SplitRequest, split_request
 from mpsd.daemon.core.registry import Registry
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
@@ -61,6 +61,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.ops = Operations(registry, shutting_down, model_control, refusing=refusing)
         self.registry = registry
         self.client_shm = self.ops.client_shm
+        self.responses = convert.ResponseTemplates()
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -123,21 +124,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         its link writes with one scatter-gather send, copying no tensor bytes. `data` may be a view of the
         front's arena: the tensor bytes are then read in place."""
         split = split_request(data)
-        header, raw = (split.rest, split.raw) if split is not None else (data, None)
-        if isinstance(header, memoryview):  # no raw contents to cut out: parse a copy, as protobuf wants
-            header = bytes(header)
+        raw = split.raw if split is not None else None
         # Only a request with raw contents has a header to learn; its key leaves the id out.
         key = split.key if split is not None and raw else None
         if split is not None and key is not None:
             parts = await self._infer_known(split, deadline)
             if parts is not None:
                 return parts
+        header = split.rest if split is not None else data
+        if isinstance(header, memoryview):  # no raw contents to cut out: parse a copy, as protobuf wants
+            header = bytes(header)
         try:
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:
             raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
-        response, contents = await self._infer_parts(request, deadline, raw or None, key)
-        return raw_output_parts(response.SerializeToString(), contents)
+        answered = await self.ops.infer(request, deadline, raw or None, key)
+        return self.responses.parts(answered.result, request.id, answered.in_shm)
 
     async def _infer_known(
         self, split: SplitRequest, deadline: float | None
@@ -150,8 +152,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         answered = await self.ops.infer_known(known, split.key, split.raw, request_id, deadline)
         if answered is None:
             return None
-        response, contents = convert.infer_response_parts(answered.result, request_id)
-        return raw_output_parts(response.SerializeToString(), contents)
+        return self.responses.parts(answered.result, request_id)
 
     @rpc
     async def ModelInfer(self, request: bytes, context: Any) -> bytes:

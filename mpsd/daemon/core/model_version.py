@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 import structlog
 
@@ -34,6 +33,27 @@ class VersionState(enum.Enum):
     UNLOADING = "UNLOADING"
 
 
+class InFlight:
+    """Requests in flight: each `with` counts one while it lasts, and `idle` is set while none are (what
+    `unload` waits for). A plain class, so counting a request allocates nothing."""
+
+    __slots__ = ("count", "idle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def __enter__(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
+
+
 class ModelVersion:
     def __init__(
         self,
@@ -56,10 +76,13 @@ class ModelVersion:
         self.stats = VersionStats()
         self.queue = RequestQueue(config, f"'{name}' version {version}")
         self.instances = [self._instance(launch) for launch in launches]
-        self.inflight = 0
+        self._flight = InFlight()
         self.load_duration_s: float | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
+
+    @property
+    def inflight(self) -> int:
+        """Requests in `infer` or `stream` now."""
+        return self._flight.count
 
     def _instance(self, launch: WorkerLaunch) -> VersionInstance:
         return Instance(
@@ -127,7 +150,7 @@ class ModelVersion:
         direct = self._free_instance(item)
         self._admit(item, queued=direct is None)
         try:
-            with self._counted():
+            with self._flight:
                 if direct is not None:
                     instance, worker = direct
                     # Alone in the daemon (one client's requests, one after another), a request has
@@ -155,18 +178,6 @@ class ModelVersion:
             self.stats.record_failure(0, exc.code.value)
             raise
 
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
-        """One request in flight: `unload` waits until there are none."""
-        self.inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
-
     def _free_instance(self, item: Pending) -> tuple[VersionInstance, WorkerProcess] | None:
         """An instance that would take `item` at once from the queue, and its worker: the request then
         runs in its caller's task instead of going through the queue (same order, same batching)."""
@@ -190,7 +201,7 @@ class ModelVersion:
         responses = ResponseStream()
         self._admit(Pending(request, future, start, deadline, stream=responses))
         try:
-            with self._counted():
+            with self._flight:
                 async for result in responses.responses(future):
                     yield result
         except MpsdError as exc:
@@ -330,7 +341,7 @@ class ModelVersion:
         self.state = VersionState.UNLOADING
         if self.inflight:
             try:
-                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+                await asyncio.wait_for(self._flight.idle.wait(), drain_timeout_s)
             except TimeoutError:
                 log.warning("drain timed out", model=self.name, version=self.version, inflight=self.inflight)
         await asyncio.gather(*(i.stop() for i in self.instances))
