@@ -30,157 +30,9 @@ _INPUT_ROLES = tuple(f"input{slot}" for slot in range(p.SLOTS))
 _OUTPUT_ROLES = tuple(f"output{slot}" for slot in range(p.SLOTS))
 
 
-def _launch(
-    runner: Runner,
-    regions: RegionCache,
-    msg: p.Infer,
-    arenas: Arenas | None = None,
-) -> Launch:
-    """Queue one execution's work on the device (on the CPU: run it), from its slot's input region."""
-    waited_ns = _waited_ns(msg)
-    inputs = _claim(regions, msg)
-    views = regions.views(_INPUT_ROLES[msg.slot])
-    launch = runner.launch(inputs, msg.inputs, views, msg.pieces, arenas)
-    launch.waited_ns = waited_ns
-    if runner.overlaps:
-        runner.copy_out(launch, msg.outputs)
-    return launch
-
-
 def _waited_ns(msg: p.Infer) -> int:
     """From the daemon's sending of the execution until now (0 when it did not say when it sent it)."""
     return max(0, time.monotonic_ns() - msg.sent_ns) if msg.sent_ns else 0
-
-
-def _claim(regions: RegionCache, msg: p.Infer) -> Region:
-    """The execution's input region, marked started; an execution nobody waits for any more (every caller
-    cancelled or past its deadline) fails instead."""
-    inputs = regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
-    abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
-    if abandoned == p.ABANDONED_EXPIRED:
-        raise MpsdError(
-            "every request of the batch was past its deadline before it ran", ErrorCode.DEADLINE_EXCEEDED
-        )
-    if abandoned:
-        raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
-    inputs.buf[0] = p.STARTED
-    return inputs
-
-
-def _answer(
-    reader: FrameReader,
-    sock: socket.socket,
-    runner: Runner,
-    regions: RegionCache,
-    msg: p.Infer,
-    launch: Launch,
-    early: deque[object],
-) -> p.InferDone:
-    """Wait for a launched execution and write its outputs to its slot's output region.
-
-    Messages that arrive while it waits for a larger output region (the daemon's next request) go to
-    `early`, to be handled after it.
-    """
-    from mpsd.worker.inference import write_outputs
-
-    outputs, in_ns, infer_ns, device_ns = runner.finish(launch)
-    t0 = time.perf_counter_ns()
-    tensors = launch.host if launch.host is not None else runner.prepare_outputs(outputs, msg.outputs)
-    del outputs
-    needed = sum(t.numel() * t.element_size() for t in tensors)
-    out_ref = _output_region(reader, sock, msg, msg.output_region, needed, early)
-    refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
-    output_ns = time.perf_counter_ns() - t0
-    return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, launch.waited_ns, device_ns)
-
-
-def _infer(
-    reader: FrameReader,
-    sock: socket.socket,
-    runner: Runner,
-    regions: RegionCache,
-    msg: p.Infer,
-    early: deque[object],
-    arenas: Arenas | None = None,
-) -> p.InferDone:
-    """Run one request from shared memory to shared memory (the regions of its slot), nothing else on the
-    device meanwhile."""
-    if runner.spec.decoupled:
-        waited_ns = _waited_ns(msg)
-        return _stream(reader, sock, runner, regions, msg, early, _claim(regions, msg), waited_ns, arenas)
-    launch = _launch(runner, regions, msg, arenas)
-    return _answer(reader, sock, runner, regions, msg, launch, early)
-
-
-def _next_or_done(reader: FrameReader, launch: Launch) -> object | None:
-    """While a launched execution runs: the next message, as soon as one is here, or None once the
-    execution is done (whichever comes first). The worker's thread waits for the device here either way
-    (CUDA's own wait spins too); polling the socket alongside lets the next execution be queued before the
-    device runs dry."""
-    done = launch.done
-    assert done is not None
-    while not done.query():
-        message = reader.poll()
-        if message is not None:
-            return message
-    return None
-
-
-def _output_region(
-    reader: FrameReader,
-    sock: socket.socket,
-    msg: p.Infer,
-    current: p.RegionRef,
-    needed: int,
-    early: deque[object],
-) -> p.RegionRef:
-    """The slot's output region, asking the daemon for a larger one when `needed` bytes do not fit."""
-    if needed <= current.size:
-        return current
-    send_blocking(sock, p.NeedOutput(msg.req_id, needed))
-    while not isinstance(reply := reader.recv_wait(), p.OutputRegion):
-        early.append(reply)
-    return reply.region
-
-
-def _stream(
-    reader: FrameReader,
-    sock: socket.socket,
-    runner: Runner,
-    regions: RegionCache,
-    msg: p.Infer,
-    early: deque[object],
-    inputs: Region,
-    waited_ns: int,
-    arenas: Arenas | None = None,
-) -> p.InferDone:
-    """A decoupled model's request: each response goes to the daemon as a StreamPart through the slot's
-    output region, and the model is resumed only once the daemon acknowledges it (so a slow client holds
-    the model back); a `stop` in the acknowledgement closes the model's generator. The InferDone at the
-    end carries no outputs: it is the final flag."""
-    from mpsd.worker.inference import write_outputs
-
-    t0 = time.perf_counter_ns()
-    out_ref = msg.output_region
-    views = regions.views(_INPUT_ROLES[msg.slot])
-    parts = runner.compute_stream(inputs, msg.inputs, views, msg.pieces, arenas)
-    index = 0
-    try:
-        for outputs in parts:
-            tensors = runner.prepare_outputs(outputs, msg.outputs)
-            del outputs
-            needed = sum(t.numel() * t.element_size() for t in tensors)
-            out_ref = _output_region(reader, sock, msg, out_ref, needed, early)
-            refs = write_outputs(regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
-            send_blocking(sock, p.StreamPart(msg.req_id, index, refs))
-            while not (isinstance(ack := reader.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id):
-                early.append(ack)
-            index += 1
-            if ack.stop:
-                raise MpsdError(f"the stream was stopped after {index} responses", ErrorCode.CANCELLED)
-    finally:
-        parts.close()  # the model's generator: its `finally` runs now
-    return p.InferDone(msg.req_id, (), 0, time.perf_counter_ns() - t0, 0, waited_ns, None)
 
 
 class Serving:
@@ -229,7 +81,7 @@ class Serving:
         if self.early:
             msg = self.early.popleft()
         elif self.running is not None:
-            msg = _next_or_done(self.reader, self.running[1])
+            msg = self._next_or_done(self.running[1])
         else:
             msg = self.reader.recv()
         if msg is None:  # the execution on the device is done (or, idle, the reader's timeout)
@@ -263,12 +115,9 @@ class Serving:
         launch: Launch | None = None
         try:
             if self.runner.overlaps:
-                launch = _launch(self.runner, self.regions, msg, self.arenas)
+                launch = self._launch(msg)
             else:
-                self._done(
-                    msg,
-                    _infer(self.reader, self.sock, self.runner, self.regions, msg, self.early, self.arenas),
-                )
+                self._done(msg, self._infer(msg))
                 return
         except ConnectionClosed:
             raise
@@ -287,7 +136,7 @@ class Serving:
         msg, launch = self.running
         self.running = None
         try:
-            done = _answer(self.reader, self.sock, self.runner, self.regions, msg, launch, self.early)
+            done = self._answer(msg, launch)
         except ConnectionClosed:
             raise
         except Exception as exc:
@@ -297,6 +146,113 @@ class Serving:
             return
         del launch  # its tensors, before any release of cached memory
         self._fail(msg, failure, oom)
+
+    # ---- one execution ---------------------------------------------------------------------------
+
+    def _launch(self, msg: p.Infer) -> Launch:
+        """Queue one execution's work on the device (on the CPU: run it), from its slot's input region."""
+        waited_ns = _waited_ns(msg)
+        inputs = self._claim(msg)
+        views = self.regions.views(_INPUT_ROLES[msg.slot])
+        launch = self.runner.launch(inputs, msg.inputs, views, msg.pieces, self.arenas)
+        launch.waited_ns = waited_ns
+        if self.runner.overlaps:
+            self.runner.copy_out(launch, msg.outputs)
+        return launch
+
+    def _claim(self, msg: p.Infer) -> Region:
+        """The execution's input region, marked started; an execution nobody waits for any more (every
+        caller cancelled or past its deadline) fails instead."""
+        inputs = self.regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
+        abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
+        if abandoned == p.ABANDONED_EXPIRED:
+            raise MpsdError(
+                "every request of the batch was past its deadline before it ran", ErrorCode.DEADLINE_EXCEEDED
+            )
+        if abandoned:
+            raise MpsdError("every request of the batch was cancelled before it ran", ErrorCode.CANCELLED)
+        inputs.buf[0] = p.STARTED
+        return inputs
+
+    def _answer(self, msg: p.Infer, launch: Launch) -> p.InferDone:
+        """Wait for a launched execution and write its outputs to its slot's output region.
+
+        Messages that arrive while it waits for a larger output region (the daemon's next request) go to
+        `early`, to be handled after it.
+        """
+        from mpsd.worker.inference import write_outputs
+
+        runner = self.runner
+        outputs, in_ns, infer_ns, device_ns = runner.finish(launch)
+        t0 = time.perf_counter_ns()
+        tensors = launch.host if launch.host is not None else runner.prepare_outputs(outputs, msg.outputs)
+        del outputs
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        out_ref = self._output_region(msg, msg.output_region, needed)
+        refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+        output_ns = time.perf_counter_ns() - t0
+        return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, launch.waited_ns, device_ns)
+
+    def _infer(self, msg: p.Infer) -> p.InferDone:
+        """Run one request from shared memory to shared memory (the regions of its slot), nothing else on
+        the device meanwhile."""
+        if self.runner.spec.decoupled:
+            waited_ns = _waited_ns(msg)
+            return self._stream(msg, self._claim(msg), waited_ns)
+        return self._answer(msg, self._launch(msg))
+
+    def _next_or_done(self, launch: Launch) -> object | None:
+        """While a launched execution runs: the next message, as soon as one is here, or None once the
+        execution is done (whichever comes first). The worker's thread waits for the device here either
+        way (CUDA's own wait spins too); polling the socket alongside lets the next execution be queued
+        before the device runs dry."""
+        done = launch.done
+        assert done is not None
+        while not done.query():
+            message = self.reader.poll()
+            if message is not None:
+                return message
+        return None
+
+    def _output_region(self, msg: p.Infer, current: p.RegionRef, needed: int) -> p.RegionRef:
+        """The slot's output region, asking the daemon for a larger one when `needed` bytes do not fit."""
+        if needed <= current.size:
+            return current
+        send_blocking(self.sock, p.NeedOutput(msg.req_id, needed))
+        while not isinstance(reply := self.reader.recv_wait(), p.OutputRegion):
+            self.early.append(reply)
+        return reply.region
+
+    def _stream(self, msg: p.Infer, inputs: Region, waited_ns: int) -> p.InferDone:
+        """A decoupled model's request: each response goes to the daemon as a StreamPart through the slot's
+        output region, and the model is resumed only once the daemon acknowledges it (so a slow client
+        holds the model back); a `stop` in the acknowledgement closes the model's generator. The InferDone
+        at the end carries no outputs: it is the final flag."""
+        from mpsd.worker.inference import write_outputs
+
+        t0 = time.perf_counter_ns()
+        out_ref = msg.output_region
+        views = self.regions.views(_INPUT_ROLES[msg.slot])
+        parts = self.runner.compute_stream(inputs, msg.inputs, views, msg.pieces, self.arenas)
+        index = 0
+        try:
+            for outputs in parts:
+                tensors = self.runner.prepare_outputs(outputs, msg.outputs)
+                del outputs
+                needed = sum(t.numel() * t.element_size() for t in tensors)
+                out_ref = self._output_region(msg, out_ref, needed)
+                refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+                send_blocking(self.sock, p.StreamPart(msg.req_id, index, refs))
+                while not (
+                    isinstance(ack := self.reader.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id
+                ):
+                    self.early.append(ack)
+                index += 1
+                if ack.stop:
+                    raise MpsdError(f"the stream was stopped after {index} responses", ErrorCode.CANCELLED)
+        finally:
+            parts.close()  # the model's generator: its `finally` runs now
+        return p.InferDone(msg.req_id, (), 0, time.perf_counter_ns() - t0, 0, waited_ns, None)
 
     def _done(self, msg: p.Infer, done: p.InferDone) -> None:
         send_blocking(self.sock, done)
