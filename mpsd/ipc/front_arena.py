@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpsd.errors import Internal
-from mpsd.ipc.front_wire import Buffer, nbytes
+from mpsd.ipc.front_wire import Buffer, total_nbytes
 from mpsd.ipc.shm import Region
 
 # Requests and replies at least this large go through the arena (smaller ones cost less in a frame).
@@ -66,7 +66,7 @@ def referenced_request(arena: Region | None, ref: bytes | bytearray) -> tuple[me
 def write_reply(arena: Region, chunk: Chunk, parts: Sequence[Buffer]) -> bytes | None:
     """A large reply (`parts` back to back) written into its call's chunk: the REPLY_SHM payload. None
     when it is small or does not fit; it then goes in the frame."""
-    total = sum(nbytes(p) for p in parts)
+    total = total_nbytes(parts)
     if total < ARENA_MIN or total > chunk.capacity:
         return None
     buf, pos = arena.buf, chunk.start

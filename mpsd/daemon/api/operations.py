@@ -149,7 +149,11 @@ class Operations:
         """Run a request whose header is known, without parsing or checking it again; None when the header
         no longer stands for it (the model's config changed, or the bytes do not fit): the caller then takes
         the full path, which also reports what is wrong."""
-        mv = await self.registry.acquire(known.model, known.version, deadline)
+        registry = self.registry
+        if registry.loads_first(known.model):
+            mv = await registry.acquire(known.model, known.version, deadline)
+        else:
+            mv = registry.acquire_running(known.model, known.version)
         try:
             if mv.config is not known.config:
                 self.known.forget(header)

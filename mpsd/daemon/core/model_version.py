@@ -107,7 +107,12 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
-        return self.state is VersionState.READY and any(i.ready for i in self.instances)
+        if self.state is not VersionState.READY:
+            return False
+        for instance in self.instances:  # noqa: SIM110 (a loop, not any(): this runs for every request)
+            if instance.ready:
+                return True
+        return False
 
     async def load(self) -> None:
         """Start every instance; if one fails, stop the others and raise LoadError with its reason."""

@@ -138,9 +138,19 @@ class Registry:
         entry = self.entries.get(name)
         if entry is not None and self.residency.cold(entry):
             await self.residency.ensure_loaded(entry, deadline)
+        return self.acquire_running(name, version)
+
+    def acquire_running(self, name: str, version: str) -> ModelVersion:
+        """`acquire` for a model that is not waiting to load (the caller has checked `loads_first`): no
+        coroutine to create and await on every request."""
         mv = self.route(name, version)
         self.touch(name)
         return mv
+
+    def loads_first(self, name: str) -> bool:
+        """Whether a request for the model must wait for it to load (`acquire`)."""
+        entry = self.entries.get(name)
+        return entry is not None and self.residency.cold(entry)
 
     def touch(self, name: str) -> None:
         """The model served a request now: it is the most recently used."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
+import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
@@ -179,8 +181,13 @@ class RequestQueue:
 
     def _take(self, batch: list[Pending], rows: int) -> None:
         """Remove queued members of `batch` (`rows` rows of them)."""
-        taken = {id(i) for i in batch}
-        self._items = deque(i for i in self._items if id(i) not in taken)
+        items, n = self._items, len(batch)
+        if n <= len(items) and all(map(operator.is_, itertools.islice(items, n), batch)):
+            # The usual case, the batch is the head of the queue: cut it off without a Python-level loop.
+            self._items = deque(itertools.islice(items, n, None))
+        else:
+            taken = {id(i) for i in batch}
+            self._items = deque(i for i in items if id(i) not in taken)
         self._rows -= rows
         _disarm(batch)
         if self._items:
