@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from mpsd.daemon.supervise.instance import Instance, Release, SupervisorSettings
+from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import LoadError
@@ -101,7 +101,7 @@ class Rig:
     async def gather(self, batch: str) -> str:
         return f"{batch}+joined"  # what arrived while it gathered
 
-    async def execute(self, batch: str, worker: FakeWorker, release: Release) -> None:
+    async def execute(self, batch: str, worker: FakeWorker) -> None:
         self.runs.append((batch, worker))
         self.running += 1
         self.most_running = max(self.most_running, self.running)
@@ -231,74 +231,6 @@ def test_a_direct_execution_needs_an_idle_instance_and_counts_toward_the_depth(
         await until(lambda: rig.runs[-1] == ("next", rig.made[0]))
         await rig.instance.stop()
         assert rig.instance.direct_worker() is None
-
-    run(scenario)
-
-
-@pytest.mark.parametrize(("instances", "depth"), [(1, SLOTS), (2, 1)])
-def test_an_execution_the_worker_has_answered_gives_its_room_to_the_next_batch_before_it_settles(
-    instances: int, depth: int
-) -> None:
-    """`release` (the worker has answered) frees the execution's room at once, and says the dispatcher
-    waits for it: the next batch then starts before the released execution settles its requests."""
-
-    class Releasing(Rig):
-        def __init__(self) -> None:
-            super().__init__(instances)
-            self.events: list[str] = []
-            self.answered = asyncio.Event()
-
-        async def execute(self, batch: str, worker: FakeWorker, release: Release) -> None:
-            self.events.append(f"start {batch}")
-            if batch != "b1":
-                await self.execution_gate.wait()  # the others hold their room until the end
-                return
-            await self.answered.wait()  # the worker's answer
-            handed = release()
-            self.events.append(f"released {batch} {handed is not None}")
-            assert release() is None, "released once"
-            if handed is not None:
-                await handed  # as ModelVersion.execute: the dispatcher and the next execution go first
-            self.events.append(f"settled {batch}")
-
-    async def scenario() -> None:
-        rig = Releasing()
-        rig.execution_gate.clear()
-        await rig.instance.start()
-        for name in ("b1", "b2", "b3"):
-            rig.batches.put_nowait(name)
-        await until(lambda: len(rig.events) == depth)
-        for _ in range(50):
-            await asyncio.sleep(0)
-        assert rig.events == ["start b1", "start b2"][:depth]  # the room is full: the dispatcher waits
-        rig.answered.set()
-        await until(lambda: "settled b1" in rig.events)
-        nxt = f"start b{depth + 1}"
-        assert rig.events[depth:] == ["released b1 True", nxt, "settled b1"]
-        rig.execution_gate.set()
-        await rig.instance.stop()
-
-    run(scenario)
-
-
-def test_a_direct_execution_is_not_released_early() -> None:
-    """A direct execution counts until its caller is done with it: `release` does nothing there."""
-
-    class Direct(Rig):
-        released: object = "not called"
-
-        async def execute(self, batch: str, worker: FakeWorker, release: Release) -> None:
-            self.released = release()
-            self.runs.append((batch, worker))
-
-    async def scenario() -> None:
-        rig = Direct()
-        await rig.instance.start()
-        worker = rig.instance.direct_worker()
-        assert worker is not None
-        await rig.instance.run_direct("d0", worker, gather=False)
-        assert rig.released is None
-        await rig.instance.stop()
 
     run(scenario)
 

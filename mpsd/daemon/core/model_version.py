@@ -15,7 +15,7 @@ from mpsd.daemon.core.batching.queue import Pending, RequestQueue, fail_all
 from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor, Timings
 from mpsd.daemon.core.stats import VersionStats
 from mpsd.daemon.core.streaming import ResponseStream
-from mpsd.daemon.supervise.instance import Instance, Release, SupervisorSettings
+from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
 from mpsd.daemon.supervise.worker.handle import WorkerProcess
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
@@ -228,15 +228,8 @@ class ModelVersion:
             why += f"; last restart failed: {down[-1].last_error}"
         return why
 
-    async def execute(
-        self, batch: list[Pending], worker: WorkerProcess, release: Release | None = None
-    ) -> None:
-        """Run a batch (one or more queued requests) on a worker and settle every future, whatever happens.
-
-        `release()` is called once the worker has answered and the outputs are copied out, before the
-        futures are settled: where the instance's dispatcher waits for the room, what it returns is awaited
-        first, so the next batch reaches the worker before this one's requests are answered.
-        """
+    async def execute(self, batch: list[Pending], worker: WorkerProcess) -> None:
+        """Run a batch (one or more queued requests) on a worker and settle every future, whatever happens."""
         now = time.perf_counter_ns()
         for item in batch:
             item.timings.queue_ns = now - item.enqueued_ns
@@ -248,9 +241,6 @@ class ModelVersion:
             waiting = [item.future for item in batch]
             tensors = BatchTensors([item.request for item in batch], waiting)
             outputs = await worker.infer_batch(tensors, timings, waiting, latest, self._sink(batch))
-            handed = release() if release is not None else None
-            if handed is not None:
-                await handed
         except MpsdError as exc:
             fail_all(batch, exc)
             skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited

@@ -13,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import structlog
 
@@ -85,23 +85,9 @@ class SupervisorSettings:
     heartbeat_timeout_s: float = 10.0
 
 
-# `release()`: the worker has answered an execution (see `Instance._releaser`).
-Release = Callable[[], Awaitable[None] | None]
-# Loop turns from `release` until the next execution has been sent: one for the dispatcher to wake and take
-# the batch, one for the new execution's task to write it to the worker.
-DISPATCH_TURNS = 2
-
-
-async def _turns(n: int) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
 class Instance(Generic[B, H]):
-    """`execute(batch, worker, release)` runs a batch and settles its requests, whatever happens, calling
-    `release()` once the worker has answered and before it settles them (see `_execute`);
-    `instance_down()` is called whenever the worker is lost; `instance_count()` is how many instances the
-    version has now."""
+    """`execute(batch, worker)` runs a batch and settles its requests, whatever happens; `instance_down()` is
+    called whenever the worker is lost; `instance_count()` is how many instances the version has now."""
 
     def __init__(
         self,
@@ -109,7 +95,7 @@ class Instance(Generic[B, H]):
         settings: SupervisorSettings,
         new_worker: Callable[[WorkerLaunch], H],
         batches: Batches[B],
-        execute: Callable[[B, H, Release], Awaitable[None]],
+        execute: Callable[[B, H], Awaitable[None]],
         instance_down: Callable[[], None],
         instance_count: Callable[[], int],
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -137,8 +123,6 @@ class Instance(Generic[B, H]):
         self._idle = asyncio.Event()  # set while no execution of this instance runs
         self._idle.set()
         self._running: set[asyncio.Task[None]] = set()
-        self._holding: set[asyncio.Task[None]] = set()  # dispatched executions the worker has not answered
-        self._awaiting_room = False  # the dispatcher waits for an execution to end
         self._direct = 0  # executions run by their caller's task (`run_direct`)
         self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
         self._handing_over = False
@@ -261,18 +245,14 @@ class Instance(Generic[B, H]):
         return SLOTS if self._instance_count() == 1 else 1
 
     def _busy(self) -> int:
-        return len(self._holding) + self._direct
+        return len(self._running) + self._direct
 
     async def _dispatch(self, worker: H, done_with: asyncio.Event) -> None:
         queue = self._batches
         while not self._stopping and not done_with.is_set():
             if self._busy() >= self._depth():
                 self._freed.clear()
-                self._awaiting_room = True
-                try:
-                    await self._freed.wait()
-                finally:
-                    self._awaiting_room = False
+                await self._freed.wait()
                 continue
             # The second execution in flight waits in the worker anyway: it goes only when full, or
             # once the first has ended (`_ended` wakes the queue).
@@ -286,7 +266,6 @@ class Instance(Generic[B, H]):
             self._idle.clear()
             task = asyncio.create_task(self._execute(batch, worker))
             self._running.add(task)  # a strong reference while it runs
-            self._holding.add(task)
             task.add_done_callback(self._finished)
 
     def direct_worker(self) -> H | None:
@@ -324,28 +303,10 @@ class Instance(Generic[B, H]):
 
     async def _execute(self, batch: B, worker: H) -> None:
         with contextlib.suppress(Exception):  # `execute` settled every request; a death wakes `_supervise`
-            await self._execute_batch(batch, worker, self._releaser(asyncio.current_task()))
-
-    def _releaser(self, task: asyncio.Task[Any] | None) -> Release:
-        """What `execute` calls once the worker has answered: a dispatched execution gives its room back
-        then, before its requests are answered, so the next batch can go to the worker first (at
-        saturation, answering 64 requests took longer than the worker's launch of the next execution).
-        Where the dispatcher was waiting for that room, it returns what to await before answering: the
-        turns of the loop in which the dispatcher takes the next batch and its execution's task sends it."""
-
-        def release() -> Awaitable[None] | None:
-            if task is None or task not in self._holding:
-                return None  # a direct execution (it counts until its caller is done), or released
-            self._holding.discard(task)
-            waiting = self._awaiting_room
-            self._ended()
-            return _turns(DISPATCH_TURNS) if waiting else None
-
-        return release
+            await self._execute_batch(batch, worker)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
-        self._holding.discard(task)
         self._ended()
 
     def _nothing_running(self) -> bool:
