@@ -55,14 +55,9 @@ def overlap(copies: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> floa
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", type=Path)
-    parser.add_argument(
-        "--executions", type=int, help="executions in the window, without CUDA graphs (`mpsd profile` says)"
-    )
-    args = parser.parse_args()
-    events = load(args.trace)
+def summarize(path: Path, executions: int | None) -> None:
+    """Print the trace's GPU time (see the module's docstring)."""
+    events = load(path)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     to_device = [e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
     span, covered, gaps = busy(kernels)
@@ -72,7 +67,7 @@ def main() -> None:
     # With CUDA graphs each execution is one graph launch; the window's own count can miss one that was
     # already on the device when it started.
     launches = sum(1 for e in events if "GraphLaunch" in e.get("name", ""))
-    executions = launches or args.executions
+    executions = launches or executions
     if executions:
         kernel_ms = sum(e["dur"] for e in kernels) / 1e3
         print(f"kernel time per execution: {kernel_ms / executions:.2f} ms ({executions} executions)")
@@ -81,6 +76,16 @@ def main() -> None:
         f"{len(to_device)} copies to the device, {copied / 1e3:.2f} ms, "
         f"{overlap(to_device, kernels) / 1e3:.2f} ms of it under kernels"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument(
+        "--executions", type=int, help="executions in the window, without CUDA graphs (`mpsd profile` says)"
+    )
+    args = parser.parse_args()
+    summarize(args.trace, args.executions)
 
 
 if __name__ == "__main__":
