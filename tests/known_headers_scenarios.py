@@ -5,7 +5,6 @@ package names, so they cannot be loaded in one process, and the test process has
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
 from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor
 from mpsd.errors import InvalidArgument
 from mpsd.proto import grpc_service_pb2 as pb
+from tests.fresh_interpreter import main
 
 CONFIG = {
     "max_batch_size": 8,
@@ -153,5 +153,4 @@ SCENARIOS: dict[str, Callable[[], None]] = {
 }
 
 if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]]()
-    print("ok")
+    main(SCENARIOS)

@@ -4,7 +4,6 @@ package names, so they cannot be loaded in one process, and the test process has
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 from hypothesis import given, settings
@@ -14,6 +13,7 @@ from mpsd.daemon.api import respond
 from mpsd.daemon.api.respond import ResponseTemplates, infer_response_parts
 from mpsd.daemon.core.request import InferResult, OutputTensor
 from mpsd.proto import grpc_service_pb2 as pb
+from tests.fresh_interpreter import main
 
 names = st.text(max_size=12)
 ids = st.one_of(names, st.text(min_size=120, max_size=300))  # ids whose length takes a 2-byte varint
@@ -98,5 +98,4 @@ SCENARIOS: dict[str, Callable[[], None]] = {
 }
 
 if __name__ == "__main__":
-    SCENARIOS[sys.argv[1]]()
-    print("ok")
+    main(SCENARIOS)

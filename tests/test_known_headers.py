@@ -9,23 +9,11 @@ Each scenario runs in a fresh interpreter: see tests/known_headers_scenarios.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fresh_interpreter import run_scenario
 
 
 @pytest.mark.parametrize("scenario", ["skips", "full-path", "sizes"])
 def test_known_headers(scenario: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.known_headers_scenarios", scenario],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=120,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_scenario("known_headers_scenarios", scenario)

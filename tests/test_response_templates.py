@@ -6,23 +6,11 @@ interpreter: see tests/response_templates_scenarios.py.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fresh_interpreter import run_scenario
 
 
 @pytest.mark.parametrize("scenario", ["parses", "keys", "shm", "bounded"])
 def test_response_templates(scenario: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.response_templates_scenarios", scenario],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=120,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+    run_scenario("response_templates_scenarios", scenario)
