@@ -135,9 +135,8 @@ class Registry:
 
     async def acquire(self, name: str, version: str, deadline: float | None) -> ModelVersion:
         """`route`, after loading the model first when it loads on demand and is not running."""
-        entry = self.entries.get(name)
-        if entry is not None and self.residency.cold(entry):
-            await self.residency.ensure_loaded(entry, deadline)
+        if self.loads_first(name):
+            await self.residency.ensure_loaded(self.entries[name], deadline)
         return self.acquire_running(name, version)
 
     def acquire_running(self, name: str, version: str) -> ModelVersion:
