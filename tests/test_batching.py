@@ -314,7 +314,9 @@ def test_http_requests_share_the_batching_and_the_queue_limit(setup: tuple[Runni
 
 def test_queue_time_ends_when_the_worker_starts_the_execution(setup: tuple[RunningDaemon, Path]) -> None:
     """A request handed to a busy worker waits there, behind the execution before it: that wait is queue
-    time in ModelStatistics (Triton's queue time ends when the execution starts), not compute time."""
+    time in ModelStatistics (Triton's queue time ends when the execution starts), not compute time. The
+    follower is a full batch, so it goes to the worker at once; a short one would wait in the daemon's
+    queue instead, where its time counts as queue time anyway and the worker's wait goes untested."""
     daemon, tmp = setup
     metrics = (tmp / "metrics").read_text()
     wait_for(lambda: pending_requests(metrics) == 0, 30, "the earlier tests' requests to settle")
@@ -331,9 +333,9 @@ def test_queue_time_ends_when_the_worker_starts_the_execution(setup: tuple[Runni
         callback=lambda result, error: done.put(("blocker", result, error)),
     )
     wait_for(lambda: '"first": [1777.0]' in (tmp / "bounded.log").read_text(), 30, "the blocker running")
-    daemon.client.async_infer(  # another shape, so its own batch: sent to the worker at once, waits there
+    daemon.client.async_infer(  # another shape, and full (8 rows): sent to the worker at once, waits there
         "bounded",
-        x(np.full((1, 3), 1.0, np.float32)),
+        x(np.full((8, 3), 1.0, np.float32)),
         callback=lambda result, error: done.put(("follower", result, error)),
     )
     got = {name: error for name, _, error in (done.get(timeout=30) for _ in range(2))}
