@@ -235,10 +235,11 @@ def test_a_shutdown_that_comes_while_a_watch_writes_still_reaches_the_watcher() 
 
 def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
     """Watches re-evaluate on lifecycle events, and once a second as a safety net: a change of readiness
-    that no event announced still reaches the watcher."""
+    that no event announced still reaches the watcher within the second (2 s allowed for a slow machine;
+    the bounds are the documented second, not the module's constant, so a slower re-check fails)."""
     import asyncio
 
-    from mpsd.daemon.api.health import WATCH_RECHECK_S, HealthService
+    from mpsd.daemon.api.health import HealthService
 
     statuses = {"model": SERVING}
 
@@ -257,7 +258,7 @@ def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
         assert await asyncio.wait_for(context.sent.get(), 5) == SERVING
         statuses["model"] = NOT_SERVING  # no event, no service.changed()
         changed_at = loop.time()
-        status = await asyncio.wait_for(context.sent.get(), 5 * WATCH_RECHECK_S)
+        status = await asyncio.wait_for(context.sent.get(), 5)
         delay = loop.time() - changed_at
         service.close()
         await asyncio.wait_for(watching, 5)
@@ -265,4 +266,4 @@ def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
 
     status, delay = asyncio.run(scenario())
     assert status == NOT_SERVING
-    assert delay <= WATCH_RECHECK_S + 0.5
+    assert delay <= 2.0, delay
