@@ -133,28 +133,30 @@ def test_models_that_load_on_demand_are_known_and_the_server_is_ready(daemon: Ru
 
 
 def test_round_robin_evicts_the_least_recently_used_idle_model(daemon: RunningDaemon) -> None:
-    """a, b, c, a in turn all succeed in a budget of the pinned model plus two: c evicts a (least recently
-    used, since the pinned model, loaded first, is never a candidate), then a evicts b."""
-    for name in ("a", "b", "c", "a"):
+    """a, b, a, c, b in turn all succeed in a budget of the pinned model plus two. The second request for a
+    makes it the most recently used, so c evicts b, not a (loaded first); then b evicts a, used before c.
+    The pinned model, loaded first of all, is never a candidate."""
+    for name in ("a", "b", "a", "c", "b"):
         np.testing.assert_array_equal(infer(daemon, name), np.full(2, 2.0, np.float32))
-    assert unloaded(daemon)[:2] == [("a", "evicted for 'c'"), ("b", "evicted for 'a'")]
+    assert unloaded(daemon)[:2] == [("b", "evicted for 'c'"), ("a", "evicted for 'b'")]
     rows = index(daemon)
-    assert rows["b"] == ("UNAVAILABLE", "evicted for 'a'")
-    assert rows["a"][0] == rows["c"][0] == rows["pinned"][0] == "READY"
+    assert rows["a"] == ("UNAVAILABLE", "evicted for 'b'")
+    assert rows["b"][0] == rows["c"][0] == rows["pinned"][0] == "READY"
     assert all(model != "pinned" for model, _ in unloaded(daemon))
-    assert metric(daemon, 'mpsd_model_unloads_total{model="a",reason="evicted"}') == 1
-    assert metric(daemon, 'mpsd_model_loads_on_demand_total{model="a"}') == 2
-    assert metric(daemon, 'mpsd_model_load_wait_seconds_count{model="a"}') == 2
+    assert metric(daemon, 'mpsd_model_unloads_total{model="b",reason="evicted"}') == 1
+    assert metric(daemon, 'mpsd_model_loads_on_demand_total{model="b"}') == 2
+    assert metric(daemon, 'mpsd_model_load_wait_seconds_count{model="b"}') == 2
+    assert metric(daemon, 'mpsd_model_load_wait_seconds_count{model="a"}') == 1  # its second request: loaded
     assert metric(daemon, 'mpsd_memory_budget_bytes{device="cpu"}') == 301 * MIB
-    assert metric(daemon, 'mpsd_memory_resident_bytes{device="cpu"}') == 300 * MIB  # pinned, a, c
-    assert metric(daemon, 'mpsd_model_resident{model="b"}') == 0
+    assert metric(daemon, 'mpsd_memory_resident_bytes{device="cpu"}') == 300 * MIB  # pinned, b, c
+    assert metric(daemon, 'mpsd_model_resident{model="a"}') == 0
 
 
 def test_a_model_with_a_request_in_flight_is_never_evicted(daemon: RunningDaemon) -> None:
     """'big' needs the room of two: with one of them busy, only the idle one could go, which is not enough,
     so 'big' is refused with the figures (naming the busy one) and nothing is evicted for it."""
-    infer(daemon, "a")
-    infer(daemon, "c")  # resident now: pinned, a, c
+    infer(daemon, "b")
+    infer(daemon, "c")  # resident now: pinned, b, c
     done: queue.Queue[object] = queue.Queue()
     busy = threading.Thread(target=lambda: done.put(infer(daemon, "c", 1000.0)))
     busy.start()
@@ -166,7 +168,7 @@ def test_a_model_with_a_request_in_flight_is_never_evicted(daemon: RunningDaemon
     busy.join(30)
     np.testing.assert_array_equal(done.get(timeout=1), np.full(2, 1001.0, np.float32))
     assert not [m for m, reason in unloaded(daemon) if reason == "evicted for 'big'"]
-    assert index(daemon)["a"][0] == "READY"
+    assert index(daemon)["b"][0] == "READY"
 
 
 def metric(daemon: RunningDaemon, prefix: str) -> float:
