@@ -34,6 +34,13 @@ if float(inputs['x'].max()) >= 1000:
     time.sleep(1.5)
 return {'y': inputs['x'] + 1}
 """
+HELD = """
+if float(inputs['x'].max()) >= 1000:  # runs until the test releases it
+    open({started!r}, 'w').close()
+    while not os.path.exists({release!r}):
+        time.sleep(0.01)
+return {{'y': inputs['x'] + 1}}
+"""
 SLOW_INIT = """
 import time, torch
 
@@ -46,11 +53,11 @@ class Model:
 """
 
 
-def model(repo: Path, name: str, footprint: int, **residency: Any) -> None:
+def model(repo: Path, name: str, footprint: int, body: str = SLOW, **residency: Any) -> None:
     models.python_model(
         repo,
         name,
-        SLOW,
+        body,
         config={
             "backend": "python",
             "max_batch_size": 0,
@@ -72,6 +79,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     model(repo, "huge", 1024 * MIB)
     model(repo, "big", 200 * MIB)
     model(repo, "idle", 1, keep_alive_s=1)
+    gate = tmp / "gate"
+    gate.mkdir()
+    held = HELD.format(started=str(gate / "started"), release=str(gate / "release"))
+    model(repo, "held", 1, body=held, keep_alive_s=1)
+    model(repo, "canary", 1, keep_alive_s=1)
     model(repo, "shared", 1)
     model(repo, "slowload", 1)
     (repo / "slowload" / "1" / "model.py").write_text(SLOW_INIT)
@@ -88,6 +100,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     )
     with serving(repo, tmp / "daemon.log", config=config) as running:
         running.metrics = metrics  # type: ignore[attr-defined]
+        running.gate = gate  # type: ignore[attr-defined]
         yield running
 
 
@@ -199,6 +212,28 @@ def test_an_idle_model_is_unloaded_and_the_next_request_loads_it_again(daemon: R
     assert index(daemon)["idle"] == ("UNAVAILABLE", "unloaded after 1 s idle")
     infer(daemon, "idle")
     assert len([e for e in events(daemon, "model loaded") if e["model"] == "idle"]) == 2
+
+
+def test_the_idle_sweeper_never_unloads_a_model_with_a_request_in_flight(daemon: RunningDaemon) -> None:
+    """'held' (keep-alive 1 s) runs one request until the test lets it end. 'canary' (keep-alive 1 s too),
+    loaded once that request runs, is unloaded for being idle first: by then the sweeper has looked at
+    'held' more than 1 s after its request began, and must have left it loaded, since it was in use."""
+    gate: Path = daemon.gate  # type: ignore[attr-defined]
+    done: queue.Queue[object] = queue.Queue()
+    busy = threading.Thread(target=lambda: done.put(infer(daemon, "held", 1000.0)))
+    busy.start()
+    try:
+        wait_for((gate / "started").exists, 60, "the request running in 'held'")
+        infer(daemon, "canary")
+        wait_for(
+            lambda: ("canary", "unloaded after 1 s idle") in unloaded(daemon), 30, "canary's idle unload"
+        )
+        assert index(daemon)["held"] == ("READY", "")
+        assert "held" not in [m for m, _ in unloaded(daemon)]
+    finally:
+        (gate / "release").touch()
+        busy.join(30)
+    np.testing.assert_array_equal(done.get(timeout=1), np.full(2, 1001.0, np.float32))
 
 
 def test_concurrent_first_requests_share_one_load(daemon: RunningDaemon) -> None:
