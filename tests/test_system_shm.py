@@ -149,6 +149,29 @@ def test_mixed_shared_memory_and_request_tensors(daemon: RunningDaemon, key: Key
         shm.destroy_shared_memory_region(handle)
 
 
+def test_alike_requests_each_write_their_own_output(daemon: RunningDaemon, key: Key) -> None:
+    """Three requests with the same names, shapes and parameters, the output in one region: each leaves its
+    own result there. A header with parameters is never learned (mpsd/daemon/api/known_headers.py), so the
+    second and third are not taken for the first's known header and answered without their write."""
+    client = daemon.client
+    k = key("repeat")
+    handle = shm.create_shared_memory_region("repeat", k, NBYTES)
+    try:
+        client.register_system_shared_memory("repeat", k, NBYTES)
+        for value in (1.0, 2.0, 3.0):
+            row = np.full((1, DIMS), value, np.float32)
+            inputs = [grpcclient.InferInput(n, [1, DIMS], "FP32") for n in ("INPUT0", "INPUT1")]
+            for inp in inputs:
+                inp.set_data_from_numpy(row)
+            out = grpcclient.InferRequestedOutput("OUTPUT0")
+            out.set_shared_memory("repeat", NBYTES)
+            client.infer("add_sub", inputs, outputs=[out])
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [1, DIMS]), row + row)
+    finally:
+        client.unregister_system_shared_memory("repeat")
+        shm.destroy_shared_memory_region(handle)
+
+
 def _shm_inputs(region: str, nbytes: int, offset: int = 0) -> list[grpcclient.InferInput]:
     inputs = []
     for name in ("INPUT0", "INPUT1"):
