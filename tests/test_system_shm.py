@@ -199,12 +199,16 @@ def test_bounds_are_checked(daemon: RunningDaemon, key: Key) -> None:
         err = _error(client.infer, "add_sub", _shm_inputs("bounds", NBYTES - 4))
         assert err.status() == "StatusCode.INVALID_ARGUMENT"
         assert f"need {NBYTES} bytes" in err.message()
-        # An output region too small for the result.
+        # An output region too small for the result: refused, and the client's bytes after it untouched.
+        mine = np.arange(2 * DIMS, dtype=np.float32)
+        shm.set_shared_memory_region(handle, [mine])
         out = grpcclient.InferRequestedOutput("OUTPUT0")
         out.set_shared_memory("bounds", 8)
         err = _error(client.infer, "add_sub", _shm_inputs("bounds", NBYTES), outputs=[out])
         assert err.status() == "StatusCode.INVALID_ARGUMENT"
         assert "holds 8 bytes" in err.message()
+        after = shm.get_contents_as_numpy(handle, np.float32, [2 * DIMS])
+        np.testing.assert_array_equal(after[2:], mine[2:])  # past the 8 bytes of the output's place
     finally:
         client.unregister_system_shared_memory("bounds")
         shm.destroy_shared_memory_region(handle)
