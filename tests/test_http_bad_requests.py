@@ -3,6 +3,8 @@ never a crash, and no shared-memory region stays held by a request that failed."
 
 from __future__ import annotations
 
+import gzip
+import http.client
 import json
 import os
 import socket
@@ -217,6 +219,28 @@ def test_an_oversized_body_is_refused_with_413(daemon: RunningDaemon) -> None:
         assert "max_message_bytes" in err.value.message()
     finally:
         client.close()
+
+
+def test_a_body_over_the_limit_once_inflated_is_refused_with_413(daemon: RunningDaemon) -> None:
+    """A gzip body declares its compressed length, 2 KiB, far under the limit: what counts is the body as
+    inflated, 2 MiB, so it is refused as it is read."""
+    body = gzip.compress(bytes(2 * LIMIT))
+    status, message = send(daemon, body, {"Content-Encoding": "gzip"})
+    assert status == 413 and "max_message_bytes" in message, (status, message)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_with_413(daemon: RunningDaemon) -> None:
+    """A chunked body declares no length at all: it is counted as it is read, and refused past the limit."""
+    chunk = bytes(1 << 16)
+    host, _, port = daemon.http_address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:  # an iterable body is sent chunked
+        connection.request("POST", INFER, body=(chunk for _ in range(LIMIT // len(chunk) + 1)))
+        response = connection.getresponse()
+        status, reply = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 413 and "max_message_bytes" in reply["error"], (status, reply)
 
 
 def test_a_huge_declared_length_is_refused_before_any_body(daemon: RunningDaemon) -> None:
