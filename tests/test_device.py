@@ -142,6 +142,24 @@ def test_gpu_requested_without_cuda_fails_with_the_reason() -> None:
         select_device("KIND_GPU", None)
 
 
+@pytest.mark.parametrize(("device_type", "name"), [("mps", "MPS"), ("cuda", "CUDA")])
+def test_a_process_forked_after_the_device_was_initialised_is_reported(
+    device_type: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/devices.md: the probe reports a process forked after the device was initialised, before any
+    device call (a forked process hangs or crashes on its first Metal call). Neither device exists here,
+    so the build's support and torch's own bad-fork flag are stood in; the real flag is read on a CUDA GPU
+    below."""
+    backend = torch.backends.mps if device_type == "mps" else torch.backends.cuda
+    monkeypatch.setattr(backend, "is_built", lambda: True)
+    monkeypatch.setattr(
+        torch.mps if device_type == "mps" else torch.cuda, "_is_in_bad_fork", lambda: True, raising=False
+    )
+    assert probe(device_type) == (
+        f"this process was forked after {name} was initialised; workers must be started with spawn"
+    )
+
+
 @pytest.mark.parametrize("kind", ["KIND_MPS", "KIND_AUTO"])
 def test_fp64_on_mps_is_refused_before_any_metal_call(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # MPS cannot exist here: only the probe is replaced. A refusal that came after applying the fraction
@@ -326,6 +344,31 @@ def test_cuda_selection_fraction_counters_and_oom_recovery() -> None:
     # The worker keeps serving after the OOM.
     x = torch.arange(1024, dtype=torch.float32, device=device)
     assert float(x.sum().item()) == 1023 * 1024 / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_a_real_fork_after_cuda_was_initialised_is_reported() -> None:
+    """The same with torch's real flag: a child forked after its parent initialised CUDA is refused by the
+    probe, which makes no CUDA call that would fail in the child."""
+    script = (
+        "import os, sys, torch\n"
+        "from mpsd.worker.device import probe\n"
+        "torch.ones(1, device='cuda')\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.stdout.write(str(probe('cuda')))\n"
+        "    sys.stdout.flush()\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        "this process was forked after CUDA was initialised; workers must be started with spawn"
+    ), done.stderr
 
 
 @pytest.mark.gpu
