@@ -311,10 +311,12 @@ def test_sighup_and_repository_load_trigger_the_same_reconcile(
     daemon = start_daemon(repo, config=write_config_file(tmp_path, model_control="explicit"))
     daemon.wait_ready()
     publish_version(model_dir, 2, 2.0)
-    time.sleep(1.0)
-    assert served_value(daemon.client) == 1.0  # explicit mode: files alone change nothing
+    assert served_value(daemon.client) == 1.0
     os.kill(daemon.pid, signal.SIGHUP)
     wait_for(lambda: served_value(daemon.client) == 2.0, 60, "SIGHUP reconcile")
+    # Explicit mode: files alone change nothing, since no watcher runs (one would have said so at its start,
+    # long before this reconcile).
+    assert "watching repository" not in daemon.log()
     publish_version(model_dir, 3, 3.0)
     daemon.client.load_model("const")
     assert served_value(daemon.client) == 3.0
