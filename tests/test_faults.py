@@ -26,6 +26,13 @@ if float(inputs['x'].sum()) > 0:
 return {'y': inputs['x']}
 """
 
+MARKS_ITS_SLEEP = """
+if float(inputs['x'].sum()) > 0:
+    open({mark!r}, 'w').close()  # outside the watched repository: the request is in the model now
+    time.sleep(float(inputs['x'].reshape(-1)[0]))
+return {{'y': inputs['x']}}
+"""
+
 CRASHY = """
 return {'y': inputs['x']}
 """
@@ -48,7 +55,7 @@ def x(value: float) -> list[grpcclient.InferInput]:
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     tmp = tmp_path_factory.mktemp("faults")
     repo = tmp / "repo"
-    models.python_model(repo, "stoppable", SLEEPY)
+    models.python_model(repo, "stoppable", MARKS_ITS_SLEEP.format(mark=str(tmp / "stoppable-busy")))
     models.python_model(repo, "hangs", SLEEPY)
     models.python_model(repo, "bystander", SLEEPY)
     crashy = models.python_model(repo, "crashy", CRASHY)
@@ -90,6 +97,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     )
     d = RunningDaemon(repo, tmp / "daemon.log", config=config)
     d.marker = tmp / "crash-marker"  # type: ignore[attr-defined]
+    d.busy_mark = tmp / "stoppable-busy"  # type: ignore[attr-defined]
     try:
         d.wait_ready()
         yield d
@@ -113,7 +121,7 @@ def test_stopped_worker_is_detected_by_heartbeat_and_replaced(daemon: RunningDae
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(0.3)
+    wait_for(daemon.busy_mark.exists, 60, "the request in the model")  # type: ignore[attr-defined]
     os.kill(pid, signal.SIGSTOP)  # a hang: the process exists but makes no progress
     t.join(60)
     assert len(errors) == 1
