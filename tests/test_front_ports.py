@@ -235,7 +235,7 @@ def test_ports_the_daemon_cannot_serve_are_configuration_errors(tmp_path: Path) 
         holder.listen()
         busy = holder.getsockname()[1]
         done = serve_once(repo, write_config(tmp_path / "busy.yaml", **addresses, front_ports=[port, busy]))
-    assert done.returncode == 1 and f"127.0.0.1:{busy}: the port is in use" in done.stderr, done.stderr
+    assert done.returncode == 78 and f"127.0.0.1:{busy}: the port is in use" in done.stderr, done.stderr
 
 
 def test_front_ports_are_allowed_where_front_processes_are_refused() -> None:

@@ -117,7 +117,11 @@ def _serve(args: argparse.Namespace) -> int:
     configure(config.log_level, config.log_format)
     from mpsd.daemon.main import serve
 
-    return serve(config, config_path)
+    try:
+        return serve(config, config_path)
+    except ConfigError as exc:  # found as the daemon starts: an address it cannot listen on, a TLS file
+        print(f"mpsd: configuration error: {exc.message}", file=sys.stderr, flush=True)
+        return EX_CONFIG
 
 
 def add_serve_parser(subparsers: Any) -> None:

@@ -7,41 +7,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import signal
-from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import structlog
 from setproctitle import setproctitle
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
-from mpsd.config.security import AuthConfig, Token, read_tokens
+from mpsd.config.security import read_tokens
 from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
 from mpsd.daemon.api.admin import AdminServicer
-from mpsd.daemon.api.gate import Gate
-from mpsd.daemon.api.grpc_server import grpc_server, services
 from mpsd.daemon.api.health import HealthService, registry_status
-from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
+from mpsd.daemon.ports import Ports
 from mpsd.daemon.sdnotify import SdNotifier
-from mpsd.daemon.supervise.fronts.policy import check_port_free, front_address, front_plan
-from mpsd.daemon.supervise.fronts.pool import FrontPool
-from mpsd.daemon.supervise.fronts.sockets import make_core_dir, remove_stale_core_dirs
+from mpsd.daemon.shutdown import (
+    EXIT_CLEAN,
+    EXIT_CUT_SHORT,
+    MARGIN_S,
+    SECOND_SIGNAL_S,
+    ExitDeadline,
+    stop_bound_s,
+)
+from mpsd.daemon.supervise.fronts.sockets import remove_stale_core_dirs
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
 from mpsd.logs.events import BUS
 from mpsd.net import eventloop
-from mpsd.net.auth import AccessPolicy, build_policy
-from mpsd.net.certificates import Certificates, TlsMaterial, check_replacement
-from mpsd.net.listen import Address, bind, connection_age_options, http_address, parse_address
+from mpsd.net.certificates import TlsMaterial, check_replacement
 
 log = structlog.get_logger("mpsd.daemon")
 
@@ -82,91 +81,22 @@ class Daemon:
         self.metrics = MetricsEndpoint(config.metrics_address, self.registry)
         self._stop = asyncio.Event()
         self._hup = asyncio.Event()
-        self._servers: list[grpc.aio.Server] = []  # the public one (none with shared-port fronts), the core's
+        self._started = False  # the first load of the repository has finished
+        self.deadline = ExitDeadline(self._remove_files)
         self._hurry: asyncio.Future[None] | None = None
-        self.fronts: FrontPool | None = None
-        self._gate: Gate | None = (
-            None  # access control and decoding for every gRPC call, made with the server
-        )
-        self._certificates: Certificates | None = (
-            None  # the daemon's own TLS port (none with shared-port fronts)
-        )
-        self._core_dir: Path | None = None
         self.servicer = InferenceServicer(
             self.registry, lambda: self.shutting_down, config.model_control, lambda: self.refusing
         )
-        self.http: HttpEndpoint | None = None  # made with the gRPC server, when http_address is set
+        self.ports = Ports(config, self.servicer, self.health, self.admin, self.metrics)
 
-    def _policy(
-        self, auth: AuthConfig, tokens: Sequence[Token], address: Address | None = None
-    ) -> AccessPolicy:
-        """The access policy for `auth` and its tokens (already read) on `address` (the gRPC one)."""
-        address = address or parse_address(self.config.grpc_address)
-        tls = self.config.tls
-        return build_policy(
-            auth,
-            local_only=address.is_local,
-            mutual_tls=tls is not None and tls.client_ca_file is not None,
-            address=address.text,
-            tokens=tokens,
-        )
+    def _remove_files(self) -> None:
+        """What would outlive a daemon ended by its deadline: its shared memory and socket directory."""
+        shm.cleanup_own()
+        self.ports.remove_core_dir()
 
-    def _build_servers(self) -> list[grpc.aio.Server]:
-        """The public gRPC server on grpc_address, unless fronts share that port; with fronts, the core's
-        server on a Unix socket in a private directory, which they relay to."""
-        limit = self.config.max_message_bytes
-        address = parse_address(self.config.grpc_address)
-        tls = TlsMaterial.read(self.config.tls) if self.config.tls is not None else None
-        tokens = read_tokens(self.config.auth)
-        self._gate = Gate(
-            self._policy(self.config.auth, tokens), services(self.servicer, self.health, self.admin).handlers
-        )
-        gate = self._gate
-        plan = front_plan(self.config)
-
-        def server(public: bool) -> grpc.aio.Server:
-            options = [
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-                ("grpc.so_reuseport", 0),
-                # only on the public port: the fronts' connections to the core socket stay
-                *(self._connection_age() if public else []),
-            ]
-            return grpc_server(gate, options)
-
-        servers = []
-        if not plan.shared:
-            public = server(public=True)
-            self._certificates = Certificates(tls) if tls is not None else None
-            bind(public, address, self._certificates)
-            servers.append(public)
-        if plan.count:
-            for port in plan.ports or (address.port,):
-                check_port_free(front_address(address, port))
-            self._core_dir = make_core_dir()
-            core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
-            core_server = server(public=False)
-            bind(core_server, core, None)
-            servers.append(core_server)
-            infer = self.servicer.infer_serialized_parts
-            self.fronts = FrontPool(
-                plan.shared, self.config, core.grpc_target, infer, tokens, tls, plan.ports
-            )
-            self.metrics.add_fronts(self.fronts)
-            self.admin.fronts = self.fronts.describe
-        http = http_address(self.config.http_address)
-        if http is not None:
-            policy = self._policy(self.config.auth, tokens, http)
-            self.http = HttpEndpoint(http, self.servicer.ops, policy, limit, tls)
-        return servers
-
-    def _connection_age(self) -> list[tuple[str, int]]:
+    def _stop_bound(self) -> float:
         config = self.config
-        return connection_age_options(config.max_connection_age_s, config.max_connection_age_grace_s)
-
-    def _remove_core_dir(self) -> None:
-        if self._core_dir is not None:
-            shutil.rmtree(self._core_dir, ignore_errors=True)
+        return stop_bound_s(config.shutdown_grace_s, config.drain_timeout_s, config.worker_stop_timeout_s)
 
     async def _update_health(self) -> None:
         """Health is computed when asked; this only wakes Watch streams (lifecycle events wake them too,
@@ -189,25 +119,27 @@ class Daemon:
             log.info("removed socket directories of dead daemons", directories=stale_dirs)
         try:
             return await self._serve()
+        except BaseException:  # a start that failed half way ends within the bound too, its ports closed
+            self.deadline.arm(self._stop_bound(), "the daemon failed")
+            await self.ports.stop_servers(0)
+            await self.registry.shutdown()
+            raise
         finally:  # whatever failed: no front outlives the daemon, no socket directory stays behind
-            if self.fronts is not None:
-                await self.fronts.stop(0.0)
-            self._remove_core_dir()
+            if self.ports.fronts is not None:
+                await self.ports.fronts.stop(0.0)
+            self.ports.remove_core_dir()
 
     async def _serve(self) -> int:
-        self._servers = self._build_servers()
-        for server in self._servers:
+        self.ports.build()
+        fronts, http = self.ports.fronts, self.ports.http
+        for server in self.ports.servers:
             await server.start()
-        if self.fronts is not None:
-            try:
-                await self.fronts.start()
-            except Exception:
-                await asyncio.gather(*(server.stop(0) for server in self._servers))
-                raise
-        if self.http is not None:
-            await self.http.start()
+        if fronts is not None:
+            await fronts.start()
+        if http is not None:
+            await http.start()
         await self.metrics.start()
-        front_ports = list(self.fronts.ports) if self.fronts is not None else []
+        front_ports = list(fronts.ports) if fronts is not None else []
         log.info(
             "listening",
             address=self.config.grpc_address,
@@ -217,22 +149,10 @@ class Daemon:
             **({"front_ports": front_ports} if front_ports else {}),
         )
         await self._update_health()
-        background = [asyncio.create_task(self._watchdog())]
-        await self.reconciler.run_once(settle=False)
-        self.registry.residency.start()
-        await self._update_health()
-        ready = self.registry.server_ready()
-        log.info(
-            "ready" if ready else "started with unavailable models",
-            models=len(self.registry.entries),
-            **({"front_ports": front_ports} if front_ports else {}),
-        )
-        self.notifier.ready()
-        self.notifier.status(self._status_line())
-        background.append(asyncio.create_task(self.reconciler.run_forever()))
-        mode = self.config.model_control
-        if mode in ("watch", "poll"):
-            background.append(asyncio.create_task(self._watch(mode)))
+        background = [
+            asyncio.create_task(self._watchdog(), name="watchdog"),
+            asyncio.create_task(self._start_models(front_ports), name="models"),
+        ]
         while not self._stop.is_set():
             hup = asyncio.create_task(self._hup.wait())
             stop = asyncio.create_task(self._stop.wait())
@@ -243,11 +163,41 @@ class Daemon:
                 self._hup.clear()
                 await self._on_hup()
             await self._update_health()
-        for task in background:
+        return await self._shutdown(asyncio.ensure_future(self._end(background)))
+
+    async def _start_models(self, front_ports: list[int]) -> None:
+        """Load the repository, then keep it in line with its files. It runs beside the main loop, so a stop
+        signal during a long or hung load is heard at once, and ServerLive answers all along."""
+        try:
+            await self.reconciler.run_once(settle=False)
+        except Exception:  # not one model's (those are kept in the model): the next trigger tries again
+            log.exception("reconcile failed")
+        self.registry.residency.start()
+        await self._update_health()
+        ready = self.registry.server_ready()
+        log.info(
+            "ready" if ready else "started with unavailable models",
+            models=len(self.registry.entries),
+            **({"front_ports": front_ports} if front_ports else {}),
+        )
+        self._started = True
+        self.notifier.ready()
+        self.notifier.status(self._status_line())
+        mode = self.config.model_control
+        watch = [self._watch(mode)] if mode in ("watch", "poll") else []
+        await asyncio.gather(self.reconciler.run_forever(), *watch)
+
+    async def _end(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Cancel the background work (loads in progress stop their workers) and wait for it, bounded: a task
+        that does not end is left to the exit deadline."""
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        await self._shutdown()
-        return 0
+        done, pending = await asyncio.wait(tasks, timeout=self.config.worker_stop_timeout_s + MARGIN_S)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("background task failed", task=task.get_name(), exc_info=task.exception())
+        if pending:
+            log.error("background tasks still running at shutdown", tasks=[t.get_name() for t in pending])
 
     async def _watch(self, mode: str) -> None:
         poll = self.config.poll_interval_s if mode == "poll" else None
@@ -265,7 +215,8 @@ class Daemon:
         self._reread_config()
         await self.reconciler.run_once()
         await self._update_health()
-        self.notifier.ready()
+        if self._started:  # before the first load has finished, the service is not ready yet
+            self.notifier.ready()
         self.notifier.status(self._status_line())
 
     def _reread_config(self) -> None:
@@ -276,7 +227,7 @@ class Daemon:
             # Read once, here: the fronts get these very tokens and certificate bytes.
             tokens = read_tokens(fresh.auth)
             tls = TlsMaterial.read(fresh.tls) if fresh.tls is not None else None
-            check_replacement(self._tls(), tls)
+            check_replacement(self.ports.tls(), tls)
         except ConfigError as exc:
             log.error("config not reloaded", reason=exc.message)
             return
@@ -286,29 +237,7 @@ class Daemon:
         self.registry.drain_timeout_s = self.config.drain_timeout_s
         self.registry.budget_policy = self.config.memory_budget_policy
         self.registry.quiet_period_s = self.config.reload_quiet_period_s
-        self._reload_access(fresh, tokens, tls)
-
-    def _tls(self) -> TlsMaterial | None:
-        """The TLS material being served now (by this process's own port, or by the fronts)."""
-        if self._certificates is not None:
-            return self._certificates.material
-        return self.fronts.tls if self.fronts is not None else None
-
-    def _reload_access(self, fresh: DaemonConfig, tokens: Sequence[Token], tls: TlsMaterial | None) -> None:
-        """Tokens and certificate as the config and their files say now: a rotated token file or a renewed
-        certificate takes effect at SIGHUP, here and in every front (certificates at the next handshake)."""
-        self.config.auth, self.config.tls = fresh.auth, fresh.tls
-        if self._gate is not None:
-            self._gate.policy = self._policy(fresh.auth, tokens)
-        if self._certificates is not None and tls is not None:
-            self._certificates.replace(tls)
-        if self.fronts is not None:
-            self.fronts.update_access(fresh.auth, tokens, tls)
-        if self.http is not None:
-            self.http.update_access(self._policy(fresh.auth, tokens, self.http.address), tls)
-        log.info("tokens reloaded", tokens=len(tokens))
-        if tls is not None:
-            log.info("certificates reloaded", client_certificates=tls.mutual)
+        self.ports.reload_access(fresh, tokens, tls)
 
     async def reload(self) -> str:
         """`mpsd reload` and the admin Reload RPC: the same reconcile as SIGHUP, awaited."""
@@ -333,22 +262,24 @@ class Daemon:
     def _on_stop_signal(self) -> None:
         if self._stop.is_set():
             log.warning("second stop signal: ending the drain now")
+            self.deadline.arm(SECOND_SIGNAL_S, "a second stop signal")
             self.config.drain_timeout_s = 0.0
             self._skip_grace.set()
             if not self.refusing:  # still in the grace: the drain, next, now takes no time
                 return
-            if self.fronts is not None:
-                self.fronts.hurry()
-            if self.http is not None:
-                self.http.hurry()
-            if self._servers:
-                self._hurry = asyncio.ensure_future(self._stop_servers(0))
+            if self.ports.fronts is not None:
+                self.ports.fronts.hurry()
+            if self.ports.http is not None:
+                self.ports.http.hurry()
+            if self.ports.servers:
+                self._hurry = asyncio.ensure_future(self.ports.stop_servers(0))
             return
         log.info(
             "stopping: health not serving",
             shutdown_grace_s=self.config.shutdown_grace_s,
             drain_timeout_s=self.config.drain_timeout_s,
         )
+        self.deadline.arm(self._stop_bound(), "the stop signal")
         self.shutting_down = True
         self._stop.set()
 
@@ -362,7 +293,9 @@ class Daemon:
         with contextlib.suppress(asyncio.TimeoutError):  # 3.10: not yet the builtin TimeoutError
             await asyncio.wait_for(self._skip_grace.wait(), grace)
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, ending: asyncio.Future[None]) -> int:
+        """The orderly stop; EXIT_CUT_SHORT when requests were still in flight as the drain ended. The
+        background work (`ending`: loads in progress among it) ends beside the grace and the drain."""
         self.notifier.stopping()
         await self._update_health()
         await self._grace()
@@ -370,22 +303,42 @@ class Daemon:
         log.info("stopping: draining in-flight requests", drain_timeout_s=self.config.drain_timeout_s)
         self.admin.close()
         drain = self.config.drain_timeout_s
-        http = asyncio.ensure_future(self.http.stop(drain)) if self.http is not None else None
+        drained = asyncio.ensure_future(self._drained(drain))
+        ports = self.ports
+        http = asyncio.ensure_future(ports.http.stop(drain)) if ports.http is not None else None
         # The public port drains beside the fronts; the core's server (last) after them: it serves them.
-        core = self._servers[-1:] if self.fronts is not None else []
-        public = asyncio.gather(*(server.stop(drain) for server in self._servers if server not in core))
-        if self.fronts is not None:
-            await self.fronts.stop(drain)
+        core = ports.servers[-1:] if ports.fronts is not None else []
+        public = asyncio.gather(*(server.stop(drain) for server in ports.servers if server not in core))
+        if ports.fronts is not None:
+            await ports.fronts.stop(drain)
         await asyncio.gather(public, *(server.stop(drain) for server in core))
         if http is not None:
             await http
+        clean = await drained
         await self.metrics.stop()
+        await ending
         await self.registry.shutdown()
         shm.cleanup_own()
-        log.info("stopped")
+        if clean:
+            log.info("stopped")
+            return EXIT_CLEAN
+        log.warning("stopped; the drain was cut short with requests in flight", exit_status=EXIT_CUT_SHORT)
+        return EXIT_CUT_SHORT
 
-    async def _stop_servers(self, grace: float) -> None:
-        await asyncio.gather(*(server.stop(grace) for server in self._servers))
+    async def _drained(self, timeout_s: float) -> bool:
+        """Whether every request in flight was answered before the drain ended (its time, or a second stop
+        signal)."""
+        if not self.registry.in_flight():
+            return True
+        idle = asyncio.ensure_future(self.registry.idle())
+        hurry = asyncio.ensure_future(self._skip_grace.wait()) if timeout_s > 0 else None
+        waits = {idle} if hurry is None else {idle, hurry}
+        try:
+            await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        return idle.done() and not idle.cancelled()
 
 
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:

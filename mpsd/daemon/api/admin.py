@@ -49,7 +49,7 @@ def residency_message(registry: Registry, entry: ModelEntry, now: float) -> Any:
     policy = residency.policy(entry)
     if entry.versions:
         fp = residency.entry_footprint(entry)
-    elif entry.source is not None and entry.source.ok:
+    elif entry.source is not None and entry.source.ok and entry.error is None:  # a failed one is not placed
         fp = residency.source_footprint(entry.source)
     else:
         fp = None

@@ -117,7 +117,12 @@ class ModelVersion:
     async def load(self) -> None:
         """Start every instance; if one fails, stop the others and raise LoadError with its reason."""
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(i.start() for i in self.instances), return_exceptions=True)
+        except asyncio.CancelledError:  # the daemon stops mid-load: no instance that started outlives it
+            await asyncio.gather(*(i.stop() for i in self.instances), return_exceptions=True)
+            self.state = VersionState.UNAVAILABLE
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await asyncio.gather(*(i.stop() for i in self.instances))

@@ -17,6 +17,7 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.repository import ModelSource, model_name_problem, scan_repository
+from mpsd.daemon.core.isolation import contained
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
 from mpsd.daemon.core.residency.manager import Residency
 from mpsd.daemon.core.rollout import ModelEntry, ModelState, Rollout
@@ -221,7 +222,7 @@ class Registry:
             if entry is not None and entry.versions:
                 jobs.append(self._apply_into(source, report))  # running: a change rolls out
             elif only is None and source.ok and self.residency.on_demand(source):
-                self.residency.keep_cold(name, source)
+                self._keep_cold(source, report)
             else:  # not running, and to load now: admitted under the memory budget first
                 entry = self.entries.setdefault(name, ModelEntry(name))
                 entry.loading = True
@@ -249,19 +250,33 @@ class Registry:
     async def _apply_into(
         self, source: ModelSource, report: ReconcileReport, admit: ModelEntry | None = None
     ) -> None:
-        self._warn_ignored(source)
+        """A reconcile's step for one model, inside the model's isolation boundary: whatever fails is that
+        model's, kept in its entry and in the report, and never reaches the reconcile or another model."""
+        entry = admit if admit is not None else self.entries.setdefault(source.name, ModelEntry(source.name))
         try:
-            if admit is not None:
-                changed = await self.residency.load(admit, source, "startup" if not self.scanned else "load")
-            else:
-                changed = await self.apply(source)
-            if changed:
-                report.changed.append(source.name)
-        except LoadError as exc:  # the reason is logged and kept in the index
-            report.failed[source.name] = str(exc)
-        except ResourceExhausted as exc:
-            if admit is not None:
-                admit.loading, admit.error = False, exc.message
+            with contained(entry, source.fingerprint):
+                self._warn_ignored(source)
+                if admit is not None:
+                    why = "startup" if not self.scanned else "load"
+                    changed = await self.residency.load(admit, source, why)
+                else:
+                    changed = await self.apply(source)
+        except (LoadError, ResourceExhausted) as exc:  # the reason is logged and kept in the entry
+            report.failed[source.name] = exc.message
+            return
+        if changed:
+            report.changed.append(source.name)
+
+    def _keep_cold(self, source: ModelSource, report: ReconcileReport) -> None:
+        """A model that loads on demand: known, not started, but placed now inside its boundary, so that a
+        config this host cannot honour is UNAVAILABLE with the reason from the scan on, not at the first
+        request."""
+        entry = self.entries.setdefault(source.name, ModelEntry(source.name))
+        try:
+            with contained(entry, source.fingerprint):
+                self._warn_ignored(source)
+                self.residency.keep_cold(entry, source)
+        except LoadError as exc:
             report.failed[source.name] = exc.message
 
     async def load_model(self, name: str) -> None:
@@ -314,6 +329,15 @@ class Registry:
             self.rollout.retired(),
             return_exceptions=True,
         )
+
+    def in_flight(self) -> int:
+        """Requests the models are answering now, and those waiting for a model to load."""
+        return sum(e.waiting + sum(mv.inflight for mv in e.versions.values()) for e in self.entries.values())
+
+    async def idle(self, poll_s: float = 0.02) -> None:
+        """Until no request is in flight (the drain at shutdown watches it end)."""
+        while self.in_flight():
+            await asyncio.sleep(poll_s)
 
     # ---- reporting -----------------------------------------------------------------------------
 

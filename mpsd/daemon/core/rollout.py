@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 import structlog
 
@@ -26,7 +26,7 @@ from mpsd.daemon.supervise.placement import (
     counts_resize_in_place,
     enforce_memory_budget,
 )
-from mpsd.errors import ConfigError, LoadError
+from mpsd.errors import LoadError
 
 log = structlog.get_logger("mpsd.daemon.core.registry")
 
@@ -91,52 +91,48 @@ class Rollout:
     async def apply(self, entry: ModelEntry, source: ModelSource) -> bool:
         """Bring one model's versions in line with its source; True when something changed.
 
-        The caller holds the model's lock. Raises LoadError (the reason is kept in the entry) when the
-        change cannot be made; the versions that served before keep serving then.
+        The caller holds the model's lock and runs this inside `isolation.contained`, which keeps the reason
+        of whatever is raised (LoadError, a ConfigError of placement or the memory budget) in the entry; the
+        versions that served before keep serving then.
         """
         fingerprint = source.fingerprint
         if entry.error is not None and entry.failed_fingerprint == fingerprint:
             entry.loading = False
             raise LoadError(entry.error)  # unchanged since it failed: do not restart workers in a loop
         if not source.ok:
-            self._fail(entry, source.error or "invalid model", fingerprint)
+            raise LoadError(source.error or "invalid model")
         assert source.config is not None
         keep: dict[int, ModelVersion] = {}
         fresh: list[ModelVersion] = []
         resized: list[tuple[ModelVersion, ModelConfig]] = []
-        try:
-            for v in source.versions:
-                version_fp = (source.config_fingerprint, source.version_fingerprints[v])
-                old = entry.versions.get(v)
-                running = old if old is not None and old.state is VersionState.READY else None
-                if running is not None and running.fingerprint == version_fp:
-                    keep[v] = running
-                    continue
-                placements, launches = plan_version(source, v)
-                if (
-                    running is not None
-                    and running.fingerprint[1] == version_fp[1]
-                    and only_counts_differ(running.config, source.config)
-                    and counts_resize_in_place(running.placements, placements)
-                ):
-                    keep[v] = running
-                    resized.append((running, source.config))
-                    continue
-                fresh.append(
-                    ModelVersion(
-                        source.name, v, source.config, version_fp, placements, launches, self.settings
-                    )
-                )
-            retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
-            side_by_side = self._check_budget(entry.name, fresh, retiring, resized, source)
-        except ConfigError as exc:
-            self._fail(entry, exc.message, fingerprint)
+        for v in source.versions:
+            version_fp = (source.config_fingerprint, source.version_fingerprints[v])
+            old = entry.versions.get(v)
+            running = old if old is not None and old.state is VersionState.READY else None
+            if running is not None and running.fingerprint == version_fp:
+                keep[v] = running
+                continue
+            placements, launches = plan_version(source, v)
+            if (
+                running is not None
+                and running.fingerprint[1] == version_fp[1]
+                and only_counts_differ(running.config, source.config)
+                and counts_resize_in_place(running.placements, placements)
+            ):
+                keep[v] = running
+                resized.append((running, source.config))
+                continue
+            fresh.append(
+                ModelVersion(source.name, v, source.config, version_fp, placements, launches, self.settings)
+            )
+        retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
+        side_by_side = self._check_budget(entry.name, fresh, retiring, resized, source)
         # Held from the check until the versions run (or fail), so models loading at the same time count
         # against each other's budget.
         for mv in fresh:
             self._loading[mv.label] = mv
         try:
-            return await self._start(entry, source, fingerprint, keep, fresh, retiring, resized, side_by_side)
+            return await self._start(entry, source, keep, fresh, retiring, resized, side_by_side)
         finally:
             for mv in fresh:
                 self._loading.pop(mv.label, None)
@@ -145,7 +141,6 @@ class Rollout:
         self,
         entry: ModelEntry,
         source: ModelSource,
-        fingerprint: str,
         keep: dict[int, ModelVersion],
         fresh: list[ModelVersion],
         retiring: list[ModelVersion],
@@ -154,10 +149,7 @@ class Rollout:
     ) -> bool:
         for mv, config in resized:
             placements, launches = plan_version(source, mv.version)
-            try:
-                await mv.resize(config, (source.config_fingerprint, mv.fingerprint[1]), placements, launches)
-            except LoadError as exc:
-                self._fail(entry, str(exc), fingerprint)
+            await mv.resize(config, (source.config_fingerprint, mv.fingerprint[1]), placements, launches)
         if not fresh and set(keep) == set(entry.versions):
             entry.source, entry.error, entry.loading = source, None, False
             return bool(resized)
@@ -175,7 +167,7 @@ class Rollout:
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             await asyncio.gather(*(mv.unload(0.0) for mv in fresh if mv.state is VersionState.READY))
-            self._fail(entry, str(failures[0]), fingerprint)
+            raise failures[0]
         retired = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
         entry.versions = {**keep, **{mv.version: mv for mv in fresh}}
         entry.source, entry.error, entry.loading = source, None, False
@@ -208,16 +200,6 @@ class Rollout:
             log.warning("memory budget exceeded", model=name, problem=message)
         during = {**after, **{mv.label: mv.placements for mv in retiring}}
         return not check_memory_budget(during) or self.budget_policy == "warn"
-
-    def _fail(self, entry: ModelEntry, reason: str, fingerprint: str) -> NoReturn:
-        entry.error = reason
-        entry.failed_fingerprint = fingerprint
-        entry.loading = False
-        if entry.versions:
-            log.error("model update failed; previous version keeps serving", model=entry.name, reason=reason)
-        else:
-            log.error("model failed to load", model=entry.name, reason=reason)
-        raise LoadError(reason)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coro)

@@ -20,6 +20,7 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.repository import ModelSource
+from mpsd.daemon.core.isolation import contained
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.residency.eviction import Holder, Shortfall, choose_victims, gib
 from mpsd.daemon.core.residency.footprint import Footprint, budget_bytes, footprint, measure
@@ -178,6 +179,11 @@ class Residency:
         )
         return changed
 
+    async def _load_on_request(self, entry: ModelEntry, source: ModelSource) -> bool:
+        """A load on demand, inside the model's isolation boundary."""
+        with contained(entry, source.fingerprint):
+            return await self.load(entry, source, "request")
+
     async def ensure_loaded(self, entry: ModelEntry, deadline: float | None) -> None:
         """Wait, within the request's deadline and `load_timeout_s`, for the one load of a cold model."""
         settings = self.config.residency
@@ -192,7 +198,7 @@ class Residency:
             if source is None:
                 raise Unavailable(f"model '{entry.name}' is not loaded ({entry.cold_reason})")
             self.stats.loads_on_demand[entry.name] += 1
-            task = asyncio.create_task(self.load(entry, source, "request"), name=f"load {entry.name}")
+            task = asyncio.create_task(self._load_on_request(entry, source), name=f"load {entry.name}")
             entry.load_task = task
             task.add_done_callback(lambda t: _settled(entry, t))
         timeout = settings.load_timeout_s
@@ -213,15 +219,16 @@ class Residency:
             entry.waiting -= 1
             self.stats.waited(entry.name, self._clock() - start)
 
-    def keep_cold(self, name: str, source: ModelSource) -> None:
-        """A model that loads on demand and is not running: known, with its source, not started."""
-        entry = self._entries.get(name)
-        if entry is None:
-            self._entries[name] = ModelEntry(name, source=source, cold_reason=NOT_LOADED_YET)
-            return
+    def keep_cold(self, entry: ModelEntry, source: ModelSource) -> None:
+        """A model that loads on demand and is not running: known, with its source, not started. Its
+        versions are placed first (`source_footprint`), so a config this host cannot honour raises here."""
         if entry.source is None or entry.source.fingerprint != source.fingerprint:
             entry.source, entry.error, entry.failed_fingerprint = source, None, None
-        entry.cold_reason = entry.cold_reason or NOT_LOADED_YET
+        elif entry.error is not None and entry.failed_fingerprint == source.fingerprint:
+            raise LoadError(entry.error)  # unchanged since it failed
+        reason, entry.cold_reason = entry.cold_reason or NOT_LOADED_YET, None
+        self.source_footprint(source)
+        entry.cold_reason = reason
 
     # ---- unloading -----------------------------------------------------------------------------
 
