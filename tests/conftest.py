@@ -111,7 +111,7 @@ class RunningDaemon:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if self.client.is_server_live():
+                if self.client.is_server_live(client_timeout=10):
                     return
             except Exception:
                 pass
