@@ -19,6 +19,7 @@ from mpsd.daemon.api.wire_split import SplitRequest, split_request
 from mpsd.daemon.core.registry import Registry
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
+from mpsd.net.tasks import TaskGroup
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -175,7 +176,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         """
         out: asyncio.Queue[Any] = asyncio.Queue(maxsize=STREAM_WINDOW)
         window = asyncio.Semaphore(STREAM_WINDOW)
-        tasks: set[asyncio.Task[None]] = set()
+        tasks = TaskGroup()  # the stream's requests in progress: they end with the stream
         loop = asyncio.get_running_loop()
 
         async def unary(
@@ -210,14 +211,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 async for request in request_iterator:
                     await window.acquire()
                     if self.ops.decoupled(request.model_name, request.model_version):
-                        task = asyncio.create_task(decoupled(request))
+                        tasks.spawn(decoupled(request))
                     else:
                         sent: asyncio.Future[None] = loop.create_future()
-                        task = asyncio.create_task(unary(request, before, sent))
+                        tasks.spawn(unary(request, before, sent))
                         before = sent
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await tasks.join()
             finally:
                 await out.put(None)
 
@@ -227,8 +226,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 yield response
         finally:
             reader.cancel()
-            for task in list(tasks):
-                task.cancel()
+            await tasks.close()
 
     async def _stream_responses(self, request: Any) -> AsyncIterator[Any]:
         """One request to a decoupled model, as the stream's responses: each of its responses, then the

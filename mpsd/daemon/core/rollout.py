@@ -27,6 +27,7 @@ from mpsd.daemon.supervise.placement import (
     enforce_memory_budget,
 )
 from mpsd.errors import LoadError
+from mpsd.net.tasks import TaskGroup
 
 log = structlog.get_logger("mpsd.daemon.core.registry")
 
@@ -86,7 +87,7 @@ class Rollout:
         self.drain_timeout_s = drain_timeout_s
         self.budget_policy = budget_policy
         self._loading: dict[str, ModelVersion] = {}  # label -> version being started, for the budget
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = TaskGroup()  # old versions draining after a rollout
 
     async def apply(self, entry: ModelEntry, source: ModelSource) -> bool:
         """Bring one model's versions in line with its source; True when something changed.
@@ -202,10 +203,8 @@ class Rollout:
         return not check_memory_budget(during) or self.budget_policy == "warn"
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task: asyncio.Task[None] = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._background.spawn(coro)
 
     async def retired(self) -> None:
         """Wait for the old versions still draining in the background."""
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.join()

@@ -21,6 +21,7 @@ from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SLOTS
+from mpsd.net.tasks import TaskGroup
 
 log = structlog.get_logger("mpsd.daemon.supervisor")
 
@@ -122,11 +123,11 @@ class Instance(Generic[B, H]):
         self._stopping = False
         self._idle = asyncio.Event()  # set while no execution of this instance runs
         self._idle.set()
-        self._running: set[asyncio.Task[None]] = set()
+        self._running = TaskGroup()  # executions the dispatcher started
         self._direct = 0  # executions run by their caller's task (`run_direct`)
         self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
         self._handing_over = False
-        self._retiring: set[asyncio.Task[None]] = set()
+        self._retiring = TaskGroup()  # workers replaced (over their memory ceiling) being stopped
 
     @property
     def ready(self) -> bool:
@@ -164,9 +165,7 @@ class Instance(Generic[B, H]):
                     if replacement is not None:
                         await self._hand_over(dispatch, done_with)
                         self.worker = replacement
-                        retiring = asyncio.create_task(worker.stop(self.settings.stop_timeout_s))
-                        self._retiring.add(retiring)  # a strong reference until it is done
-                        retiring.add_done_callback(self._retiring.discard)
+                        self._retiring.spawn(worker.stop(self.settings.stop_timeout_s))
                         continue
                     # No replacement: the old worker keeps taking batches until it ends.
                     await asyncio.wait({dispatch, died}, return_when=asyncio.FIRST_COMPLETED)
@@ -264,9 +263,7 @@ class Instance(Generic[B, H]):
                 queue.requeue(batch)
                 continue
             self._idle.clear()
-            task = asyncio.create_task(self._execute(batch, worker))
-            self._running.add(task)  # a strong reference while it runs
-            task.add_done_callback(self._finished)
+            self._running.spawn(self._execute(batch, worker)).add_done_callback(self._finished)
 
     def direct_worker(self) -> H | None:
         """The worker, when this instance is idle and can start an execution right now (ready, not handing
@@ -305,8 +302,7 @@ class Instance(Generic[B, H]):
         with contextlib.suppress(Exception):  # `execute` settled every request; a death wakes `_supervise`
             await self._execute_batch(batch, worker)
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
-        self._running.discard(task)
+    def _finished(self, _task: asyncio.Task[None]) -> None:
         self._ended()
 
     def _nothing_running(self) -> bool:
@@ -331,3 +327,7 @@ class Instance(Generic[B, H]):
                 await self._task
         if self.worker is not None:
             await self.worker.stop(self.settings.stop_timeout_s)
+        # With the worker gone its executions end (their requests answered with the reason); what is left
+        # of them, and of workers being retired, ends with the instance.
+        await self._running.close(self.settings.stop_timeout_s)
+        await self._retiring.close(self.settings.stop_timeout_s)

@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -29,6 +30,7 @@ from mpsd.daemon.core.rollout import ModelEntry
 from mpsd.daemon.supervise.device_memory import DeviceSizes
 from mpsd.daemon.supervise.launch import plan_version
 from mpsd.errors import DeadlineExceeded, LoadError, ResourceExhausted, Unavailable
+from mpsd.net.tasks import TaskGroup
 
 log = structlog.get_logger("mpsd.daemon.core.residency")
 
@@ -72,7 +74,7 @@ class Residency:
         self._admission = asyncio.Lock()
         self._reserved: dict[str, Footprint] = {}  # models being loaded now
         self._sweeper: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = TaskGroup()  # idle models being unloaded
 
     # ---- policy and accounting -----------------------------------------------------------------
 
@@ -232,7 +234,7 @@ class Residency:
 
     # ---- unloading -----------------------------------------------------------------------------
 
-    def _detach(self, entry: ModelEntry, reason: str) -> Awaitable[None]:
+    def _detach(self, entry: ModelEntry, reason: str) -> Coroutine[Any, Any, None]:
         """Stop routing to the model now (no await in between: nothing new reaches it), and return what
         stops its workers. Its measured size is kept for the next load."""
         versions = list(entry.versions.values())
@@ -275,6 +277,7 @@ class Residency:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        await self._background.join()  # idle unloads already under way end as they would
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -297,10 +300,7 @@ class Residency:
                 continue
             keep = self.policy(entry).keep_alive_s
             if keep is not None and now - entry.last_used >= keep:
-                stop = self._detach(entry, f"unloaded after {keep:g} s idle")
-                task = asyncio.ensure_future(stop)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._background.spawn(self._detach(entry, f"unloaded after {keep:g} s idle"))
 
 
 def _sum(parts: Iterable[Footprint]) -> Footprint:

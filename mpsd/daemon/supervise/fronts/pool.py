@@ -28,6 +28,7 @@ from mpsd.ipc.shm import Region
 from mpsd.net.auth import export_tokens
 from mpsd.net.certificates import TlsMaterial
 from mpsd.net.listen import parse_address
+from mpsd.net.tasks import TaskGroup
 
 log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 FRONT_MODULE = "mpsd.front"  # what a front process runs: `python -m FRONT_MODULE`
@@ -91,7 +92,7 @@ class FrontPool:
         self.counts: dict[int, FrontCounts] = {}
         self._stopping = False
         self._supervisors: list[asyncio.Task[None]] = []
-        self._relays: set[asyncio.Task[None]] = set()
+        self._relays = TaskGroup()  # each front's stderr turned into log events, until it closes
         self._stop_listening: Callable[[], None] = lambda: None
         self._told_buffer_cap = False
         self._told_no_arena = False
@@ -174,9 +175,7 @@ class FrontPool:
             finally:
                 child.close()
             assert process.stderr is not None
-            relay = asyncio.create_task(relay_front_log(process.stderr, index, process.pid))
-            self._relays.add(relay)  # a strong reference until the front's stderr closes
-            relay.add_done_callback(self._relays.discard)
+            self._relays.spawn(relay_front_log(process.stderr, index, process.pid))
             transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
             link.attach(transport)
             sent_auth, sent_tokens, sent_tls = self._config.auth, self._tokens, self._tls
@@ -349,8 +348,7 @@ class FrontPool:
         for front in self.fronts.values():
             if front.link.transport is not None:
                 front.link.transport.close()
-        if self._relays:  # the fronts' last words (their stderr closes as they exit)
-            await asyncio.wait(set(self._relays), timeout=5.0)
+        await self._relays.close(5.0)  # the fronts' last words (their stderr closes as they exit)
 
 
 async def _end(process: asyncio.subprocess.Process, timeout_s: float) -> None:
