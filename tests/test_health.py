@@ -198,9 +198,9 @@ def test_the_server_is_not_ready_before_the_repository_was_read(tmp_path: Path) 
     async def check() -> None:
         registry = Registry(tmp_path, SupervisorSettings(), drain_timeout_s=1.0)
         assert not registry.server_ready()
-        await registry.reconcile(only=["absent"], settle=False)  # a partial load is not a scan
+        await registry.reconcile(only=["absent"], wait_quiet=False)  # a partial load is not a scan
         assert not registry.server_ready()
-        await registry.reconcile(settle=False)
+        await registry.reconcile(wait_quiet=False)
         assert registry.server_ready()  # read, and empty: nothing to wait for
 
     asyncio.run(check())

@@ -227,7 +227,7 @@ def test_a_reconcile_keeps_an_unexpected_error_in_the_models_entry(
         return True
 
     monkeypatch.setattr(registry.rollout, "apply", apply)
-    report = asyncio.run(registry.reconcile(settle=False))
+    report = asyncio.run(registry.reconcile(wait_quiet=False))
     assert report.failed == {"bad": "internal error: RuntimeError: a fault no check foresaw"}
     assert report.changed == ["good"] and applied == ["good"]
     bad = registry.entries["bad"]

@@ -388,7 +388,7 @@ def test_triggers_during_a_reconcile_coalesce_into_one_more_run() -> None:
         release = asyncio.Event()
         calls, running, most = 0, 0, 0
 
-        async def reconcile(only: object, settle: bool) -> SimpleNamespace:
+        async def reconcile(only: object, wait_quiet: bool) -> SimpleNamespace:
             nonlocal calls, running, most
             calls += 1
             running += 1

@@ -126,7 +126,7 @@ def _fingerprint_dir(directory: Path) -> str:
             if not p.is_file():
                 continue
             st = p.stat()
-        except OSError:  # removed while scanning: the next scan sees the settled directory
+        except OSError:  # removed while scanning: the next scan sees the directory as it ends up
             continue
         digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()

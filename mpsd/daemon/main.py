@@ -169,7 +169,7 @@ class Daemon:
         """Load the repository, then keep it in line with its files. It runs beside the main loop, so a stop
         signal during a long or hung load is heard at once, and ServerLive answers all along."""
         try:
-            await self.reconciler.run_once(settle=False)
+            await self.reconciler.run_once(wait_quiet=False)
         except Exception:  # not one model's (those are kept in the model): the next trigger tries again
             log.exception("reconcile failed")
         self.registry.residency.start()

@@ -25,7 +25,7 @@ from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
 from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
 from mpsd.ipc.front_protocol import FRONT_TITLE, FrontAccess, FrontConfig, FrontReady, MalformedMessage
-from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameProtocol, FrameWriter, Kind, frame
+from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameWriter, FrontLinkProtocol, Kind, frame
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
 from mpsd.net import eventloop
@@ -73,8 +73,8 @@ class CoreLink:
         self._arena = Region.attach(name, size)
         self._allocator = Allocator(size)
 
-    def protocol(self) -> FrameProtocol:
-        return FrameProtocol(self._on_frame, self._on_lost)
+    def protocol(self) -> FrontLinkProtocol:
+        return FrontLinkProtocol(self._on_frame, self._on_lost)
 
     def send(self, parts: tuple[Buffer, ...]) -> None:
         self.writer.send(parts)

@@ -114,7 +114,7 @@ class FrameWriter:
             self.transport.writelines(pending)
 
 
-class FrameProtocol(asyncio.BufferedProtocol):
+class FrontLinkProtocol(asyncio.BufferedProtocol):
     """Splits the byte stream into frames and calls `on_frame(kind, call_id, number, payload)`.
 
     Small frames are cut out of one reusable buffer; a large payload (an image, a big tensor) gets a

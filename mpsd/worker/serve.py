@@ -85,11 +85,11 @@ class Serving:
         else:
             msg = self.reader.recv()
         if msg is None:  # the execution on the device is done (or, idle, the reader's timeout)
-            self._settle()
+            self._finish_running()
         elif isinstance(msg, p.Infer):
             self._execute(msg)
         else:
-            self._settle()  # anything else waits for the execution on the device
+            self._finish_running()  # anything else waits for the execution on the device
             if isinstance(msg, p.ForgetArena):
                 self.arenas.forget(msg.arena_id)
             elif isinstance(msg, p.StartProfile):
@@ -123,13 +123,13 @@ class Serving:
             raise
         except Exception as exc:
             failure, oom = _failure(msg, exc)
-            self._settle()
+            self._finish_running()
             self._fail(msg, failure, oom)
             return
-        self._settle()
+        self._finish_running()
         self.running = (msg, launch)
 
-    def _settle(self) -> None:
+    def _finish_running(self) -> None:
         """Answer the execution on the device, if there is one, once its work is done."""
         if self.running is None:
             return

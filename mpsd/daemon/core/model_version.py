@@ -166,7 +166,7 @@ class ModelVersion:
                     # Alone in the daemon (one client's requests, one after another), a request has
                     # nobody to wait for; beside others, more are likely on their way.
                     await instance.run_direct([item], worker, gather=self.inflight > 1)
-                result = await future  # already settled after a direct execution
+                result = await future  # already answered after a direct execution
         except MpsdError as exc:
             self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
             raise
@@ -234,7 +234,7 @@ class ModelVersion:
         return why
 
     async def execute(self, batch: list[Pending], worker: WorkerProcess) -> None:
-        """Run a batch (one or more queued requests) on a worker and settle every future, whatever happens."""
+        """Run a batch (one or more queued requests) on a worker and answer every future, whatever happens."""
         now = time.perf_counter_ns()
         for item in batch:
             item.timings.queue_ns = now - item.enqueued_ns

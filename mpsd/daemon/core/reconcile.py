@@ -31,10 +31,10 @@ class Reconciler:
             log.debug("reconcile requested", trigger=reason)
         self._wake.set()
 
-    async def run_once(self, only: Collection[str] | None = None, settle: bool = True) -> ReconcileReport:
+    async def run_once(self, only: Collection[str] | None = None, wait_quiet: bool = True) -> ReconcileReport:
         """Run a reconcile now (after any one in progress: the registry serialises them) and report."""
         self._before()
-        report = await self.registry.reconcile(only, settle=settle)
+        report = await self.registry.reconcile(only, wait_quiet=wait_quiet)
         if report.deferred:
             # Files still changing: look again once they have been quiet for the whole period.
             delay = max(self.registry.quiet_period_s, 0.1)

@@ -47,7 +47,7 @@ class ReconcileReport:
         return ", ".join(parts)
 
 
-def _settling(model_dir: Path, quiet_period_s: float) -> bool:
+def _still_changing(model_dir: Path, quiet_period_s: float) -> bool:
     """A file changed within the quiet period: the directory may still be being copied."""
     if quiet_period_s <= 0:
         return False
@@ -186,16 +186,18 @@ class Registry:
 
     # ---- loading -------------------------------------------------------------------------------
 
-    async def reconcile(self, only: Collection[str] | None = None, settle: bool = True) -> ReconcileReport:
+    async def reconcile(
+        self, only: Collection[str] | None = None, wait_quiet: bool = True
+    ) -> ReconcileReport:
         """Compare what the repository says now with what runs, and act. Idempotent.
 
         `only` limits the step to some models (RepositoryModelLoad); models unloaded by an operator stay
         unloaded until loaded again explicitly.
         """
         async with self.reconcile_lock:
-            return await self._reconcile(only, settle)
+            return await self._reconcile(only, wait_quiet)
 
-    async def _reconcile(self, only: Collection[str] | None, settle: bool) -> ReconcileReport:
+    async def _reconcile(self, only: Collection[str] | None, wait_quiet: bool) -> ReconcileReport:
         desired = scan_repository(self.repository, self.allow_symlinks, self.op_library_dirs)
         report = ReconcileReport()
         names = sorted(set(only) if only is not None else set(desired) | set(self.entries))
@@ -209,7 +211,7 @@ class Registry:
                     report.unloaded.append(name)
                     jobs.append(self.unload_model(name))
                 continue
-            if settle and _settling(source.path, self.quiet_period_s):
+            if wait_quiet and _still_changing(source.path, self.quiet_period_s):
                 report.deferred.append(name)
                 log.info(
                     "model files still changing: load deferred",
@@ -291,7 +293,7 @@ class Registry:
         entry = self.entries.get(name)
         if entry is not None:
             entry.failed_fingerprint = None  # an explicit load retries even an unchanged broken model
-        report = await self.reconcile(only=[name], settle=False)
+        report = await self.reconcile(only=[name], wait_quiet=False)
         if name in report.failed:
             raise LoadError(report.failed[name])
 

@@ -1,7 +1,7 @@
 """Watching the model repository: inotify on Linux, FSEvents on macOS (through watchfiles), or polling.
 
 Events only wake the reconciler, after a quiet period with no further changes, so a directory being copied
-is looked at once the copy has settled.
+is looked at once the copy has gone quiet.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class SupervisorSettings:
 
 
 class Instance(Generic[B, H]):
-    """`execute(batch, worker)` runs a batch and settles its requests, whatever happens; `instance_down()` is
+    """`execute(batch, worker)` runs a batch and answers its requests, whatever happens; `instance_down()` is
     called whenever the worker is lost; `instance_count()` is how many instances the version has now."""
 
     def __init__(
@@ -286,7 +286,7 @@ class Instance(Generic[B, H]):
         """Run `batch` on `worker` in the caller's task, counted as this instance's execution: a request
         that finds its instance free skips the queue, the dispatcher's wake-up and a task of its own.
         With `gather`, requests that arrive while the queue gathers join it (`Batches.gather`). `execute`
-        settles its requests; a cancelled caller leaves the execution to its channel, which skips it in
+        answers its requests; a cancelled caller leaves the execution to its channel, which skips it in
         the worker if it has not started."""
         self._direct += 1
         self._idle.clear()
@@ -299,7 +299,7 @@ class Instance(Generic[B, H]):
             self._ended()
 
     async def _execute(self, batch: B, worker: H) -> None:
-        with contextlib.suppress(Exception):  # `execute` settled every request; a death wakes `_supervise`
+        with contextlib.suppress(Exception):  # `execute` answered every request; a death wakes `_supervise`
             await self._execute_batch(batch, worker)
 
     def _finished(self, _task: asyncio.Task[None]) -> None:

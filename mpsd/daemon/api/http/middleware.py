@@ -41,7 +41,7 @@ def rpc_of(handler: Any) -> str | None:
     return f"{KSERVE}{name}" if name is not None else None
 
 
-class Gate:
+class Admission:
     """The middleware, with its state: the access policy (replaced at SIGHUP) and the requests in
     progress."""
 

@@ -16,7 +16,7 @@ from mpsd.net.auth import AccessPolicy
 from .generate import GenerateHandler
 from .handlers import Handlers
 from .infer import InferHandler
-from .middleware import Gate
+from .middleware import Admission
 
 MODEL = "/v2/models/{model}"
 VERSION = "/v2/models/{model}/versions/{version:[0-9]+}"
@@ -25,16 +25,16 @@ SHM = "/v2/systemsharedmemory"
 CUDA_SHM = "/v2/cudasharedmemory"
 
 
-def add_routes(app: web.Application, ops: Operations, limit: int, gate: Gate) -> None:
+def add_routes(app: web.Application, ops: Operations, limit: int, admission: Admission) -> None:
     h = Handlers(ops)
     infer = InferHandler(ops, limit)
     generate = GenerateHandler(ops, limit)
 
     def get(path: str, handler: Handler, allow_head: bool = True) -> None:
-        app.router.add_get(path, handler, allow_head=allow_head, expect_handler=gate.expect)
+        app.router.add_get(path, handler, allow_head=allow_head, expect_handler=admission.expect)
 
     def post(path: str, handler: Handler) -> None:
-        app.router.add_post(path, handler, expect_handler=gate.expect)
+        app.router.add_post(path, handler, expect_handler=admission.expect)
 
     get("/v2/health/live", h.live)  # HEAD as well, for load balancers' checks
     get("/v2/health/ready", h.ready)
@@ -69,9 +69,9 @@ def add_routes(app: web.Application, ops: Operations, limit: int, gate: Gate) ->
     post("/v2/logging", h.log_settings)
 
 
-def build_app(ops: Operations, policy: AccessPolicy, limit: int) -> tuple[web.Application, Gate]:
+def build_app(ops: Operations, policy: AccessPolicy, limit: int) -> tuple[web.Application, Admission]:
     """The application serving `ops`; bodies over `limit` bytes are refused (413)."""
-    gate = Gate(policy, ops.shutting_down, limit, ops.refusing)
-    app = web.Application(middlewares=[gate], client_max_size=limit)
-    add_routes(app, ops, limit, gate)
-    return app, gate
+    admission = Admission(policy, ops.shutting_down, limit, ops.refusing)
+    app = web.Application(middlewares=[admission], client_max_size=limit)
+    add_routes(app, ops, limit, admission)
+    return app, admission

@@ -40,7 +40,7 @@ class HttpEndpoint:
         tls: TlsMaterial | None = None,
     ) -> None:
         self.address = address
-        self.app, self.gate = build_app(ops, policy, limit)
+        self.app, self.admission = build_app(ops, policy, limit)
         self.tls = SslContexts(tls) if tls is not None else None
         self._runner: web.AppRunner | None = None
         self._hurry = asyncio.Event()
@@ -84,7 +84,7 @@ class HttpEndpoint:
 
     def update_access(self, policy: AccessPolicy, tls: TlsMaterial | None) -> None:
         """SIGHUP: new tokens for the next request, a renewed certificate for the next handshake."""
-        self.gate.policy = policy
+        self.admission.policy = policy
         if self.tls is not None and tls is not None:
             self.tls.replace(tls)
 
@@ -97,16 +97,16 @@ class HttpEndpoint:
         runner, self._runner = self._runner, None
         if runner is None:
             return
-        idle = asyncio.ensure_future(self.gate.idle())
+        idle = asyncio.ensure_future(self.admission.idle())
         hurry = asyncio.ensure_future(self._hurry.wait())
         try:
             await asyncio.wait({idle, hurry}, timeout=drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             idle.cancel()
             hurry.cancel()
-        if self.gate.in_flight:
+        if self.admission.in_flight:
             log.warning(
-                "http requests still in progress at the end of the drain", requests=self.gate.in_flight
+                "http requests still in progress at the end of the drain", requests=self.admission.in_flight
             )
         await runner.cleanup()
         if self.address.unix_path is not None:

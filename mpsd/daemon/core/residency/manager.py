@@ -202,7 +202,7 @@ class Residency:
             self.stats.loads_on_demand[entry.name] += 1
             task = asyncio.create_task(self._load_on_request(entry, source), name=f"load {entry.name}")
             entry.load_task = task
-            task.add_done_callback(lambda t: _settled(entry, t))
+            task.add_done_callback(lambda t: _load_ended(entry, t))
         timeout = settings.load_timeout_s
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
@@ -314,7 +314,7 @@ def _sum(parts: Iterable[Footprint]) -> Footprint:
     return Footprint(by_device, next((b for b in order if b in bases), "declared"))
 
 
-def _settled(entry: ModelEntry, task: asyncio.Task[bool]) -> None:
+def _load_ended(entry: ModelEntry, task: asyncio.Task[bool]) -> None:
     entry.load_task = None
     if not task.cancelled():
         task.exception()  # retrieved: every waiter has its own answer

@@ -23,8 +23,8 @@ from mpsd.ipc.front_protocol import FrontReady, MalformedMessage
 from mpsd.ipc.front_wire import (
     MAX_IN_FLIGHT,
     Buffer,
-    FrameProtocol,
     FrameWriter,
+    FrontLinkProtocol,
     Kind,
     frame,
     frame_of,
@@ -72,8 +72,8 @@ class FrontLink:
     arena_id: int | None = None  # its id in `ARENAS`, where workers find it
     _paused: bool = False
 
-    def protocol(self) -> FrameProtocol:
-        return FrameProtocol(self._on_frame, self._lost)
+    def protocol(self) -> FrontLinkProtocol:
+        return FrontLinkProtocol(self._on_frame, self._lost)
 
     def attach(self, transport: asyncio.Transport) -> None:
         self.transport = self.writer.transport = transport
