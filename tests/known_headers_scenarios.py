@@ -95,7 +95,7 @@ def answer(servicer: InferenceServicer, data: bytes) -> tuple[str, np.ndarray]:
 
 
 def servicer(registry: Registry) -> InferenceServicer:
-    return InferenceServicer(registry, lambda: False)  # type: ignore[arg-type]
+    return InferenceServicer(operations.Operations(registry, lambda: False))  # type: ignore[arg-type]
 
 
 def known_header_skips_the_parse() -> None:

@@ -20,6 +20,7 @@ from mpsd.daemon.api.admin import AdminServicer
 from mpsd.daemon.api.health import HealthService, registry_status
 from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
+from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
@@ -84,10 +85,12 @@ class Daemon:
         self._started = False  # the first load of the repository has finished
         self.deadline = ExitDeadline(self._remove_files)
         self._hurry: asyncio.Future[None] | None = None
-        self.servicer = InferenceServicer(
-            self.registry, lambda: self.shutting_down, config.model_control, lambda: self.refusing
+        # The one set of operations both protocol adapters translate to: gRPC's servicer and HTTP's routes.
+        self.ops = Operations(
+            self.registry, lambda: self.shutting_down, config.model_control, refusing=lambda: self.refusing
         )
-        self.ports = Ports(config, self.servicer, self.health, self.admin, self.metrics)
+        self.servicer = InferenceServicer(self.ops)
+        self.ports = Ports(config, self.ops, self.servicer, self.health, self.admin, self.metrics)
 
     def _remove_files(self) -> None:
         """What would outlive a daemon ended by its deadline: its shared memory and socket directory."""

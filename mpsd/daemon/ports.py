@@ -25,6 +25,7 @@ from mpsd.daemon.api.health import HealthService
 from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
+from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.supervise.fronts.policy import check_port_free, front_address, front_plan
 from mpsd.daemon.supervise.fronts.pool import FrontPool
 from mpsd.daemon.supervise.fronts.sockets import make_core_dir
@@ -40,12 +41,14 @@ class Ports:
     def __init__(
         self,
         config: DaemonConfig,
+        ops: Operations,
         servicer: InferenceServicer,
         health: HealthService,
         admin: AdminServicer,
         metrics: MetricsEndpoint,
     ) -> None:
         self.config = config
+        self._ops = ops
         self._servicer = servicer
         self._health = health
         self._admin = admin
@@ -114,7 +117,7 @@ class Ports:
         http = http_address(config.http_address)
         if http is not None:
             policy = self.policy(config.auth, tokens, http)
-            self.http = HttpEndpoint(http, self._servicer.ops, policy, limit, tls)
+            self.http = HttpEndpoint(http, self._ops, policy, limit, tls)
 
     def _connection_age(self) -> list[tuple[str, int]]:
         config = self.config

@@ -16,7 +16,6 @@ from mpsd.daemon.api import respond as convert
 from mpsd.daemon.api.known_headers import known_id
 from mpsd.daemon.api.operations import Operations, server_metadata
 from mpsd.daemon.api.wire_split import SplitRequest, split_request
-from mpsd.daemon.core.registry import Registry
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
 from mpsd.net.tasks import TaskGroup
@@ -52,15 +51,9 @@ def rpc(method: Handler[T]) -> Handler[T]:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """The gRPC adapter over `Operations`: protobuf in, protobuf out."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        shutting_down: Callable[[], bool],
-        model_control: str = "watch",
-        refusing: Callable[[], bool] | None = None,
-    ) -> None:
-        self.ops = Operations(registry, shutting_down, model_control, refusing=refusing)
-        self.registry = registry
+    def __init__(self, ops: Operations) -> None:
+        self.ops = ops
+        self.registry = ops.registry
         self.client_shm = self.ops.client_shm
         self.responses = convert.ResponseTemplates()
 
