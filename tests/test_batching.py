@@ -231,12 +231,14 @@ def test_a_timeout_parameter_answers_a_request_waiting_in_the_worker_at_once(
 ) -> None:
     """One instance runs a 0.5 s batch; the next request waits in the worker's second slot with a 0.1 s
     `timeout` parameter (microseconds, as tritonclient sends it): it is answered DEADLINE_EXCEEDED at its
-    timeout, not once the batch ahead of it is done, and it never runs."""
+    timeout, not once the batch ahead of it is done, and it never runs. It is a full batch (max_batch_size
+    rows), so it goes to the worker at once; a short one would wait in the daemon's queue while the batch
+    ahead runs. Unit tests of both waits, on virtual time: test_queue."""
     daemon, tmp = setup
 
     def marker(callback: Callable[..., None]) -> None:
         daemon.client.async_infer(
-            "bounded", x(np.full((1, 7), 4242.0, np.float32)), callback=callback, timeout=100_000
+            "bounded", x(np.full((8, 7), 4242.0, np.float32)), callback=callback, timeout=100_000
         )
 
     _marker_expired_first(

@@ -46,12 +46,21 @@ class Pending:
 
 
 class RequestQueue:
-    """`settle` waits until the requests already on their way have arrived (the loop's, by default)."""
+    """`settle` waits until the requests already on their way have arrived (the loop's, by default).
+    `clock` is the time deadlines are in, `clock_ns` the one requests are stamped with on arrival
+    (`Pending.enqueued_ns`): tests drive both from an event loop's virtual time."""
 
     def __init__(
-        self, config: ModelConfig, label: str, settle: Callable[[], Awaitable[None]] = settled
+        self,
+        config: ModelConfig,
+        label: str,
+        settle: Callable[[], Awaitable[None]] = settled,
+        clock: Callable[[], float] = time.monotonic,
+        clock_ns: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         self.label = label
+        self._clock = clock
+        self._clock_ns = clock_ns
         db = config.dynamic_batching
         self.batching = db is not None and config.max_batch_size > 0
         self.max_rows = config.max_batch_size if self.batching else 1
@@ -93,7 +102,7 @@ class RequestQueue:
     def admit(self, item: Pending) -> None:
         """Apply the queue's default timeout to a request's deadline (also to one that skips the queue)."""
         if self.timeout_s:
-            limit = time.monotonic() + self.timeout_s
+            limit = self._clock() + self.timeout_s
             item.deadline = limit if item.deadline is None else min(item.deadline, limit)
 
     def runs_at_once(self, item: Pending) -> bool:
@@ -124,7 +133,7 @@ class RequestQueue:
         takes work from the queue, and the client would otherwise wait for an instance to free up."""
         if item.deadline is None:
             return
-        delay = max(0.0, item.deadline - time.monotonic())
+        delay = max(0.0, item.deadline - self._clock())
         item.timer = asyncio.get_running_loop().call_later(delay, self._expire, item)
 
     def _expire(self, item: Pending) -> None:
@@ -136,7 +145,7 @@ class RequestQueue:
 
     def _expired(self, item: Pending) -> None:
         if not item.future.done():
-            waited_ms = (time.perf_counter_ns() - item.enqueued_ns) / 1e6
+            waited_ms = (self._clock_ns() - item.enqueued_ns) / 1e6
             item.future.set_exception(
                 DeadlineExceeded(
                     f"model {self.label}: request waited {waited_ms:.0f} ms in the queue, past its "
@@ -146,7 +155,7 @@ class RequestQueue:
 
     def _prune(self) -> None:
         """Drop requests that were cancelled or whose deadline passed while they waited."""
-        now = time.monotonic()
+        now = self._clock()
         kept: deque[Pending] = deque()
         for item in self._items:
             if item.future.done():
@@ -233,7 +242,7 @@ class RequestQueue:
                 short = self.batching and rows < self.target_rows
             remaining = 0.0
             if short and self.delay_s > 0:
-                remaining = self.delay_s - (time.perf_counter_ns() - head.enqueued_ns) / 1e9
+                remaining = self.delay_s - (self._clock_ns() - head.enqueued_ns) / 1e9
             if remaining <= 0 and (not short or partial is None or partial()):
                 if short and self.gathers and not settled:
                     settled = True

@@ -1,0 +1,617 @@
+"""The waiting a request does before it runs, in one process on virtual time: in its version's queue (the
+queue delay, max_batch_size, preferred_batch_size, the queue's timeout and the client's deadline) and in
+its worker's second slot, behind the execution that runs (the deadline). No daemon, no worker process.
+
+The event loop's clock is virtual (`VirtualLoop`): where the loop would sleep until its next timer, time
+jumps there at once. Each promise is checked at the virtual moment it is kept (a batch goes at its delay
+to the microsecond, a request is answered at its timeout) and each test runs in milliseconds of real time.
+Through the real daemon: test_batching; a busy instance's hold on short batches and settling:
+test_batch_hold, test_settle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import selectors
+import socket
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core.batching.queue import Pending, RequestQueue
+from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.request import InferRequest, InputTensor, Timings
+from mpsd.daemon.supervise.instance import SupervisorSettings
+from mpsd.daemon.supervise.worker.channel import Channel
+from mpsd.daemon.supervise.worker.liveness import Liveness
+from mpsd.daemon.supervise.worker.process import WorkerLaunch
+from mpsd.daemon.supervise.worker.tensors import Place
+from mpsd.errors import DeadlineExceeded, ErrorCode
+from mpsd.ipc import protocol as p
+from mpsd.ipc.framing import FrameProtocol, encode
+from mpsd.net.settle import settled
+
+T = TypeVar("T")
+
+LIMIT_S = 86_400.0  # virtual: a scenario still waiting after a day waits for something that never comes
+HOUR_US = 3_600_000_000
+
+
+# ---- virtual time ------------------------------------------------------------------------------------------
+
+
+class VirtualSelector(selectors.DefaultSelector):
+    """Polls the loop's sockets but never sleeps: where the loop would wait for its next timer, the
+    virtual clock moves to it. Nothing else can happen meanwhile (every socket's other end is this
+    process's), so the order of events is the one real time would give, without the waiting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now_ns = 10**12  # an arbitrary origin, far from 0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        events = super().select(0)
+        if events or (timeout is not None and timeout <= 0):
+            return events
+        if timeout is None:
+            raise AssertionError("nothing left to happen: every task waits for what never comes")
+        self.now_ns += max(1, math.ceil(timeout * 1e9))
+        return events
+
+
+class VirtualLoop(asyncio.SelectorEventLoop):
+    """An event loop on `VirtualSelector`'s clock: timers, `asyncio.sleep` and timeouts take no real time."""
+
+    def __init__(self) -> None:
+        self.clock = VirtualSelector()
+        super().__init__(self.clock)
+
+    def time(self) -> float:
+        return self.clock.now_ns / 1e9
+
+    def time_ns(self) -> int:
+        return self.clock.now_ns
+
+
+def run(scenario: Callable[[VirtualLoop], Awaitable[T]]) -> T:
+    """Run `scenario` on a fresh virtual loop; one still waiting a day (virtual) in fails the test."""
+    loop = VirtualLoop()
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(scenario(loop), LIMIT_S)
+
+    async def cancel_the_rest() -> None:
+        left = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        await asyncio.sleep(0)  # closed transports let go of their sockets
+
+    try:
+        return loop.run_until_complete(bounded())
+    finally:
+        loop.run_until_complete(cancel_the_rest())
+        loop.close()
+
+
+async def turns(n: int = 20) -> None:
+    """Let the loop run what is ready `n` times over (no time passes)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+# ---- the queue ---------------------------------------------------------------------------------------------
+
+
+def model_config(max_batch_size: int = 8, **batching: object) -> ModelConfig:
+    """A model batching up to `max_batch_size` rows, with `batching` as its dynamic_batching."""
+    return ModelConfig.model_validate(
+        {
+            "max_batch_size": max_batch_size,
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1]}],
+            "dynamic_batching": batching,
+        }
+    )
+
+
+def queue_on(
+    loop: VirtualLoop,
+    max_batch_size: int = 8,
+    settle: Callable[[], Awaitable[None]] = settled,
+    **batching: object,
+) -> RequestQueue:
+    """The queue of `model_config(max_batch_size, **batching)`, on the loop's virtual clock."""
+    config = model_config(max_batch_size, **batching)
+    return RequestQueue(config, "'m' version 1", settle, clock=loop.time, clock_ns=loop.time_ns)
+
+
+def request(rows: int = 1, width: int = 4) -> InferRequest:
+    """`rows` rows of `width` values: requests of equal width can share a batch."""
+    data = bytes(4 * rows * width)
+    return InferRequest("m", "1", "", (InputTensor("x", "FP32", (rows, width), data),), ("y",), rows)
+
+
+def pending(loop: VirtualLoop, rows: int = 1, width: int = 4, deadline: float | None = None) -> Pending:
+    """A request arriving now, as `ModelVersion.infer` makes it (`deadline` is the client's)."""
+    return Pending(request(rows, width), loop.create_future(), loop.time_ns(), deadline)
+
+
+def rows_of(batch: Sequence[Pending]) -> list[int]:
+    return [item.request.batch_size for item in batch]
+
+
+async def drain(queue: RequestQueue) -> list[list[Pending]]:
+    """Every batch the queue forms, in order, until it is empty (each one taken by a free instance)."""
+    batches = []
+    while len(queue):
+        batches.append(await queue.next_batch())
+    return batches
+
+
+async def expired_at(loop: VirtualLoop, item: Pending) -> int:
+    """The virtual time at which `item` was answered DEADLINE_EXCEEDED (anything else fails the test)."""
+    with pytest.raises(DeadlineExceeded) as raised:
+        await item.future
+    assert raised.value.code is ErrorCode.DEADLINE_EXCEEDED
+    assert "deadline" in raised.value.message and "not run" in raised.value.message
+    return loop.time_ns()
+
+
+# The queue delay --------------------------------------------------------------------------------------------
+
+
+def test_a_short_batch_goes_when_its_oldest_request_has_waited_the_queue_delay_and_not_before() -> None:
+    """A later arrival that leaves the batch short neither releases it nor restarts the delay."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, max_queue_delay_microseconds=1000)
+        t0 = loop.time_ns()
+        first = pending(loop)
+        queue.put(first)
+        taking = asyncio.create_task(queue.next_batch())
+        await asyncio.sleep(0.0004)
+        assert not taking.done()
+        second = pending(loop)
+        queue.put(second)
+        batch = await taking
+        waited = loop.time_ns() - t0
+        assert 1_000_000 <= waited < 1_001_000, waited  # the delay, to the microsecond
+        assert batch == [first, second]
+
+    run(scenario)
+
+
+def test_the_delay_is_over_for_a_request_that_has_already_waited_it() -> None:
+    """A request that waited the delay while no instance looked (every one busy) goes as soon as one does."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, max_queue_delay_microseconds=1000)
+        item = pending(loop)
+        queue.put(item)
+        await asyncio.sleep(0.002)
+        t1 = loop.time_ns()
+        assert await queue.next_batch() == [item]
+        assert loop.time_ns() == t1
+
+    run(scenario)
+
+
+def test_a_full_batch_goes_at_once_whatever_the_delay() -> None:
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, max_queue_delay_microseconds=HOUR_US)
+        t0 = loop.time_ns()
+        items = [pending(loop, 3), pending(loop, 5)]
+        for item in items:
+            queue.put(item)
+        assert await queue.next_batch() == items
+        assert loop.time_ns() == t0
+
+    run(scenario)
+
+
+def test_a_batch_goes_once_it_reaches_the_preferred_size() -> None:
+    """preferred_batch_size ends the wait: 3 rows wait (an hour's delay), the 4th releases them at once."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, max_queue_delay_microseconds=HOUR_US, preferred_batch_size=[4])
+        items = [pending(loop), pending(loop, 2)]
+        for item in items:
+            queue.put(item)
+        taking = asyncio.create_task(queue.next_batch())
+        await asyncio.sleep(60)
+        assert not taking.done()
+        t1 = loop.time_ns()
+        items.append(pending(loop))
+        queue.put(items[-1])
+        assert await taking == items
+        assert loop.time_ns() == t1
+
+    run(scenario)
+
+
+def test_a_preferred_size_beyond_max_batch_size_is_capped_at_it() -> None:
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, max_queue_delay_microseconds=HOUR_US, preferred_batch_size=[16])
+        items = [pending(loop, 4), pending(loop, 4), pending(loop)]
+        for item in items:
+            queue.put(item)
+        t0 = loop.time_ns()
+        assert await queue.next_batch() == items[:2]  # 8 rows: full, the one left over waits
+        assert loop.time_ns() == t0
+        assert await queue.next_batch() == items[2:]
+        assert loop.time_ns() - t0 >= HOUR_US * 1000
+
+    run(scenario)
+
+
+# max_batch_size ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "rows", "batches"),
+    [
+        (8, [8], [[8]]),
+        (8, [4, 4], [[4, 4]]),  # exactly max_batch_size rows fit
+        (8, [4, 4, 1], [[4, 4], [1]]),  # one more does not
+        (8, [3, 3, 3], [[3, 3], [3]]),
+        (8, [5, 4, 3], [[5, 3], [4]]),  # a later request that fits joins; the one that does not waits
+        (8, [1] * 9, [[1] * 8, [1]]),
+        (1, [1, 1], [[1], [1]]),
+    ],
+)
+def test_a_batch_holds_at_most_max_batch_size_rows(
+    max_rows: int, rows: list[int], batches: list[list[int]]
+) -> None:
+    async def scenario(loop: VirtualLoop) -> list[list[int]]:
+        queue = queue_on(loop, max_rows)
+        for n in rows:
+            queue.put(pending(loop, n))
+        return [rows_of(batch) for batch in await drain(queue)]
+
+    assert run(scenario) == batches
+
+
+def test_a_gathered_batch_holds_at_most_max_batch_size_rows() -> None:
+    """A request that skipped the queue for a free instance gathers arrivals up to max_batch_size rows."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        queue: RequestQueue
+        late = [pending(loop, n) for n in (3, 2, 3, 2, 1)]
+        arriving = list(late)
+
+        async def settle() -> None:  # they arrive while the loop settles (the first time)
+            while arriving:
+                queue.put(arriving.pop(0))
+
+        queue = queue_on(loop, settle=settle)
+        first = pending(loop)
+        # 1 + 3 + 2 + 2: exactly max_batch_size rows; the 3 in between would have made 9
+        assert await queue.gather([first]) == [first, late[0], late[1], late[3]]
+        assert await queue.next_batch() == [late[2], late[4]]
+
+    run(scenario)
+
+
+def expected_batches(requests: Sequence[tuple[int, int]], max_rows: int) -> list[list[int]]:
+    """What the queue promises, as indices into `requests` ((rows, width) each): each batch is the oldest
+    request left, then every later one of its width that still fits under max_rows, in arrival order."""
+    left = list(range(len(requests)))
+    batches = []
+    while left:
+        head, *rest = left
+        batch, rows = [head], requests[head][0]
+        for i in rest:
+            if requests[i][1] == requests[head][1] and rows + requests[i][0] <= max_rows:
+                batch.append(i)
+                rows += requests[i][0]
+        batches.append(batch)
+        left = [i for i in left if i not in batch]
+    return batches
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    max_rows=st.integers(1, 8),
+    delay_us=st.sampled_from([0, 100, HOUR_US]),
+    preferred=st.lists(st.integers(1, 16), max_size=2),
+)
+def test_batches_never_exceed_max_rows_nor_split_lose_or_reorder_requests(
+    data: st.DataObject, max_rows: int, delay_us: int, preferred: list[int]
+) -> None:
+    """Requests of random rows and two shapes, queued while every instance is busy, then taken batch by
+    batch."""
+    requests = data.draw(
+        st.lists(st.tuples(st.integers(1, max_rows), st.sampled_from([2, 3])), min_size=1, max_size=24)
+    )
+
+    async def scenario(loop: VirtualLoop) -> tuple[list[Pending], list[list[Pending]]]:
+        queue = queue_on(
+            loop, max_rows, max_queue_delay_microseconds=delay_us, preferred_batch_size=preferred
+        )
+        items = [pending(loop, rows, width) for rows, width in requests]
+        for item in items:
+            queue.put(item)
+        return items, await drain(queue)
+
+    items, batches = run(scenario)
+    index = {id(item): i for i, item in enumerate(items)}
+    got = [[index[id(item)] for item in batch] for batch in batches]
+    for batch in got:
+        assert sum(requests[i][0] for i in batch) <= max_rows, got
+        assert len({requests[i][1] for i in batch}) == 1, got  # never two shapes in one batch
+        assert batch == sorted(batch), got  # arrival order within a batch
+    assert sorted(i for batch in got for i in batch) == list(range(len(items)))  # each exactly once
+    assert got == expected_batches(requests, max_rows)
+
+
+# Timeouts and deadlines in the queue ------------------------------------------------------------------------
+
+
+def test_a_queued_request_is_answered_at_its_default_timeout_while_no_instance_takes_work() -> None:
+    """default_timeout_microseconds: every instance is busy (nobody calls `next_batch`); the request is
+    answered DEADLINE_EXCEEDED at its timeout, not when an instance frees up, and leaves the queue."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, default_timeout_microseconds=100_000)
+        t0 = loop.time_ns()
+        item = pending(loop)
+        queue.put(item)
+        waited = await expired_at(loop, item) - t0
+        assert 100_000_000 <= waited < 100_001_000, waited
+        assert len(queue) == 0
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("client_s", "default_us", "expected_ms"),
+    [(0.05, 0, 50), (0.05, 100_000, 50), (0.2, 100_000, 100)],
+)
+def test_a_queued_request_is_answered_at_the_earlier_of_its_clients_deadline_and_the_default_timeout(
+    client_s: float, default_us: int, expected_ms: int
+) -> None:
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop, default_timeout_microseconds=default_us)
+        t0 = loop.time_ns()
+        item = pending(loop, deadline=loop.time() + client_s)
+        queue.put(item)
+        waited = await expired_at(loop, item) - t0
+        assert expected_ms * 1_000_000 <= waited < expected_ms * 1_000_000 + 1000, waited
+        assert len(queue) == 0
+
+    run(scenario)
+
+
+def test_a_request_past_its_deadline_is_never_in_a_batch() -> None:
+    """A batch given back to the queue (its worker went away before running it) with a request now past
+    its deadline: the next batch leaves that request out, even before its timer has run, and it is
+    answered DEADLINE_EXCEEDED instead of being run."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        queue = queue_on(loop)
+        late, patient = pending(loop, 4, deadline=loop.time() + 0.01), pending(loop, 4)
+        queue.put(late)
+        queue.put(patient)
+        batch = await queue.next_batch()  # full: taken at once
+        assert batch == [late, patient]
+        await asyncio.sleep(0.02)  # the instance's worker dies before it runs the batch
+        taking = asyncio.create_task(queue.next_batch())  # another instance's dispatcher
+        await turns()
+        queue.requeue(batch)
+        assert await taking == [patient]
+        await expired_at(loop, late)
+
+    run(scenario)
+
+
+# ---- the worker's second slot ------------------------------------------------------------------------------
+
+LAUNCH = WorkerLaunch(p.ModelSpec("m", 1, "torchscript", "/nowhere", 8, (), ()), 0, "KIND_CPU", None, {})
+
+
+class Tensors:
+    """An execution's tensors as the channel sees them: no input bytes, `name` as its result."""
+
+    refs: tuple[p.TensorRef, ...] = ()
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def lay_out(self) -> int:
+        return p.CONTROL_BYTES
+
+    def write(self, buf: memoryview, place: Place | None) -> tuple[p.Piece, ...]:
+        return ()
+
+    def outputs(self) -> tuple[str, ...]:
+        return ("y",)
+
+    def read(self, refs: Sequence[p.TensorRef], buf: memoryview) -> str:
+        return self.name
+
+
+class Worker:
+    """The worker's end of the channel's socket, played by the test: it takes the Infer frames, marks an
+    execution started in its control block (as `worker/serve.py` does) and answers when told."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.executions: list[p.Infer] = []
+        self._arrived = asyncio.Event()
+        self._transport: asyncio.Transport | None = None
+
+    async def connect(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_unix_connection(
+            lambda: FrameProtocol(self._on_message, lambda exc: None), sock=sock
+        )
+        self._transport = transport
+
+    def _on_message(self, msg: object) -> None:
+        if isinstance(msg, p.Infer):
+            self.executions.append(msg)
+            self._arrived.set()
+
+    async def received(self, n: int) -> p.Infer:
+        """The `n`-th execution sent to the worker, once it has arrived."""
+        while len(self.executions) < n:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self.executions[n - 1]
+
+    def control(self, execution: p.Infer) -> int:
+        region = self.channel.slots[execution.slot].input
+        assert region is not None
+        return region.buf[0]
+
+    def start(self, execution: p.Infer) -> None:
+        region = self.channel.slots[execution.slot].input
+        assert region is not None and region.buf[0] == 0
+        region.buf[0] = p.STARTED
+
+    def answer(self, msg: p.InferDone | p.InferFailed) -> None:
+        assert self._transport is not None
+        self._transport.write(encode(msg))
+
+    def done(self, execution: p.Infer) -> None:
+        self.answer(p.InferDone(execution.req_id, (), 0, 0, 0))
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+async def connected() -> tuple[Channel, Worker]:
+    """A channel to a worker played by the test, over a socketpair."""
+    liveness = Liveness(LAUNCH, 0.0, lambda reason: None)
+    channel = Channel(LAUNCH.model, liveness, 0.0, lambda reason: None)
+    daemon_end, worker_end = socket.socketpair()
+    await channel.connect(daemon_end, lambda: None)
+    worker = Worker(channel)
+    await worker.connect(worker_end)
+    return channel, worker
+
+
+def execution(
+    loop: VirtualLoop, channel: Channel, name: str, deadline: float | None
+) -> tuple[asyncio.Task[str], asyncio.Future[Any]]:
+    """`name` sent to the worker, for one request (its future) with `deadline` (time.monotonic())."""
+    waiting: asyncio.Future[Any] = loop.create_future()
+    task = asyncio.create_task(channel.infer_batch(Tensors(name), Timings(), [waiting], deadline))
+    return task, waiting
+
+
+def test_a_batch_waiting_in_the_second_slot_is_answered_at_its_deadline_while_the_first_runs() -> None:
+    """The worker runs one execution; the next waits in the worker's socket, in the second slot. At its
+    deadline it is answered DEADLINE_EXCEEDED at once, while the first still runs, and marked expired for
+    the worker, which skips it; its slot is taken until the worker says so."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        channel, worker = await connected()
+        try:
+            first, _ = execution(loop, channel, "first", None)
+            running = await worker.received(1)
+            worker.start(running)
+            # The channel takes deadlines in time.monotonic(); only the loop's clock is virtual.
+            second, _ = execution(loop, channel, "second", time.monotonic() + 60)
+            waiting = await worker.received(2)
+            assert waiting.slot != running.slot
+            await asyncio.sleep(30)
+            assert not second.done() and worker.control(waiting) == 0
+            with pytest.raises(DeadlineExceeded, match="past its deadline before its worker started it"):
+                await second
+            assert not first.done()  # answered at its deadline, not once the batch ahead has run
+            assert worker.control(waiting) == p.ABANDONED_EXPIRED
+
+            third, _ = execution(loop, channel, "third", None)
+            await turns()
+            assert len(worker.executions) == 2  # both slots still taken: the worker has not answered
+            worker.answer(p.InferFailed(waiting.req_id, "DEADLINE_EXCEEDED", "skipped"))
+            worker.start(await worker.received(3))  # into the slot the skipped execution had
+            worker.done(running)
+            assert await first == "first"
+            worker.done(worker.executions[2])
+            assert await third == "third"
+        finally:
+            worker.close()
+            channel.close()
+
+    run(scenario)
+
+
+def test_an_execution_the_worker_has_started_runs_to_its_end_past_its_deadline() -> None:
+    """The deadline bounds the wait for the worker, as Triton's timeout does: once started, it finishes."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        channel, worker = await connected()
+        try:
+            task, _ = execution(loop, channel, "late", time.monotonic() + 1)
+            worker.start(await worker.received(1))
+            await asyncio.sleep(10)
+            assert not task.done()
+            worker.done(worker.executions[0])
+            assert await task == "late"
+        finally:
+            worker.close()
+            channel.close()
+
+    run(scenario)
+
+
+class RecordingWorker:
+    """A worker handle that records the deadline each execution is sent with."""
+
+    launch = LAUNCH
+    pid = 1
+
+    def __init__(self) -> None:
+        self.deadlines: list[float | None] = []
+
+    async def infer_batch(
+        self,
+        tensors: object,
+        timings: object,
+        waiting: Sequence[asyncio.Future[Any]],
+        deadline: float | None,
+        on_part: object,
+    ) -> list[tuple[()]]:
+        self.deadlines.append(deadline)
+        return [()] * len(waiting)
+
+
+@pytest.mark.parametrize(
+    ("deadlines", "sent"), [([5.0, 9.0, 7.0], 9.0), ([5.0, None], None), ([None, None], None)]
+)
+def test_a_batch_is_sent_with_the_latest_deadline_of_its_requests(
+    deadlines: list[float | None], sent: float | None
+) -> None:
+    """The execution is skipped only once every request in it is past its deadline; one request without a
+    deadline keeps it."""
+
+    async def scenario(loop: VirtualLoop) -> list[float | None]:
+        version = ModelVersion("m", 1, model_config(), ("", ""), [], [], SupervisorSettings())
+        worker = RecordingWorker()
+        batch = [pending(loop, deadline=d) for d in deadlines]
+        await version.execute(batch, worker)  # type: ignore[arg-type]
+        assert all(item.future.done() and not item.future.exception() for item in batch)
+        return worker.deadlines
+
+    assert run(scenario) == [sent]
+
+
+def test_a_scenario_that_waits_for_ever_fails_at_the_limit() -> None:
+    """What a broken promise looks like here: the wait for it ends at the virtual limit, at once."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        await loop.create_future()
+
+    with pytest.raises(asyncio.TimeoutError):
+        run(scenario)
