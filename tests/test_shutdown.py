@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import psutil
+import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -213,3 +214,53 @@ def test_an_earlier_deadline_wins_and_a_later_one_does_not_postpone_it() -> None
     deadline.arm(600.0, "later still")
     assert done.wait(30), "the earlier deadline did not fire"
     assert fired == [EXIT_FORCED]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="front processes run on Linux only")
+def test_a_start_that_fails_half_way_ends_the_daemon_with_70_and_nothing_left(tmp_path: Path) -> None:
+    """The gRPC port already listens when the fronts fail to start (here every front exits at once, by a
+    `sitecustomize` that only fronts act on): the daemon closes what it opened and exits 70, in one line."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import sys\nif 'mpsd.front' in getattr(sys, 'orig_argv', []):\n    sys.exit(3)\n"
+    )
+    repo = tmp_path / "repo"
+    models.add_sub(repo, dims=4)
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    serve = [
+        sys.executable,
+        "-m",
+        "mpsd",
+        "serve",
+        "--model-repository",
+        str(repo),
+        "--grpc-address",
+        address,
+    ]
+    with subprocess.Popen(
+        [*serve, "--http-address", "off", "--metrics-address", "off", "--front-processes", "1"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - started
+    assert proc.returncode == EXIT_FORCED, stderr
+    # beside the log events (the front's own words among them), the daemon's: one line and a hint, no
+    # traceback and no `Error in sys.excepthook`
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith("{")]
+    assert len(lines) == 2, stderr
+    assert lines[0].startswith("mpsd: the daemon failed: front process 0 could not start"), stderr
+    assert lines[1].startswith("hint: "), stderr
+    assert took < 60, took
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # nothing of its process group is left

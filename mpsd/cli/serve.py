@@ -117,11 +117,19 @@ def _serve(args: argparse.Namespace) -> int:
     configure(config.log_level, config.log_format)
     from mpsd.daemon.main import serve
 
+    from mpsd.daemon.shutdown import EXIT_FORCED
+
     try:
         return serve(config, config_path)
     except ConfigError as exc:  # found as the daemon starts: an address it cannot listen on, a TLS file
         print(f"mpsd: configuration error: {exc.message}", file=sys.stderr, flush=True)
         return EX_CONFIG
+    except Exception as exc:  # the daemon failed (its fronts did not start, say): ended, its ports closed
+        if args.debug:
+            raise
+        print(f"mpsd: the daemon failed: {exc}", file=sys.stderr)
+        print("hint: run again with --debug for the full traceback", file=sys.stderr, flush=True)
+        return EXIT_FORCED
 
 
 def add_serve_parser(subparsers: Any) -> None:
