@@ -371,6 +371,11 @@ class ModelConfig(_Strict):
             raise RuleError(("input",), "input: at least one input is required")
         if not self.output:
             raise RuleError(("output",), "output: at least one output is required")
+        if not self.instance_group:  # no worker would ever serve it
+            raise RuleError(
+                ("instance_group",),
+                "instance_group: at least one group is required; leave it out for one KIND_AUTO instance",
+            )
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise RuleError(("dynamic_batching",), "dynamic_batching needs max_batch_size > 0")
         if self.model_transaction_policy.decoupled:
