@@ -144,7 +144,7 @@ def check_model(
     model_dir: Path, allow_symlinks: bool = False, op_library_dirs: Sequence[Path] = ()
 ) -> tuple[ModelReport, ModelSource | None]:
     """Every problem of one model directory that can be found without loading it."""
-    from mpsd.daemon.supervise.placement import plan_instances
+    from mpsd.daemon.supervise.placement import check_memory_budget, plan_instances
 
     name = model_dir.name
     report = ModelReport(name, str(model_dir))
@@ -182,9 +182,22 @@ def check_model(
             )
         )
     try:
-        plan_instances(config)
+        plans = plan_instances(config)
     except ConfigError as exc:
         report.problems.extend(_placement_problems(name, cfg_path, text, exc))
+    else:  # over the budget by itself: the daemon refuses it whatever runs beside it
+        for message in check_memory_budget({name: plans}):
+            add(
+                Problem(
+                    name,
+                    str(cfg_path),
+                    "instance_group",
+                    message,
+                    "lower memory_fraction or count: the fractions on one device add up to at most 1.0, or "
+                    "the daemon (memory_budget_policy: refuse, the default) does not load the model",
+                    line_of(text, ("instance_group",)),
+                )
+            )
 
     available = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name))
     selected = config.version_policy.select(available)
