@@ -116,7 +116,6 @@ def _serve(args: argparse.Namespace) -> int:
             print(STARTING, file=sys.stderr, flush=True)
     configure(config.log_level, config.log_format)
     from mpsd.daemon.main import serve
-
     from mpsd.daemon.shutdown import EXIT_FORCED
 
     try:
