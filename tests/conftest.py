@@ -49,6 +49,11 @@ def free_port() -> int:
             return port
 
 
+def serve_command(repo: Path, address: str) -> list[str]:
+    """`mpsd serve` on `repo` and the gRPC `address`, run by this interpreter: what every test daemon runs."""
+    return [sys.executable, "-m", "mpsd", "serve", "--model-repository", str(repo), "--grpc-address", address]
+
+
 class RunningDaemon:
     """A real `mpsd serve` process in its own process group, with its log captured to a file."""
 
@@ -67,16 +72,7 @@ class RunningDaemon:
         self.address = f"127.0.0.1:{self.port}"
         self.http_address = f"127.0.0.1:{free_port()}"  # every daemon its own HTTP port, unless given
         self.log_path = log_path
-        args = [
-            sys.executable,
-            "-m",
-            "mpsd",
-            "serve",
-            "--model-repository",
-            str(repo),
-            "--grpc-address",
-            self.address,
-        ]
+        args = serve_command(repo, self.address)
         if config is not None:
             args += ["--config", str(config)]
         if shutdown_grace is not None:  # tests stop many daemons: no grace unless asked (None: config's)

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import mpsd
 from mpsd.cli import build_parser
 from tests import models
-from tests.conftest import ROOT, free_port, wait_for
+from tests.conftest import ROOT, free_port, serve_command, wait_for
 
 MPSD_SCRIPT = Path(sys.executable).parent / "mpsd"
 EX_CONFIG = 78
@@ -280,17 +280,7 @@ def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
-        serve = [
-            sys.executable,
-            "-m",
-            "mpsd",
-            "serve",
-            "--model-repository",
-            str(repo),
-            "--grpc-address",
-            address,
-        ]
-        serve += ["--metrics-address", ""]
+        serve = [*serve_command(repo, address), "--metrics-address", ""]
         alone = run([*serve, "--front-processes", "0"], tmp_path)
         fronts = run([*serve, "--front-processes", "2"], tmp_path)
     for done in (alone, fronts):

@@ -24,7 +24,15 @@ from tritonclient.utils import InferenceServerException
 
 from mpsd.daemon.shutdown import EXIT_CUT_SHORT, EXIT_FORCED, MARGIN_S, SECOND_SIGNAL_S, ExitDeadline
 from tests import models
-from tests.conftest import ROOT, RunningDaemon, free_port, http_request, pending_requests, wait_for
+from tests.conftest import (
+    ROOT,
+    RunningDaemon,
+    free_port,
+    http_request,
+    pending_requests,
+    serve_command,
+    wait_for,
+)
 
 DRAIN_S, STOP_S = 2.0, 2.0
 BOUND_S = DRAIN_S + STOP_S + MARGIN_S  # with the tests' shutdown_grace_s of 0
@@ -229,16 +237,7 @@ def test_a_start_that_fails_half_way_ends_the_daemon_with_70_and_nothing_left(tm
     models.add_sub(repo, dims=4)
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
-    serve = [
-        sys.executable,
-        "-m",
-        "mpsd",
-        "serve",
-        "--model-repository",
-        str(repo),
-        "--grpc-address",
-        address,
-    ]
+    serve = serve_command(repo, address)
     with subprocess.Popen(
         [*serve, "--http-address", "off", "--metrics-address", "off", "--front-processes", "1"],
         cwd=ROOT,
