@@ -85,6 +85,30 @@ def test_live_while_a_load_hangs_and_sigterm_ends_the_daemon_within_its_bound(
     wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), 10, "no worker left")
 
 
+def test_sigterm_during_a_sighup_reload_that_hangs_ends_the_daemon_cleanly(
+    tmp_path: Path, start_daemon: object
+) -> None:
+    """A reload runs beside the main loop: the stop signal is heard while it hangs in a model's load."""
+    repo = tmp_path / "repo"
+    models.add_sub(repo, dims=4)
+    config = daemon_config(tmp_path, model_control="explicit", reload_quiet_period_s=0)
+    daemon: RunningDaemon = start_daemon(repo, config=config)  # type: ignore[operator]
+    daemon.wait_ready()
+    hung_model(repo)
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: len(daemon.started_workers("hung")) == 1, 60, "the reload's hung worker started")
+    assert daemon.client.is_server_live()
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    code = daemon.proc.wait(120)
+    took = time.monotonic() - started
+    assert code == 0, daemon.log()[-3000:]
+    assert took < BOUND_S, f"{took:.1f} s\n{daemon.log()[-3000:]}"
+    log = daemon.log()
+    assert "reload requested (SIGHUP)" in log and "did not stop in time" not in log
+    assert "never retrieved" not in log
+
+
 def test_a_second_sigterm_ends_the_daemon_at_once(tmp_path: Path, start_daemon: object) -> None:
     repo = tmp_path / "repo"
     models.add_sub(repo, dims=4)

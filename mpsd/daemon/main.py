@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import signal
 from pathlib import Path
+from typing import Any
 
 import structlog
 from setproctitle import setproctitle
@@ -156,15 +157,21 @@ class Daemon:
             asyncio.create_task(self._watchdog(), name="watchdog"),
             asyncio.create_task(self._start_models(front_ports), name="models"),
         ]
+        reload: asyncio.Task[None] | None = None  # a SIGHUP's, in the background: a stop is heard meanwhile
         while not self._stop.is_set():
-            hup = asyncio.create_task(self._hup.wait())
+            reloading = reload is not None and not reload.done()
+            wake: asyncio.Future[Any] = (
+                reload if reload is not None and reloading else asyncio.ensure_future(self._hup.wait())
+            )
             stop = asyncio.create_task(self._stop.wait())
-            await asyncio.wait({hup, stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            hup.cancel()
+            await asyncio.wait({wake, stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
-            if self._hup.is_set() and not self._stop.is_set():
-                self._hup.clear()
-                await self._on_hup()
+            if not reloading:
+                wake.cancel()
+            if self._hup.is_set() and not self._stop.is_set() and (reload is None or reload.done()):
+                self._hup.clear()  # SIGHUPs during a reload: one more reload after it
+                reload = asyncio.create_task(self._on_hup(), name="reload")
+                background.append(reload)
             await self._update_health()
         return await self._shutdown(asyncio.ensure_future(self._end(background)))
 
@@ -216,7 +223,10 @@ class Daemon:
         self.notifier.reloading()
         log.info("reload requested (SIGHUP)")
         self._reread_config()
-        await self.reconciler.run_once()
+        try:
+            await self.reconciler.run_once()
+        except Exception:  # not one model's (those are kept in the model): the next trigger tries again
+            log.exception("reconcile failed")
         await self._update_health()
         if self._started:  # before the first load has finished, the service is not ready yet
             self.notifier.ready()

@@ -62,6 +62,9 @@ class WorkerProcess:
         sock, beats = await self.process.spawn()
         self.liveness.listen(beats, self.pid)
         load_reply = self.channel.expect_reply()
+        # A start cancelled while it waits (the daemon stopping) leaves the reply to fail when the channel
+        # closes: marked retrieved here, so that is not logged as an error nobody read.
+        load_reply.add_done_callback(lambda f: f.cancelled() or f.exception())
         await self.channel.connect(sock, self._on_closed)
         log.info("worker started", worker=self.launch.label, pid=self.pid, kind=self.launch.kind)
         self.process.pump_output()
