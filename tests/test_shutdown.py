@@ -61,6 +61,16 @@ def loading(daemon: RunningDaemon, name: str) -> bool:
     return any(r["name"] == name and r.get("state") == "LOADING" for r in rows)
 
 
+def stop_within(daemon: RunningDaemon, expected: int, bound_s: float = BOUND_S) -> None:
+    """SIGTERM, then the exit status and how long it took, against the bound."""
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    code = daemon.proc.wait(120)
+    took = time.monotonic() - started
+    assert code == expected, daemon.log()[-3000:]
+    assert took < bound_s, f"{took:.1f} s\n{daemon.log()[-3000:]}"
+
+
 def test_live_while_a_load_hangs_and_sigterm_ends_the_daemon_within_its_bound(
     tmp_path: Path, start_daemon: object
 ) -> None:
@@ -76,12 +86,7 @@ def test_live_while_a_load_hangs_and_sigterm_ends_the_daemon_within_its_bound(
         assert daemon.client.is_server_live()
         assert http_request(daemon.http_address, "GET", "/v2/health/live")[0] == 200
     workers = daemon.worker_pids()
-    started = time.monotonic()
-    daemon.proc.send_signal(signal.SIGTERM)
-    code = daemon.proc.wait(120)
-    took = time.monotonic() - started
-    assert code == 0, daemon.log()[-3000:]
-    assert took < BOUND_S, f"{took:.1f} s\n{daemon.log()[-3000:]}"
+    stop_within(daemon, expected=0)
     wait_for(lambda: not any(psutil.pid_exists(p) for p in workers), 10, "no worker left")
 
 
@@ -98,12 +103,7 @@ def test_sigterm_during_a_sighup_reload_that_hangs_ends_the_daemon_cleanly(
     daemon.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: len(daemon.started_workers("hung")) == 1, 60, "the reload's hung worker started")
     assert daemon.client.is_server_live()
-    started = time.monotonic()
-    daemon.proc.send_signal(signal.SIGTERM)
-    code = daemon.proc.wait(120)
-    took = time.monotonic() - started
-    assert code == 0, daemon.log()[-3000:]
-    assert took < BOUND_S, f"{took:.1f} s\n{daemon.log()[-3000:]}"
+    stop_within(daemon, expected=0)
     log = daemon.log()
     assert "reload requested (SIGHUP)" in log and "did not stop in time" not in log
     assert "never retrieved" not in log
