@@ -35,7 +35,7 @@ DAEMON_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("send to the worker: the socket write (and the worker's wake-up)", ("_SelectorSocketTransport.write",)),
     ("pickle a control message", ("encode (mpsd/ipc/framing.py",)),
     ("receive from the worker: read, unpickle, settle the future", ("_SelectorSocketTransport._read_ready",)),
-    ("statistics", ("mpsd/daemon/core/stats.py",)),
+    ("statistics", ("mpsd/daemon/dataplane/stats.py",)),
     ("handler: decode, validate, respond (mpsd/daemon/api)", ("mpsd/daemon/api/",)),
     (
         "hand-offs: queue, batcher, instance, worker channel (mpsd/daemon/core, supervise)",

@@ -14,7 +14,7 @@ import mpsd.daemon.api.operations as operations
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
-from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor
+from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor
 from mpsd.errors import InvalidArgument
 from mpsd.proto import grpc_service_pb2 as pb
 from tests.fresh_interpreter import main

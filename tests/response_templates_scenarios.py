@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from mpsd.daemon.api import respond
 from mpsd.daemon.api.respond import ResponseTemplates, infer_response_parts
-from mpsd.daemon.core.request import InferResult, OutputTensor
+from mpsd.daemon.dataplane.request import InferResult, OutputTensor
 from mpsd.proto import grpc_service_pb2 as pb
 from tests.fresh_interpreter import main
 

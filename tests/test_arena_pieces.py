@@ -21,9 +21,9 @@ import torch
 import tritonclient.grpc as grpcclient
 from torch import nn
 
-from mpsd.daemon.core.batching.marshal import IN_PLACE_BYTES, BatchTensors
-from mpsd.daemon.core.request import InferRequest, InputTensor
-from mpsd.daemon.supervise.arenas import ArenaBook
+from mpsd.daemon.dataplane.arenas import ArenaBook
+from mpsd.daemon.dataplane.marshal import IN_PLACE_BYTES, BatchTensors
+from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.ipc import protocol as p
 from mpsd.ipc.shm import Region
 from mpsd.ipc.wire_codec import PICKLED, dumps, loads

@@ -8,8 +8,8 @@ import asyncio
 import time
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.batching.queue import Pending, RequestQueue
-from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.dataplane.queue import Pending, RequestQueue
+from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 
 CONFIG = {
     "max_batch_size": 4,

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
 from mpsd.daemon.api.device_stats import DEVICE_COMPUTE_KEY, with_device_compute
-from mpsd.daemon.core.stats import DEVICE_BUCKETS_S, VersionStats
+from mpsd.daemon.dataplane.stats import DEVICE_BUCKETS_S, VersionStats
 from mpsd.ipc.protocol import ModelSpec, TensorRef, TensorSpec
 from mpsd.ipc.shm import Region
 from mpsd.tools.ops import render_status

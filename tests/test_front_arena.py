@@ -19,8 +19,8 @@ import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.daemon.core.batching.marshal import assemble
-from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.dataplane.marshal import assemble
+from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.daemon.supervise.fronts.link import FrontLink
 from mpsd.front.main import CoreLink
 from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK, Allocator, chunk_size

@@ -1,5 +1,5 @@
 """Batch marshalling without a worker: where a batch's inputs go in the input region, what is written there,
-and how the outputs are split back per request (`core.batching.marshal`)."""
+and how the outputs are split back per request (`dataplane.marshal`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from mpsd.daemon.core.batching.marshal import ALIGN, BatchTensors, assemble, split
-from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.dataplane.marshal import ALIGN, BatchTensors, assemble, split
+from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.errors import Internal, InvalidArgument
 from mpsd.ipc.protocol import CONTROL_BYTES, TensorRef
 

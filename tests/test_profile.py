@@ -38,7 +38,7 @@ import torch
 import tritonclient.grpc as grpcclient
 import yaml
 
-from mpsd.daemon.supervise.worker.channel import Channel
+from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.ipc import protocol as p

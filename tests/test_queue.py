@@ -24,14 +24,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.batching.queue import Pending, RequestQueue
 from mpsd.daemon.core.model_version import ModelVersion
-from mpsd.daemon.core.request import InferRequest, InputTensor, Timings
+from mpsd.daemon.dataplane.channel import Channel
+from mpsd.daemon.dataplane.queue import Pending, RequestQueue
+from mpsd.daemon.dataplane.request import InferRequest, InputTensor, Timings
+from mpsd.daemon.dataplane.tensors import Place
 from mpsd.daemon.supervise.instance import SupervisorSettings
-from mpsd.daemon.supervise.worker.channel import Channel
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
-from mpsd.daemon.supervise.worker.tensors import Place
 from mpsd.errors import DeadlineExceeded, ErrorCode
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode

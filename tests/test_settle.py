@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.batching.queue import Pending, RequestQueue
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
-from mpsd.daemon.core.request import InferRequest, InferResult, InputTensor
+from mpsd.daemon.dataplane.queue import Pending, RequestQueue
+from mpsd.daemon.dataplane.request import InferRequest, InferResult, InputTensor
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.net import busy_poll
 from mpsd.net.settle import settled

@@ -32,8 +32,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from mpsd.daemon.core.request import InferResult
-from mpsd.daemon.core.streaming import ResponseStream
+from mpsd.daemon.dataplane.request import InferResult
+from mpsd.daemon.dataplane.streaming import ResponseStream
 from tests import models
 from tests.conftest import RunningDaemon, free_port, own_segments, serving, wait_for
 

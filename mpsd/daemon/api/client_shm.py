@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from mpsd.daemon.core.request import OutputTensor
+from mpsd.daemon.dataplane.request import OutputTensor
 from mpsd.errors import AlreadyExists, InvalidArgument, NotFound
 from mpsd.ipc.shm import PREFIX
 

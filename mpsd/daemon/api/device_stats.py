@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mpsd.daemon.core.stats import VersionStats
+from mpsd.daemon.dataplane.stats import VersionStats
 
 DEVICE_COMPUTE_KEY = "mpsd_device_compute"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.parse import MAX_ID
-from mpsd.daemon.core.request import InferRequest, InputTensor
+from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 
 MAX_HEADERS = 1024  # past this many (request ids that change each time, say) the table starts again
 MAX_HEADER_BYTES = 4096

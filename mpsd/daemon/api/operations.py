@@ -20,7 +20,7 @@ from mpsd.daemon.api.known_headers import KnownHeader, KnownHeaders, known_heade
 from mpsd.daemon.api.parse import RawEntry, check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
-from mpsd.daemon.core.request import InferResult
+from mpsd.daemon.dataplane.request import InferResult
 from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, Unimplemented
 
 log = structlog.get_logger("mpsd.daemon.api")

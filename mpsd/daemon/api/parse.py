@@ -16,7 +16,7 @@ import numpy as np
 from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.api.values import Values, typed_bytes
-from mpsd.daemon.core.request import Deferred, InferRequest, InputTensor
+from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE, UNSUPPORTED
 

@@ -9,8 +9,8 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.config.pbtxt import write_cuda_graphs, write_libraries_and_autocast
 from mpsd.daemon.api.wire_split import raw_output_parts, varint_bytes
 from mpsd.daemon.core.model_version import ModelVersion
-from mpsd.daemon.core.request import InferResult
-from mpsd.daemon.core.stats import Duration
+from mpsd.daemon.dataplane.request import InferResult
+from mpsd.daemon.dataplane.stats import Duration
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import model_config_pb2 as mc
 

@@ -10,11 +10,11 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import structlog
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.batching.marshal import BatchTensors
-from mpsd.daemon.core.batching.queue import Pending, RequestQueue, fail_all
-from mpsd.daemon.core.request import InferRequest, InferResult, OutputTensor, Timings
-from mpsd.daemon.core.stats import VersionStats
-from mpsd.daemon.core.streaming import ResponseStream
+from mpsd.daemon.dataplane.marshal import BatchTensors
+from mpsd.daemon.dataplane.queue import Pending, RequestQueue, fail_all
+from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor, Timings
+from mpsd.daemon.dataplane.stats import VersionStats
+from mpsd.daemon.dataplane.streaming import ResponseStream
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
 from mpsd.daemon.supervise.worker.handle import WorkerProcess

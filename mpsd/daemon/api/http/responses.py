@@ -16,7 +16,7 @@ import numpy as np
 from aiohttp import web
 from google.protobuf.descriptor import FieldDescriptor
 
-from mpsd.daemon.core.request import InferResult
+from mpsd.daemon.dataplane.request import InferResult
 from mpsd.ipc.dtypes import DATATYPES
 
 JSON = "application/json"

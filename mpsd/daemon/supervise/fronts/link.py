@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from mpsd.daemon.supervise.arenas import ARENAS
+from mpsd.daemon.dataplane.arenas import ARENAS
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
 from mpsd.ipc.front_protocol import FrontReady, MalformedMessage

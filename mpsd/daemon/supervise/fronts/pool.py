@@ -16,7 +16,7 @@ import structlog
 from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token
-from mpsd.daemon.supervise.arenas import ARENAS
+from mpsd.daemon.dataplane.arenas import ARENAS
 from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes
 from mpsd.daemon.supervise.fronts.policy import front_address
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log

@@ -9,7 +9,7 @@ import dataclasses
 
 import structlog
 
-from mpsd.daemon.supervise.worker.channel import Channel
+from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.process import Process, WorkerLaunch, describe_exit
 from mpsd.errors import LoadError

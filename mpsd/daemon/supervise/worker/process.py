@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from mpsd.daemon.supervise.arenas import ARENAS
+from mpsd.daemon.dataplane.arenas import ARENAS
 from mpsd.daemon.supervise.child_output import output_lines
 from mpsd.ipc import protocol as p
 

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mpsd.daemon.core.request import InferResult
+from mpsd.daemon.dataplane.request import InferResult
 
 UNSENT_LIMIT = 8
 

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.request import InferRequest, InferResult, Timings
-from mpsd.daemon.core.streaming import ResponseStream
+from mpsd.daemon.dataplane.request import InferRequest, InferResult, Timings
+from mpsd.daemon.dataplane.streaming import ResponseStream
 from mpsd.errors import DeadlineExceeded, MpsdError, ResourceExhausted
 from mpsd.net.settle import settled
 

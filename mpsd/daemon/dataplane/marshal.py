@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from mpsd.daemon.core.request import InferRequest, OutputTensor
-from mpsd.daemon.supervise.worker.tensors import Place
+from mpsd.daemon.dataplane.request import InferRequest, OutputTensor
+from mpsd.daemon.dataplane.tensors import Place
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc import protocol as p
 

@@ -14,15 +14,14 @@ import itertools
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
-from mpsd.daemon.supervise.arenas import WorkerArenas
-from mpsd.daemon.supervise.slot_regions import SlotRegions
-from mpsd.daemon.supervise.slot_regions import ref as region_ref
-from mpsd.daemon.supervise.worker.liveness import Liveness
-from mpsd.daemon.supervise.worker.profiling import ProfileRun
-from mpsd.daemon.supervise.worker.tensors import PhaseTimes, Tensors
-from mpsd.daemon.supervise.worker.watch import watch as _watch
+from mpsd.daemon.dataplane.arenas import WorkerArenas
+from mpsd.daemon.dataplane.profiling import ProfileRun
+from mpsd.daemon.dataplane.slot_regions import SlotRegions
+from mpsd.daemon.dataplane.slot_regions import ref as region_ref
+from mpsd.daemon.dataplane.tensors import PhaseTimes, Tensors
+from mpsd.daemon.dataplane.watch import watch as _watch
 from mpsd.errors import DeadlineExceeded, Internal, ResourceExhausted, WorkerDied, error_from_code
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
@@ -32,6 +31,16 @@ from mpsd.ipc.framing import FrameProtocol, encode
 PROFILE_PATIENCE_S = 120.0
 
 T = TypeVar("T")
+
+
+class Signs(Protocol):
+    """Where the channel reports the worker's signs of life (supervision's `Liveness`): every message counts
+    as one, memory snapshots are handed on, and a profile widens the silence allowed."""
+
+    last_seen: float
+    patience_s: float
+
+    def snapshot(self, memory: dict[str, int]) -> None: ...
 
 
 class _Abandoned(Exception):
@@ -47,7 +56,7 @@ class Channel:
     every message counts as a sign of life for `liveness`, and memory snapshots go to it."""
 
     def __init__(
-        self, model: p.ModelSpec, liveness: Liveness, request_timeout_s: float, hung: Callable[[str], None]
+        self, model: p.ModelSpec, liveness: Signs, request_timeout_s: float, hung: Callable[[str], None]
     ) -> None:
         self.model = model
         self.liveness = liveness

@@ -1,5 +1,5 @@
 """What the execution channel asks of its caller: an execution's tensors (laid out, written and read by the
-caller, `core.batching.marshal`) and where its time went (`core.request.Timings`)."""
+caller, `marshal`) and where its time went (`request.Timings`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class Tensors(Protocol[T_co]):
-    """One execution's tensors, laid out, written and read by the caller (`core.batching.marshal`): the
+    """One execution's tensors, laid out, written and read by the caller (`marshal`): the
     channel provides the slot's regions and calls these while it holds the slot."""
 
     @property
@@ -42,7 +42,7 @@ Place = Callable[[memoryview], "tuple[int, int] | None"]  # (arena id, offset) o
 
 
 class PhaseTimes(Protocol):
-    """Where an execution's time went, in nanoseconds (`core.request.Timings`)."""
+    """Where an execution's time went, in nanoseconds (`request.Timings`)."""
 
     worker_wait_ns: int
     compute_input_ns: int
