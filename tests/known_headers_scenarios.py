@@ -34,6 +34,7 @@ class Version:
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
+        self.plane = self  # its data plane's entry, `infer`
         self.ran: list[InferRequest] = []
 
     async def infer(self, request: InferRequest, deadline: float | None) -> InferResult:

@@ -24,12 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.dataplane.channel import Channel
+from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.dataplane.queue import Pending, RequestQueue
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor, Timings
 from mpsd.daemon.dataplane.tensors import Place
-from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import DeadlineExceeded, ErrorCode
@@ -139,7 +138,7 @@ def request(rows: int = 1, width: int = 4) -> InferRequest:
 
 
 def pending(loop: VirtualLoop, rows: int = 1, width: int = 4, deadline: float | None = None) -> Pending:
-    """A request arriving now, as `ModelVersion.infer` makes it (`deadline` is the client's)."""
+    """A request arriving now, as `VersionPlane.infer` makes it (`deadline` is the client's)."""
     return Pending(request(rows, width), loop.create_future(), loop.time_ns(), deadline)
 
 
@@ -597,10 +596,10 @@ def test_a_batch_is_sent_with_the_latest_deadline_of_its_requests(
     deadline keeps it."""
 
     async def scenario(loop: VirtualLoop) -> list[float | None]:
-        version = ModelVersion("m", 1, model_config(), ("", ""), [], [], SupervisorSettings())
+        plane = VersionPlane("m", 1, model_config())
         worker = RecordingWorker()
         batch = [pending(loop, deadline=d) for d in deadlines]
-        await version.execute(batch, worker)  # type: ignore[arg-type]
+        await plane.execute(batch, worker)  # type: ignore[arg-type]
         assert all(item.future.done() and not item.future.exception() for item in batch)
         return worker.deadlines
 

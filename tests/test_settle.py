@@ -11,10 +11,9 @@ import time
 from collections.abc import Callable
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.core.model_version import ModelVersion, VersionState
+from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.dataplane.queue import Pending, RequestQueue
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, InputTensor
-from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.net import busy_poll
 from mpsd.net.settle import settled
 
@@ -171,20 +170,20 @@ def test_no_settle_with_a_queue_delay_a_full_batch_or_without_batching() -> None
     asyncio.run(scenario())
 
 
-class FakeInstance:
-    """An instance that is always free and records, for each direct execution, whether it gathered; each
+class FakeLane:
+    """A lane that is always free and records, for each direct execution, whether it gathered; each
     execution ends when the test releases it."""
 
-    ready = True
+    serving = True
 
     def __init__(self) -> None:
         self.gathered: list[bool] = []
         self.release = asyncio.Event()
 
-    def direct_worker(self) -> object:
+    def direct_channel(self) -> object:
         return self
 
-    async def run_direct(self, batch: list[Pending], worker: object, gather: bool = True) -> None:
+    async def run_direct(self, batch: list[Pending], channel: object, gather: bool = True) -> None:
         self.gathered.append(gather)
         await self.release.wait()
         for item in batch:
@@ -196,30 +195,28 @@ def test_a_request_alone_in_the_daemon_runs_without_gathering_and_one_beside_oth
     another of its model is in progress waits for the loop to settle."""
 
     async def scenario() -> list[bool]:
-        version = ModelVersion(
-            "m", 1, ModelConfig.model_validate(CONFIG), ("", ""), [], [], SupervisorSettings()
-        )
-        instance = FakeInstance()
-        version.instances = [instance]  # type: ignore[list-item]
-        version.state = VersionState.READY
+        plane = VersionPlane("m", 1, ModelConfig.model_validate(CONFIG))
+        lane = FakeLane()
+        plane.lanes = [lane]  # type: ignore[list-item]
+        plane.closed = None
         request = pending().request
-        instance.release.set()
-        await version.infer(request)  # alone
-        instance.release.clear()
-        first = asyncio.create_task(version.infer(request))
-        await until_called(instance, 2)
-        second = asyncio.create_task(version.infer(request))  # beside the first
-        await until_called(instance, 3)
-        instance.release.set()
+        lane.release.set()
+        await plane.infer(request)  # alone
+        lane.release.clear()
+        first = asyncio.create_task(plane.infer(request))
+        await until_called(lane, 2)
+        second = asyncio.create_task(plane.infer(request))  # beside the first
+        await until_called(lane, 3)
+        lane.release.set()
         await asyncio.wait_for(asyncio.gather(first, second), 5)
-        return instance.gathered
+        return lane.gathered
 
     assert asyncio.run(scenario()) == [False, False, True]
 
 
-async def until_called(instance: FakeInstance, calls: int) -> None:
+async def until_called(lane: FakeLane, calls: int) -> None:
     for _ in range(1000):
-        if len(instance.gathered) >= calls:
+        if len(lane.gathered) >= calls:
             return
         await asyncio.sleep(0)
-    raise AssertionError(f"{len(instance.gathered)} direct executions, expected {calls}")
+    raise AssertionError(f"{len(lane.gathered)} direct executions, expected {calls}")

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from mpsd.daemon.dataplane.lane import Lane
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
@@ -32,6 +33,11 @@ class FakeWorker:
         self.ceiling_reason = ""
         self.fails = fails
         self.started = self.stopped = self.killed = False
+        self.channel = self  # its executions' channel, as the lane sees it
+
+    @property
+    def refusing(self) -> bool:
+        return self.died.is_set()
 
     async def start(self, timeout_s: float) -> object:
         if self.fails:
@@ -70,16 +76,9 @@ class Rig:
         self.sleeps: list[float] = []
         self.sleep_gate = asyncio.Event()
         self.sleep_gate.set()
-        self.instance: Instance[str, FakeWorker] = Instance(
-            LAUNCH,
-            SETTINGS,
-            self.new_worker,
-            self,
-            self.execute,
-            self.instance_down,
-            lambda: instances,
-            sleep=self.sleep,
-            clock=lambda: self.now,
+        self.lane: Lane[str, FakeWorker] = Lane(self, self.execute, lambda: instances, self.instance_down)
+        self.instance: Instance[FakeWorker] = Instance(
+            LAUNCH, SETTINGS, self.new_worker, self.lane, sleep=self.sleep, clock=lambda: self.now
         )
 
     def new_worker(self, launch: WorkerLaunch) -> FakeWorker:
@@ -210,11 +209,11 @@ def test_a_direct_execution_needs_an_idle_instance_and_counts_toward_the_depth(
         await rig.instance.start()
         for _ in range(50):  # the dispatcher starts and waits for a batch
             await asyncio.sleep(0)
-        worker = rig.instance.direct_worker()
+        worker = rig.lane.direct_channel()
         assert worker is rig.made[0]
-        direct = asyncio.create_task(rig.instance.run_direct("d0", worker))
+        direct = asyncio.create_task(rig.lane.run_direct("d0", worker))
         await until(lambda: rig.running == 1)
-        assert rig.instance.direct_worker() is None  # busy: the next request queues
+        assert rig.lane.direct_channel() is None  # busy: the next request queues
         rig.batches.put_nowait("queued")  # the dispatcher was already waiting for it
         if depth > 1:
             await until(lambda: rig.running == 2)  # behind the direct execution, in the worker
@@ -226,11 +225,11 @@ def test_a_direct_execution_needs_an_idle_instance_and_counts_toward_the_depth(
         assert rig.runs[0] == ("d0+joined", rig.made[0])  # with what joined it while it gathered
         rig.execution_gate.set()
         await direct
-        await until(lambda: rig.instance.direct_worker() is rig.made[0])  # idle again
+        await until(lambda: rig.lane.direct_channel() is rig.made[0])  # idle again
         rig.batches.put_nowait("next")
         await until(lambda: rig.runs[-1] == ("next", rig.made[0]))
         await rig.instance.stop()
-        assert rig.instance.direct_worker() is None
+        assert rig.lane.direct_channel() is None
 
     run(scenario)
 
@@ -356,7 +355,7 @@ def test_a_worker_over_its_memory_ceiling_hands_over_to_a_warm_replacement() -> 
         for _ in range(50):
             await asyncio.sleep(0)
         assert not old.stopped and rig.instance.worker is old  # the batch it runs finishes there first
-        assert rig.instance.direct_worker() is None  # nothing new starts on the old worker
+        assert rig.lane.direct_channel() is None  # nothing new starts on the old worker
         rig.execution_gate.set()
         await until(lambda: old.stopped)
         assert rig.instance.worker is new and rig.instance.ready

@@ -132,7 +132,7 @@ class Operations:
                 parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
                 if header is not None and learnable(request, raw_contents):
                     self.known.add(header, known_header(request, parsed, mv.config))
-                result = await mv.infer(parsed, deadline)
+                result = await mv.plane.infer(parsed, deadline)
                 shm.write_outputs(result.outputs)
                 return Answered(result, frozenset(shm.outputs))
         finally:
@@ -161,7 +161,7 @@ class Operations:
             parsed = known.bind(raw, request_id)
             if parsed is None:
                 return None
-            return Answered(await mv.infer(parsed, deadline), frozenset())
+            return Answered(await mv.plane.infer(parsed, deadline), frozenset())
         finally:
             self.registry.touch(known.model)
 
@@ -189,7 +189,7 @@ class Operations:
         try:
             with self.client_shm.lease() as shm:
                 parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
-                responses = mv.stream(parsed, deadline)
+                responses = mv.plane.stream(parsed, deadline)
                 try:
                     async for result in responses:
                         shm.write_outputs(result.outputs)

@@ -358,7 +358,7 @@ class Registry:
                 state = "READY" if mv.ready else mv.state.value
                 if mv.state is VersionState.READY and not mv.ready:
                     state = "UNAVAILABLE"
-                    reason = reason or mv._why().lstrip(": ")
+                    reason = reason or mv.plane.lanes_down()
                 rows.append(IndexRow(name, str(v), state, reason))
         if ready_only:
             rows = [r for r in rows if r.state == "READY"]

@@ -56,9 +56,16 @@ class Channel:
     every message counts as a sign of life for `liveness`, and memory snapshots go to it."""
 
     def __init__(
-        self, model: p.ModelSpec, liveness: Signs, request_timeout_s: float, hung: Callable[[str], None]
+        self,
+        model: p.ModelSpec,
+        liveness: Signs,
+        request_timeout_s: float,
+        hung: Callable[[str], None],
+        label: str = "",
     ) -> None:
         self.model = model
+        self.label = label  # the worker's, for the log
+        self.pid: int | None = None  # the worker's, once it runs
         self.liveness = liveness
         self.request_timeout_s = request_timeout_s
         self.refusing = False  # the worker is stopping or gone: no execution is sent any more

@@ -1,5 +1,6 @@
-"""The daemon's handle on one worker: its process, its liveness and its execution channel behind the one
-interface an instance uses (start, infer_batch, stop, kill, died, over_ceiling)."""
+"""The daemon's handle on one worker: its process and its liveness behind the one interface an instance uses
+(start, stop, kill, died, over_ceiling), and the execution channel an instance hands the data plane once the
+worker is ready."""
 
 from __future__ import annotations
 
@@ -30,8 +31,7 @@ class WorkerProcess:
         self.died = asyncio.Event()
         self.process = Process(launch)
         self.liveness = Liveness(launch, heartbeat_timeout_s, self._hung)
-        self.channel = Channel(launch.model, self.liveness, request_timeout_s, self._hung)
-        self.infer_batch = self.channel.infer_batch  # the hot path goes to the channel without a hop
+        self.channel = Channel(launch.model, self.liveness, request_timeout_s, self._hung, launch.label)
         self.over_ceiling = self.liveness.over_ceiling
         self._stopping = False
         self._after: asyncio.Task[None] | None = None
@@ -61,6 +61,7 @@ class WorkerProcess:
         """Spawn (exec, never fork), send Init, wait for Ready; raises LoadError with the reason."""
         sock, beats = await self.process.spawn()
         self.liveness.listen(beats, self.pid)
+        self.channel.pid = self.pid
         load_reply = self.channel.expect_reply()
         # A start cancelled while it waits (the daemon stopping) leaves the reply to fail when the channel
         # closes: marked retrieved here, so that is not logged as an error nobody read.

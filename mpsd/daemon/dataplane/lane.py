@@ -1,0 +1,185 @@
+"""One instance's lane: which batches go to its worker's channel, and when.
+
+Supervision attaches the channel of a worker that is ready, detaches it when the worker is lost, and hands
+a replacement over; the lane decides the rest. A request that finds the lane idle runs in its caller's task
+(`run_direct`); otherwise the lane's dispatcher takes the next batch from the version's queue whenever the
+lane has room for it (`depth`). The lane knows its channel only as something that may refuse work, so its
+scheduling is tested on fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
+
+from mpsd.ipc.protocol import SLOTS
+from mpsd.net.tasks import TaskGroup
+
+
+class Refusing(Protocol):
+    """A worker's channel as the lane sees it: set `refusing` once the worker stops or is gone."""
+
+    @property
+    def refusing(self) -> bool: ...
+
+
+B = TypeVar("B")
+C = TypeVar("C", bound=Refusing)
+
+
+class Batches(Protocol[B]):
+    """The version's queue, as a lane pulls from it."""
+
+    async def next_batch(self, partial: Callable[[], bool] | None = None) -> B: ...
+
+    def wake(self) -> None:
+        """An execution of the lane ended: `partial` may answer otherwise now."""
+        ...
+
+    def requeue(self, batch: B) -> None:
+        """Give a batch back, in front: its lane lost its worker before running it."""
+        ...
+
+    async def gather(self, batch: B) -> B:
+        """`batch`, which skipped the queue, with what may join it before it runs."""
+        ...
+
+
+class Lane(Generic[B, C]):
+    """`execute(batch, channel)` runs a batch and answers its requests, whatever happens; `lanes()` is how
+    many lanes the version has now; `down()` is called whenever the lane loses its channel."""
+
+    def __init__(
+        self,
+        batches: Batches[B],
+        execute: Callable[[B, C], Awaitable[None]],
+        lanes: Callable[[], int],
+        down: Callable[[], None],
+    ) -> None:
+        self.channel: C | None = None  # the ready worker's, while there is one
+        self.down_reason = ""  # why there is none, for the version's refusal
+        self._batches = batches
+        self._execute_batch = execute
+        self._lanes = lanes
+        self._down = down
+        self._stopping = False
+        self._handing_over = False
+        self._idle = asyncio.Event()  # set while no execution of this lane runs
+        self._idle.set()
+        self._running = TaskGroup()  # executions the dispatcher started
+        self._direct = 0  # executions run by their caller's task (`run_direct`)
+        self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
+
+    @property
+    def serving(self) -> bool:
+        return self.channel is not None and not self._stopping
+
+    def attach(self, channel: C) -> None:
+        """A worker is ready: its channel takes this lane's work."""
+        self.channel = channel
+        self.down_reason = ""
+
+    def detach(self, reason: str) -> None:
+        """The worker is lost (`reason` says how): no batch goes to its channel any more."""
+        self.channel = None
+        self.down_reason = reason
+        self._down()
+
+    def _depth(self) -> int:
+        """Executions this lane keeps in flight. With one lane the next batch waits in the worker while the
+        current one runs, so the worker never idles between them; with several, each takes one at a time,
+        so a batch always goes to an idle lane while there is one."""
+        return SLOTS if self._lanes() == 1 else 1
+
+    def _busy(self) -> int:
+        return len(self._running) + self._direct
+
+    async def dispatch(self, channel: C, done_with: asyncio.Event) -> None:
+        """Feed `channel` batches from the queue until it refuses, the lane stops, or `done_with` is set."""
+        queue = self._batches
+        while not self._stopping and not done_with.is_set():
+            if self._busy() >= self._depth():
+                self._freed.clear()
+                await self._freed.wait()
+                continue
+            # The second execution in flight waits in the worker anyway: it goes only when full, or
+            # once the first has ended (`_ended` wakes the queue).
+            batch = await queue.next_batch(self._nothing_running if self._depth() > 1 else None)
+            if channel.refusing or self._stopping or done_with.is_set():
+                queue.requeue(batch)
+                return
+            if self._busy() >= self._depth():  # direct executions took the room while it waited
+                queue.requeue(batch)
+                continue
+            self._idle.clear()
+            self._running.spawn(self._execute(batch, channel)).add_done_callback(self._finished)
+
+    def direct_channel(self) -> C | None:
+        """The channel, when this lane is idle and can start an execution right now (attached, not handing
+        over); None otherwise. A request that arrives while an execution runs queues instead, and the
+        dispatcher forms the next batch: requests gather there rather than each taking a small execution."""
+        channel = self.channel
+        if channel is None or self._stopping or self._handing_over or channel.refusing or self._busy() > 0:
+            return None
+        return channel
+
+    async def run_direct(self, batch: B, channel: C, gather: bool = True) -> None:
+        """Run `batch` on `channel` in the caller's task, counted as this lane's execution: a request that
+        finds its lane free skips the queue, the dispatcher's wake-up and a task of its own. With `gather`,
+        requests that arrive while the queue gathers join it (`Batches.gather`). `execute` answers its
+        requests; a cancelled caller leaves the execution to its channel, which skips it in the worker if it
+        has not started."""
+        self._direct += 1
+        self._idle.clear()
+        try:
+            if gather:
+                batch = await self._batches.gather(batch)
+            await self._execute(batch, channel)
+        finally:
+            self._direct -= 1
+            self._ended()
+
+    async def hand_over(self, dispatch: asyncio.Task[None], done_with: asyncio.Event, to: C) -> None:
+        """Let the old channel finish the batch it is running, then feed `to` instead."""
+        done_with.set()
+        self._handing_over = True  # no direct execution starts on the old channel either
+        try:
+            if not self._idle.is_set():
+                await self._idle.wait()
+            dispatch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await dispatch
+        finally:
+            self._handing_over = False
+        self.attach(to)
+
+    async def _execute(self, batch: B, channel: C) -> None:
+        with contextlib.suppress(Exception):  # `execute` answered every request; a death reaches supervision
+            await self._execute_batch(batch, channel)
+
+    def _finished(self, _task: asyncio.Task[None]) -> None:
+        self._ended()
+
+    def _nothing_running(self) -> bool:
+        return not self._busy()
+
+    def _ended(self) -> None:
+        self._freed.set()
+        self._batches.wake()
+        if not self._busy():
+            self._idle.set()
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        """Take no more work; with a grace period, let the execution in progress finish first."""
+        self._stopping = True
+        if grace_s > 0 and not self._idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+
+    async def close(self, timeout_s: float) -> None:
+        """The worker is gone, so its executions end (their requests answered with the reason): what is
+        left of them ends with the lane."""
+        self.channel = None
+        await self._running.close(timeout_s)

@@ -1,0 +1,255 @@
+"""The data plane of one model version, and its one typed entry: `infer(InferRequest) -> InferResult` and
+`stream(InferRequest) -> AsyncIterator[InferResult]`.
+
+A request is admitted (the version takes requests, the queue has room), then runs directly on an idle lane
+or waits in the queue for the next batch a lane takes; either way `execute` lays the batch out in the
+worker's regions, runs it on the lane's channel and answers each request. The version's lifecycle (core)
+opens and closes the plane; supervision attaches and detaches the lanes' channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+
+import structlog
+
+from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.dataplane.channel import Channel
+from mpsd.daemon.dataplane.lane import Lane
+from mpsd.daemon.dataplane.marshal import BatchTensors
+from mpsd.daemon.dataplane.queue import Pending, RequestQueue, fail_all
+from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor, Timings
+from mpsd.daemon.dataplane.stats import VersionStats
+from mpsd.daemon.dataplane.streaming import ResponseStream
+from mpsd.errors import ErrorCode, MpsdError, Unavailable, WorkerDied
+
+log = structlog.get_logger("mpsd.daemon.model")
+
+Batch = list[Pending]
+VersionLane = Lane[Batch, Channel]
+
+
+class InFlight:
+    """Requests in flight: each `with` counts one while it lasts, and `idle` is set while none are (what
+    a drain waits for). A plain class, so counting a request allocates nothing."""
+
+    __slots__ = ("count", "idle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def __enter__(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
+
+
+class VersionPlane:
+    """`closed` says why the plane takes no request (None while it takes them): the version's lifecycle
+    sets it. `lanes` are the version's instances' lanes, in instance order."""
+
+    def __init__(self, name: str, version: int, config: ModelConfig) -> None:
+        self.name = name
+        self.version = version
+        self.closed: str | None = "loading"
+        self.stats = VersionStats()
+        self.queue = RequestQueue(config, f"'{name}' version {version}")
+        self.lanes: list[VersionLane] = []
+        self.flight = InFlight()
+
+    def new_lane(self) -> VersionLane:
+        return Lane(self.queue, self.execute, self._lane_count, self._lane_down)
+
+    def _lane_count(self) -> int:
+        return len(self.lanes)
+
+    @property
+    def inflight(self) -> int:
+        """Requests in `infer` or `stream` now."""
+        return self.flight.count
+
+    @property
+    def ready(self) -> bool:
+        if self.closed is not None:
+            return False
+        for lane in self.lanes:  # noqa: SIM110 (a loop, not any(): this runs for every request)
+            if lane.serving:
+                return True
+        return False
+
+    def lanes_down(self) -> str:
+        """Why a lane that is down is, the latest of them ("" if none says)."""
+        down = [lane for lane in self.lanes if not lane.serving and lane.down_reason]
+        return down[-1].down_reason if down else ""
+
+    def refusal(self) -> Unavailable:
+        """Why a request is refused now: the version is not open, or no lane has a worker."""
+        if self.closed is not None:
+            why = f" ({self.closed})"
+        else:
+            down = self.lanes_down()
+            why = f": {down}" if down else ""
+        return Unavailable(f"model '{self.name}' version {self.version} is not ready{why}")
+
+    async def infer(self, request: InferRequest, deadline: float | None = None) -> InferResult:
+        """Run the request on an idle lane at once, or queue it for the next batch, and wait for its result.
+
+        `deadline` (time.monotonic()) is the client's: a request still queued past it is dropped, not run.
+        """
+        if not self.ready:
+            raise self.refusal()
+        start = time.perf_counter_ns()
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        item = Pending(request, future, start, deadline)
+        direct = self._free_lane(item)
+        self._admit(item, queued=direct is None)
+        try:
+            with self.flight:
+                if direct is not None:
+                    lane, channel = direct
+                    # Alone in the daemon (one client's requests, one after another), a request has
+                    # nobody to wait for; beside others, more are likely on their way.
+                    await lane.run_direct([item], channel, gather=self.flight.count > 1)
+                result = await future  # already answered after a direct execution
+        except MpsdError as exc:
+            self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
+            raise
+        except BaseException:
+            if future.done() and not future.cancelled():
+                future.exception()  # the caller went away: nobody reads the error it was given
+            raise
+        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
+        return result
+
+    def _admit(self, item: Pending, queued: bool = True) -> None:
+        """Into the queue (or, for a direct execution, only its default timeout); a refusal is counted."""
+        try:
+            if queued:
+                self.queue.put(item)
+            else:
+                self.queue.admit(item)
+        except MpsdError as exc:
+            self.stats.record_failure(0, exc.code.value)
+            raise
+
+    def _free_lane(self, item: Pending) -> tuple[VersionLane, Channel] | None:
+        """A lane that would take `item` at once from the queue, and its channel: the request then runs in
+        its caller's task instead of going through the queue (same order, same batching)."""
+        if not self.queue.runs_at_once(item):
+            return None
+        for lane in self.lanes:
+            channel = lane.direct_channel()
+            if channel is not None:
+                return lane, channel
+        return None
+
+    async def stream(
+        self, request: InferRequest, deadline: float | None = None
+    ) -> AsyncGenerator[InferResult, None]:
+        """A decoupled model's responses to one request, each as the model yields it. Closing the iterator
+        early (the client went away) stops the model at its next response."""
+        if not self.ready:
+            raise self.refusal()
+        start = time.perf_counter_ns()
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        responses = ResponseStream()
+        self._admit(Pending(request, future, start, deadline, stream=responses))
+        try:
+            with self.flight:
+                async for result in responses.responses(future):
+                    yield result
+        except MpsdError as exc:
+            self.stats.record_failure(time.perf_counter_ns() - start, exc.code.value)
+            raise
+        finally:
+            if not future.done():
+                future.cancel()
+        self.stats.record_success(time.perf_counter_ns() - start, request.batch_size, responses.delivered)
+
+    async def execute(self, batch: Batch, channel: Channel) -> None:
+        """Run a batch (one or more requests) on a worker's channel and answer every future, whatever
+        happens."""
+        now = time.perf_counter_ns()
+        for item in batch:
+            item.timings.queue_ns = now - item.enqueued_ns
+            self.stats.queue.add(item.timings.queue_ns)
+        timings = Timings()
+        try:
+            deadlines = [item.deadline for item in batch]
+            latest = None if None in deadlines else max(d for d in deadlines if d is not None)
+            waiting = [item.future for item in batch]
+            tensors = BatchTensors([item.request for item in batch], waiting)
+            outputs = await channel.infer_batch(tensors, timings, waiting, latest, self._sink(batch))
+        except MpsdError as exc:
+            fail_all(batch, exc)
+            skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited
+            if not isinstance(exc, WorkerDied) and not skipped:  # a death is logged once, as "worker died"
+                oom = exc.code is ErrorCode.RESOURCE_EXHAUSTED
+                log.warning(
+                    "out of memory" if oom else "request failed",
+                    model=self.name,
+                    version=self.version,
+                    worker=channel.label,
+                    pid=channel.pid,
+                    code=exc.code.value,
+                    error=exc.message,
+                )
+            raise
+        except BaseException as exc:
+            fail_all(
+                batch,
+                Unavailable(
+                    f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})"
+                ),
+            )
+            raise
+        rows = sum(item.request.batch_size for item in batch)
+        self.stats.record_execution(
+            rows,
+            timings.compute_input_ns,
+            timings.compute_infer_ns,
+            timings.compute_output_ns,
+            len(batch),
+            timings.device_compute_ns,
+        )
+        # Time spent in the worker's socket behind the execution before it is queueing too (Triton's
+        # queue time ends when the execution starts).
+        self.stats.queue.add(timings.worker_wait_ns * len(batch), count=0)
+        if outputs is None:  # a decoupled model's request: its responses went out as they came
+            outputs = [()] * len(batch)
+        for item, result in zip(batch, outputs, strict=True):
+            item.timings.queue_ns += timings.worker_wait_ns
+            item.timings.compute_input_ns = timings.compute_input_ns
+            item.timings.compute_infer_ns = timings.compute_infer_ns
+            item.timings.compute_output_ns = timings.compute_output_ns
+            if not item.future.done():
+                item.future.set_result(InferResult(self.name, self.version, result, item.timings))
+
+    def _sink(self, batch: Batch) -> Callable[[list[tuple[OutputTensor, ...]]], Awaitable[bool]] | None:
+        """Where a decoupled model's parts go: its one request's response stream (None otherwise)."""
+        item = batch[0]
+        responses = item.stream
+        if responses is None:
+            return None
+
+        async def deliver(parts: list[tuple[OutputTensor, ...]]) -> bool:
+            result = InferResult(self.name, self.version, parts[0], item.timings)
+            return await responses.deliver(result, item.future)
+
+        return deliver
+
+    def _lane_down(self) -> None:
+        """No request may wait for a lane that is not coming back soon: fail the queue if none serves."""
+        if not any(lane.serving for lane in self.lanes):
+            self.fail_queued(self.refusal())
+
+    def fail_queued(self, error: MpsdError) -> None:
+        fail_all(self.queue.take_all(), error)
