@@ -12,7 +12,7 @@ import numpy as np
 
 import mpsd.daemon.api.operations as operations
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.api.inference import InferenceServicer
+from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor
 from mpsd.errors import InvalidArgument
@@ -68,9 +68,9 @@ def counted_parses() -> list[str]:
     seen: list[str] = []
     full = parse_infer_request
 
-    def counting(request: Any, *args: Any, **kwargs: Any) -> InferRequest:
-        seen.append(request.id)
-        return full(request, *args, **kwargs)
+    def counting(call: Any, *args: Any, **kwargs: Any) -> InferRequest:
+        seen.append(call.id)
+        return full(call, *args, **kwargs)
 
     operations.parse_infer_request = counting  # type: ignore[attr-defined]
     return seen

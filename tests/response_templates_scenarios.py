@@ -9,8 +9,8 @@ from collections.abc import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpsd.daemon.api import respond
-from mpsd.daemon.api.respond import ResponseTemplates, infer_response_parts
+from mpsd.daemon.api.grpc import responses
+from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.dataplane.request import InferResult, OutputTensor
 from mpsd.proto import grpc_service_pb2 as pb
 from tests.fresh_interpreter import main
@@ -84,10 +84,10 @@ def outputs_in_shared_memory_keep_their_place_empty() -> None:
 
 def the_table_is_bounded() -> None:
     templates = ResponseTemplates()
-    for k in range(respond.MAX_TEMPLATES + 5):
+    for k in range(responses.MAX_TEMPLATES + 5):
         out = OutputTensor("y", "FP32", (k,), bytes(4 * k))
         assert parsed(templates, InferResult("m", 1, (out,)), "r").outputs[0].shape == [k]
-    assert 0 < len(templates) <= respond.MAX_TEMPLATES
+    assert 0 < len(templates) <= responses.MAX_TEMPLATES
 
 
 SCENARIOS: dict[str, Callable[[], None]] = {

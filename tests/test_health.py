@@ -211,7 +211,7 @@ def test_a_shutdown_that_comes_while_a_watch_writes_still_reaches_the_watcher() 
     in between must still be written (NOT_SERVING) before the stream ends."""
     import asyncio
 
-    from mpsd.daemon.api.health import HealthService
+    from mpsd.daemon.api.grpc.health import HealthService
 
     service = HealthService({"": SERVING}.get)
 
@@ -239,7 +239,7 @@ def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
     the bounds are the documented second, not the module's constant, so a slower re-check fails)."""
     import asyncio
 
-    from mpsd.daemon.api.health import HealthService
+    from mpsd.daemon.api.grpc.health import HealthService
 
     statuses = {"model": SERVING}
 

@@ -1,6 +1,6 @@
 """A ModelInfer header that passed its checks stands for the next requests with the same bytes: they skip
 protobuf parsing and the checks, and still get their own tensor bytes, their own answers, and every error
-the full path would give (`mpsd.daemon.api.known_headers`).
+the full path would give (`mpsd.daemon.api.grpc.known_headers`).
 
 The servicer and the operations are the daemon's own; the registry and the model version under them are
 stand-ins that answer at once (the whole path through a running daemon is in every other inference test).

@@ -1,6 +1,6 @@
 """ModelInfer responses built from a template per model version and output signature
-(`mpsd.daemon.api.respond.ResponseTemplates`) parse exactly as the message protobuf builds, whatever the
-id, and a template stands only for the outputs it was built from. Each scenario runs in a fresh
+(`mpsd.daemon.api.grpc.responses.ResponseTemplates`) parse exactly as the message protobuf builds, whatever
+the id, and a template stands only for the outputs it was built from. Each scenario runs in a fresh
 interpreter: see tests/response_templates_scenarios.py.
 """
 

@@ -151,8 +151,8 @@ def test_mixed_shared_memory_and_request_tensors(daemon: RunningDaemon, key: Key
 
 def test_alike_requests_each_write_their_own_output(daemon: RunningDaemon, key: Key) -> None:
     """Three requests with the same names, shapes and parameters, the output in one region: each leaves its
-    own result there. A header with parameters is never learned (mpsd/daemon/api/known_headers.py), so the
-    second and third are not taken for the first's known header and answered without their write."""
+    own result there. A header with parameters is never learned (mpsd/daemon/api/grpc/known_headers.py), so
+    the second and third are not taken for the first's known header and answered without their write."""
     client = daemon.client
     k = key("repeat")
     handle = shm.create_shared_memory_region("repeat", k, NBYTES)

@@ -282,7 +282,7 @@ def test_yaml_to_pbtxt_and_back_is_the_same_config(
 # In a process of its own: mpsd's model_config.proto and tritonclient's cannot share one descriptor pool.
 WHY_NOT_MPS = """
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.api.respond import model_config_proto
+from mpsd.daemon.api.describe import model_config_proto
 config = ModelConfig.model_validate({
     "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [4]}],
     "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [4]}],

@@ -16,10 +16,10 @@ from setproctitle import setproctitle
 
 from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
 from mpsd.config.security import read_tokens
-from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
-from mpsd.daemon.api.admin import AdminServicer
-from mpsd.daemon.api.health import HealthService, registry_status
-from mpsd.daemon.api.inference import InferenceServicer
+from mpsd.daemon.api.grpc.admin import SERVICE_NAME as ADMIN_SERVICE
+from mpsd.daemon.api.grpc.admin import AdminServicer
+from mpsd.daemon.api.grpc.health import HealthService, registry_status
+from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.core.reconcile import Reconciler

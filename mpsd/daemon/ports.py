@@ -18,12 +18,12 @@ import structlog
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token, read_tokens
-from mpsd.daemon.api.admin import AdminServicer
-from mpsd.daemon.api.gate import Gate
-from mpsd.daemon.api.grpc_server import grpc_server, services
-from mpsd.daemon.api.health import HealthService
+from mpsd.daemon.api.grpc.admin import AdminServicer
+from mpsd.daemon.api.grpc.gate import Gate
+from mpsd.daemon.api.grpc.health import HealthService
+from mpsd.daemon.api.grpc.inference import InferenceServicer
+from mpsd.daemon.api.grpc.server import grpc_server, services
 from mpsd.daemon.api.http.server import HttpEndpoint
-from mpsd.daemon.api.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.supervise.fronts.policy import check_port_free, front_address, front_plan

@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
 
+from mpsd.daemon.api.call import Params
 from mpsd.daemon.dataplane.request import OutputTensor
 from mpsd.errors import AlreadyExists, InvalidArgument, NotFound
 from mpsd.ipc.shm import PREFIX
@@ -43,32 +43,30 @@ class ShmRef:
     byte_size: int
 
 
-def _int_param(what: str, parameters: Any, key: str, default: int | None) -> int:
+def _int_param(what: str, parameters: Params, key: str, default: int | None) -> int:
     if key not in parameters:
         if default is None:
             raise InvalidArgument(f"{what}: '{SHM_REGION}' needs '{key}' as well")
         return default
-    value = parameters[key]
-    choice = value.WhichOneof("parameter_choice")
-    if choice not in ("int64_param", "uint64_param"):
+    number = parameters[key].integer()
+    if number is None:
         raise InvalidArgument(f"{what}: parameter '{key}' must be an integer (int64_param)")
-    number = int(getattr(value, choice))
     if number < 0:
         raise InvalidArgument(f"{what}: parameter '{key}' must not be negative, got {number}")
     return number
 
 
-def shm_ref(what: str, parameters: Any) -> ShmRef | None:
+def shm_ref(what: str, parameters: Params) -> ShmRef | None:
     """The shared-memory location a tensor's parameters give, or None when its data is in the request."""
     if not SHM_PARAMS & set(parameters):
         return None
     if SHM_REGION not in parameters:
         raise InvalidArgument(f"{what}: shared-memory parameters given without '{SHM_REGION}'")
     region = parameters[SHM_REGION]
-    if region.WhichOneof("parameter_choice") != "string_param" or not region.string_param:
+    if region.kind != "string" or not region.value:
         raise InvalidArgument(f"{what}: parameter '{SHM_REGION}' must be a region name (string_param)")
     return ShmRef(
-        region.string_param,
+        str(region.value),
         _int_param(what, parameters, SHM_OFFSET, 0),
         _int_param(what, parameters, SHM_BYTE_SIZE, None),
     )

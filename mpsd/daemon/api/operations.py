@@ -7,7 +7,7 @@ the same errors, the same batching, queues and statistics), and neither is a sec
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +15,12 @@ import structlog
 
 import mpsd
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
-from mpsd.daemon.api.known_headers import KnownHeader, KnownHeaders, known_header, learnable
-from mpsd.daemon.api.parse import RawEntry, check_name, deadline_of, parse_infer_request
+from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
-from mpsd.daemon.dataplane.request import InferResult
+from mpsd.daemon.dataplane.request import InferRequest, InferResult
 from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, Unimplemented
 
 log = structlog.get_logger("mpsd.daemon.api")
@@ -61,7 +61,6 @@ class Operations:
         self.refusing = refusing if refusing is not None else shutting_down
         self.model_control = model_control
         self.client_shm = client_shm if client_shm is not None else ClientShmRegistry()
-        self.known = KnownHeaders()  # ModelInfer headers that passed their checks
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -111,17 +110,15 @@ class Operations:
 
     async def infer(
         self,
-        request: Any,
+        call: InferCall,
         deadline: float | None = None,
-        raw_contents: Sequence[RawEntry] | None = None,
-        header: bytes | None = None,
+        learn: Callable[[InferRequest, ModelConfig], None] | None = None,
     ) -> Answered:
-        """Check a ModelInferRequest against its model, run it, and write the outputs bound to shared
-        memory. `raw_contents` stands for its raw_input_contents (see `parse_infer_request`); `header`,
-        the request's bytes without them, is learned (`known_headers`) once the request passed its checks."""
-        check_name("model", request.model_name)
-        deadline = deadline_of(request, deadline)
-        mv = await self.registry.acquire(request.model_name, request.model_version, deadline)
+        """Check a call against its model, run it, and write the outputs bound to shared memory. `learn` is
+        told what the call became, and against which config, once it passed its checks."""
+        check_name("model", call.model)
+        deadline = deadline_of(call, deadline)
+        mv = await self.registry.acquire(call.model, call.version, deadline)
         if mv.config.model_transaction_policy.decoupled:
             raise Unimplemented(
                 f"model '{mv.name}' is decoupled (it answers with a stream of responses): call it with "
@@ -129,41 +126,37 @@ class Operations:
             )
         try:
             with self.client_shm.lease() as shm:  # regions the request names stay open until answered
-                parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
-                if header is not None and learnable(request, raw_contents):
-                    self.known.add(header, known_header(request, parsed, mv.config))
+                parsed = parse_infer_request(call, mv.config, shm)
+                if learn is not None:
+                    learn(parsed, mv.config)
                 result = await mv.plane.infer(parsed, deadline)
                 shm.write_outputs(result.outputs)
                 return Answered(result, frozenset(shm.outputs))
         finally:
-            self.registry.touch(request.model_name)
+            self.registry.touch(call.model)
 
-    async def infer_known(
+    async def infer_checked(
         self,
-        known: KnownHeader,
-        header: bytes,
-        raw: Sequence[bytes | memoryview],
-        request_id: str,
+        model: str,
+        version: str,
+        bind: Callable[[ModelConfig], InferRequest | None],
         deadline: float | None,
     ) -> Answered | None:
-        """Run a request whose header is known, without parsing or checking it again; None when the header
-        no longer stands for it (the model's config changed, or the bytes do not fit): the caller then takes
-        the full path, which also reports what is wrong."""
+        """Run a request that passed its checks before: `bind` makes it for the model's config now, or says
+        None (the config changed, or the bytes do not fit), and the caller then takes the full path, which
+        also reports what is wrong. A model that runs is not even looked up again in the repository."""
         registry = self.registry
-        if registry.loads_first(known.model):
-            mv = await registry.acquire(known.model, known.version, deadline)
+        if registry.loads_first(model):
+            mv = await registry.acquire(model, version, deadline)
         else:
-            mv = registry.acquire_running(known.model, known.version)
+            mv = registry.acquire_running(model, version)
         try:
-            if mv.config is not known.config:
-                self.known.forget(header)
-                return None
-            parsed = known.bind(raw, request_id)
+            parsed = bind(mv.config)
             if parsed is None:
                 return None
             return Answered(await mv.plane.infer(parsed, deadline), frozenset())
         finally:
-            self.registry.touch(known.model)
+            self.registry.touch(model)
 
     def decoupled(self, name: str, version: str) -> bool:
         """Whether the model answers with a stream of responses (False for a model not known: its request
@@ -177,28 +170,26 @@ class Operations:
                 return False
         return bool(source and source.config and source.config.model_transaction_policy.decoupled)
 
-    async def stream(
-        self, request: Any, deadline: float | None = None, raw_contents: Sequence[RawEntry] | None = None
-    ) -> AsyncGenerator[Answered, None]:
-        """A decoupled model's responses to one ModelInferRequest, each as the model yields it; outputs
-        bound to shared memory are written there by each response in turn. Closing the iterator early
-        stops the model at its next response."""
-        check_name("model", request.model_name)
-        deadline = deadline_of(request, deadline)
-        mv = await self.registry.acquire(request.model_name, request.model_version, deadline)
+    async def stream(self, call: InferCall, deadline: float | None = None) -> AsyncGenerator[Answered, None]:
+        """A decoupled model's responses to one call, each as the model yields it; outputs bound to shared
+        memory are written there by each response in turn. Closing the iterator early stops the model at
+        its next response."""
+        check_name("model", call.model)
+        deadline = deadline_of(call, deadline)
+        mv = await self.registry.acquire(call.model, call.version, deadline)
         try:
             with self.client_shm.lease() as shm:
-                parsed = parse_infer_request(request, mv.config, request.model_version, shm, raw_contents)
+                parsed = parse_infer_request(call, mv.config, shm)
                 responses = mv.plane.stream(parsed, deadline)
                 try:
                     async for result in responses:
                         shm.write_outputs(result.outputs)
                         yield Answered(result, frozenset(shm.outputs))
-                        self.registry.touch(request.model_name)
+                        self.registry.touch(call.model)
                 finally:
                     await responses.aclose()
         finally:
-            self.registry.touch(request.model_name)
+            self.registry.touch(call.model)
 
     # ---- repository ----------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Checking a ModelInferRequest against the model's config before anything reaches a worker.
+"""Checking an inference call (`api.call`, from either protocol) against the model's config before anything
+reaches a worker.
 
 Every check runs before any allocation sized by the request, and every message names the input and both
 the expected and the received value.
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mpsd.config.model_config import ModelConfig, TensorConfig
+from mpsd.daemon.api.call import InferCall, InputCall, OutputCall, Params, RawEntry
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.api.values import Values, typed_bytes
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
@@ -47,19 +49,17 @@ _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_by
 # batcher, no priority levels), so they are accepted; any other key is refused, so that a misspelt or
 # unsupported option is never silently ignored.
 REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
-    "sequence_id": ("int64_param", "uint64_param", "string_param"),
-    "sequence_start": ("bool_param",),
-    "sequence_end": ("bool_param",),
-    "priority": ("uint64_param", "int64_param"),
-    "timeout": ("int64_param", "uint64_param"),
-    "binary_data_output": ("bool_param",),
-    "triton_enable_empty_final_response": ("bool_param",),
-    "headers": ("string_param",),
+    "sequence_id": ("int64", "uint64", "string"),
+    "sequence_start": ("bool",),
+    "sequence_end": ("bool",),
+    "priority": ("uint64", "int64"),
+    "timeout": ("int64", "uint64"),
+    "binary_data_output": ("bool",),
+    "triton_enable_empty_final_response": ("bool",),
+    "headers": ("string",),
 }
 INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}
 OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {"classification"}
-# One entry of a request's raw contents: bytes, or elements that become bytes once the input is checked.
-RawEntry = bytes | memoryview | Values
 
 
 def _fmt(shape: Any) -> str:
@@ -75,52 +75,49 @@ def check_name(kind: str, name: str) -> None:
         raise InvalidArgument(f"{kind} name {name!a} contains control or unprintable characters")
 
 
-def _check_parameters(where: str, parameters: Any, known: set[str] | dict[str, tuple[str, ...]]) -> None:
+def _check_parameters(where: str, parameters: Params, known: set[str] | dict[str, tuple[str, ...]]) -> None:
     unknown = sorted(k for k in parameters if k not in known)
     if unknown:
         names = ", ".join(ascii(k)[:80] for k in unknown[:5])
         raise InvalidArgument(f"{where}: unknown parameter(s) {names} (accepted: {', '.join(sorted(known))})")
 
 
-def check_request_fields(request: Any) -> None:
+def check_request_fields(call: InferCall) -> None:
     """The request-level fields: id and parameters (names and tensors are checked with the model)."""
-    if len(request.id) > MAX_ID:
-        raise InvalidArgument(f"request id is {len(request.id)} characters long; the limit is {MAX_ID}")
-    if not request.parameters:
+    if len(call.id) > MAX_ID:
+        raise InvalidArgument(f"request id is {len(call.id)} characters long; the limit is {MAX_ID}")
+    if not call.parameters:
         return
-    _check_parameters("request", request.parameters, REQUEST_PARAMS)
-    for key, value in request.parameters.items():
-        kind = value.WhichOneof("parameter_choice")
-        if kind not in REQUEST_PARAMS[key]:
-            expected = " or ".join(k.removesuffix("_param") for k in REQUEST_PARAMS[key])
-            got = kind.removesuffix("_param") if kind else "no value"
-            raise InvalidArgument(f"request parameter '{key}' must be {expected}, got {got}")
-        if key in ("timeout", "priority") and getattr(value, kind) < 0:
+    _check_parameters("request", call.parameters, REQUEST_PARAMS)
+    for key, value in call.parameters.items():
+        if value.kind not in REQUEST_PARAMS[key]:
+            expected = " or ".join(REQUEST_PARAMS[key])
+            raise InvalidArgument(
+                f"request parameter '{key}' must be {expected}, got {value.kind or 'no value'}"
+            )
+        if key in ("timeout", "priority") and (value.integer() or 0) < 0:
             raise InvalidArgument(f"request parameter '{key}' must not be negative")
 
 
-def deadline_of(request: Any, deadline: float | None) -> float | None:
-    """The earlier of the client's deadline (time.monotonic()) and the request's `timeout` parameter
+def deadline_of(call: InferCall, deadline: float | None) -> float | None:
+    """The earlier of the client's deadline (time.monotonic()) and the call's `timeout` parameter
     (microseconds from now, 0 for none): the time by which the request must have started."""
-    if "timeout" not in request.parameters:
-        return deadline
-    value = request.parameters["timeout"]
-    micros = getattr(value, value.WhichOneof("parameter_choice") or "int64_param")
-    if not isinstance(micros, int) or micros <= 0:
+    timeout = call.parameters.get("timeout")
+    micros = timeout.integer() if timeout is not None else None
+    if micros is None or micros <= 0:
         return deadline
     limit = time.monotonic() + micros / 1e6
     return limit if deadline is None else min(deadline, limit)
 
 
-def _typed_used(tensor: Any) -> list[str]:
+def _typed_used(tensor: InputCall) -> list[str]:
     """The typed `contents` fields an input tensor fills."""
-    if not tensor.HasField("contents"):
+    if not tensor.contents:
         return []
-    contents = tensor.contents
-    return [f for f in _ALL_TYPED if len(getattr(contents, f))]
+    return [f for f in _ALL_TYPED if len(tensor.contents.get(f, ()))]
 
 
-def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int) -> None:
+def _check_shape(model: str, cfg: TensorConfig, shape: Sequence[int], max_batch: int) -> None:
     name = cfg.name
     if len(shape) > MAX_DIMS:
         raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions; the limit is {MAX_DIMS}")
@@ -149,10 +146,9 @@ def _check_shape(model: str, cfg: TensorConfig, shape: list[int], max_batch: int
             raise InvalidArgument(f"input '{name}': batch size 0 is not allowed")
 
 
-def _typed_bytes(name: str, datatype: str, tensor: Any, count: int) -> bytes:
+def _typed_bytes(name: str, datatype: str, tensor: InputCall, count: int) -> bytes:
     """Convert typed `contents` to raw bytes, checking the field and the element count."""
     used = _typed_used(tensor)
-    contents = tensor.contents
     typed = TYPED_FIELDS.get(datatype)
     if typed is None:
         raise InvalidArgument(f"input '{name}': {datatype} data must be sent in raw_input_contents")
@@ -161,34 +157,28 @@ def _typed_bytes(name: str, datatype: str, tensor: Any, count: int) -> bytes:
         raise InvalidArgument(
             f"input '{name}': {datatype} data belongs in contents.{field_name}, got {', '.join(used)}"
         )
-    values = getattr(contents, field_name)
+    values = tensor.contents.get(field_name, ())
     if len(values) != count:
         raise InvalidArgument(f"input '{name}': contents has {len(values)} elements, expected {count}")
     return typed_bytes(f"input '{name}'", datatype, values, np_type)
 
 
-def parse_infer_request(
-    request: Any,
-    config: ModelConfig,
-    version: str,
-    shm: ShmLease | None = None,
-    raw_contents: Sequence[RawEntry] | None = None,
-) -> InferRequest:
-    """Validate a ModelInferRequest and return the domain request with inputs in config order.
+def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | None = None) -> InferRequest:
+    """Validate a call and return the data plane's request, with inputs in config order.
 
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
-    bound in `shm`, which holds those regions until the response is built. `raw_contents`, when given,
-    stands for the request's raw_input_contents: views cut out of its wire bytes by `wire_split`, or, from
-    the HTTP adapter, an input's body bytes or its JSON elements (`Values`).
+    bound in `shm`, which holds those regions until the response is built. The call's raw contents are
+    views cut out of a gRPC request's wire bytes (`wire_split`), or, from the HTTP adapter, an input's body
+    bytes or its JSON elements (`Values`).
     """
-    model = request.model_name
-    check_request_fields(request)
+    model = call.model
+    check_request_fields(call)
     configured = config.input_by_name()
     max_batch = config.max_batch_size
-    raw = list(request.raw_input_contents if raw_contents is None else raw_contents)
-    in_request = sum(not (t.parameters and set(t.parameters) & _SHM_PARAMS) for t in request.inputs)
+    raw: Sequence[RawEntry] = call.raw
+    in_request = sum(not (t.parameters and set(t.parameters) & _SHM_PARAMS) for t in call.inputs)
     if raw and len(raw) != in_request:
-        where = " not in shared memory" if in_request < len(request.inputs) else ""
+        where = " not in shared memory" if in_request < len(call.inputs) else ""
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries but the request has {in_request} inputs{where}; "
             "when raw contents are used every input must have one"
@@ -196,7 +186,7 @@ def parse_infer_request(
     next_raw = 0
     seen: dict[str, InputTensor] = {}
     batch: int | None = None
-    for tensor in request.inputs:
+    for tensor in call.inputs:
         name = tensor.name
         check_name("input", name)
         if name in seen:
@@ -218,7 +208,7 @@ def parse_infer_request(
             raise InvalidArgument(
                 f"input '{name}': expected datatype {cfg.wire_datatype}, got '{tensor.datatype[:32]}'"
             )
-        shape = list(tensor.shape)
+        shape = tensor.shape
         _check_shape(model, cfg, shape, max_batch)
         if max_batch > 0:
             if batch is not None and shape[0] != batch:
@@ -258,25 +248,25 @@ def parse_infer_request(
         raise InvalidArgument(f"missing input(s) {', '.join(missing)} for model '{model}'")
     if any(c.optional and n not in seen for n, c in configured.items()):
         raise Unimplemented(f"model '{model}': omitting optional inputs is not supported by this backend")
-    outputs = _requested_outputs(request, config, shm)
+    outputs = _requested_outputs(call, config, shm)
     return InferRequest(
         model=model,
-        version=version,
-        id=request.id,
+        version=call.version,
+        id=call.id,
         inputs=tuple(seen[n] for n in configured),
         outputs=outputs,
         batch_size=batch or 1,
     )
 
 
-def _requested_outputs(request: Any, config: ModelConfig, shm: ShmLease | None) -> tuple[str, ...]:
+def _requested_outputs(call: InferCall, config: ModelConfig, shm: ShmLease | None) -> tuple[str, ...]:
     known = config.output_by_name()
     names: list[str] = []
-    for out in request.outputs:
+    for out in call.outputs:
         check_name("output", out.name)
         if out.name not in known:
             raise InvalidArgument(
-                f"unknown output '{out.name}' for model '{request.model_name}' (expected: {', '.join(known)})"
+                f"unknown output '{out.name}' for model '{call.model}' (expected: {', '.join(known)})"
             )
         if out.name in names:
             raise InvalidArgument(f"output '{out.name}' is requested twice")
@@ -286,12 +276,13 @@ def _requested_outputs(request: Any, config: ModelConfig, shm: ShmLease | None) 
     return tuple(names) if names else tuple(known)
 
 
-def _check_output_parameters(out: Any, shm: ShmLease | None) -> None:
+def _check_output_parameters(out: OutputCall, shm: ShmLease | None) -> None:
     _check_parameters(f"output '{out.name}'", out.parameters, OUTPUT_PARAMS)
     ref = shm_ref(f"output '{out.name}'", out.parameters)
     if ref is not None:
         if shm is None:
             raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported here")
         shm.bind_output(out.name, ref)
-    if out.parameters.get("classification") and out.parameters["classification"].int64_param > 0:
+    classification = out.parameters.get("classification")
+    if classification is not None and (classification.integer() or 0) > 0:
         raise Unimplemented(f"output '{out.name}': classification outputs are not supported")

@@ -1,10 +1,10 @@
 """The body of an HTTP infer request: a JSON header, then the binary data of the inputs that give a
 `binary_data_size` (Triton's binary tensor data extension), one after the other in input order.
 
-The JSON becomes the ModelInferRequest a gRPC client would have sent, and each input's data one entry of
-its raw contents: a view of the body for binary data (not copied before the worker's region), or the JSON
-elements (`Values`), made bytes only once the input has been checked against the model. The checks are
-then the gRPC path's own (`parse_infer_request`); here only the HTTP framing and the JSON's shape are.
+The JSON becomes the inference call (`api.call`) the gRPC adapter also makes, and each input's data one
+entry of its raw contents: a view of the body for binary data (not copied before the worker's region), or
+the JSON elements (`Values`), made bytes only once the input has been checked against the model. The checks
+against the model are shared (`parse_infer_request`); here only the HTTP framing and the JSON's shape are.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from mpsd.daemon.api.call import InferCall, InputCall, OutputCall, Param, RawEntry
 from mpsd.daemon.api.client_shm import SHM_PARAMS
-from mpsd.daemon.api.parse import RawEntry
 from mpsd.daemon.api.values import Values
 from mpsd.errors import InvalidArgument
-from mpsd.proto import grpc_service_pb2 as pb
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_DATA_SIZE = "binary_data_size"
@@ -31,10 +30,9 @@ _JSON_TYPES = {dict: "an object", list: "an array", type(None): "null", str: "a 
 
 @dataclass
 class InferBody:
-    """A parsed infer body: the request, its raw contents, and how each output is to be returned."""
+    """A parsed infer body: the call, and how each output is to be returned."""
 
-    request: Any  # pb.ModelInferRequest
-    raw: list[RawEntry]
+    call: InferCall
     binary: dict[str, bool] = field(default_factory=dict)  # outputs that set `binary_data`
     binary_default: bool = False  # the request's `binary_data_output`
 
@@ -90,31 +88,27 @@ def _string(value: Any, where: str) -> str:
     return value
 
 
-def _set_parameter(target: Any, key: str, value: Any, where: str) -> None:
-    """A JSON parameter value into an InferParameter: the kind follows the JSON type."""
+def json_param(key: str, value: Any, where: str) -> Param:
+    """A JSON parameter value: its kind follows the JSON type (an integer is int64, or uint64 past it)."""
     if isinstance(value, bool):
-        target.bool_param = value
-    elif isinstance(value, int):
+        return Param("bool", value)
+    if isinstance(value, int):
         if _INT64[0] <= value <= _INT64[1]:
-            target.int64_param = value
-        elif 0 <= value <= _UINT64_MAX:
-            target.uint64_param = value
-        else:
-            raise InvalidArgument(f"{where}: parameter '{key}' does not fit in 64 bits")
-    elif isinstance(value, float):
-        target.double_param = value
-    elif isinstance(value, str):
-        target.string_param = value
-    else:
-        raise InvalidArgument(f"{where}: parameter '{key}' must be a boolean, a number or a string")
+            return Param("int64", value)
+        if 0 <= value <= _UINT64_MAX:
+            return Param("uint64", value)
+        raise InvalidArgument(f"{where}: parameter '{key}' does not fit in 64 bits")
+    if isinstance(value, float):
+        return Param("double", value)
+    if isinstance(value, str):
+        return Param("string", value)
+    raise InvalidArgument(f"{where}: parameter '{key}' must be a boolean, a number or a string")
 
 
-def _parameters(value: Any, target: Any, where: str) -> dict[str, Any]:
+def _parameters(value: Any, where: str) -> dict[str, Param]:
     if not isinstance(value, dict):
         raise InvalidArgument(f"{where}: 'parameters' must be a JSON object, got {_kind(value)}")
-    for key, item in value.items():
-        _set_parameter(target[key], key, item, where)
-    return value
+    return {key: json_param(key, item, where) for key, item in value.items()}
 
 
 def _shape(value: Any, where: str) -> list[int]:
@@ -145,40 +139,36 @@ class _Binary:
 
 
 def parse_infer_body(body: memoryview, header: str | None, model: str, version: str) -> InferBody:
-    """The request an infer body holds; `header` is its Inference-Header-Content-Length header."""
+    """The call an infer body holds; `header` is its Inference-Header-Content-Length header."""
     length = header_length(header, len(body))
     top = _object(load_json(body[:length], "the JSON header"), "the request", REQUEST_KEYS)
-    request = pb.ModelInferRequest(model_name=model, model_version=version)
-    parsed = InferBody(request, [])
-    try:
-        if "id" in top:
-            request.id = _string(top["id"], "'id'")
-        if "parameters" in top:
-            params = _parameters(top["parameters"], request.parameters, "request")
-            if "binary_data_output" in params:
-                parsed.binary_default = params["binary_data_output"] is True
-        inputs = top.get("inputs")
-        if not isinstance(inputs, list):
-            raise InvalidArgument(f"the request's 'inputs' must be an array, got {_kind(inputs)}")
-        binary = _Binary(body, length)
-        for i, item in enumerate(inputs):
-            _add_input(request, parsed.raw, item, f"inputs[{i}]", binary)
-        if binary.pos != len(body):
-            raise InvalidArgument(
-                f"the body has {len(body) - binary.pos} bytes after the JSON header and the inputs' "
-                "binary data"
-            )
-        outputs = top.get("outputs", [])
-        if not isinstance(outputs, list):
-            raise InvalidArgument(f"the request's 'outputs' must be an array, got {_kind(outputs)}")
-        for i, item in enumerate(outputs):
-            _add_output(request, parsed.binary, item, f"outputs[{i}]")
-    except (ValueError, TypeError) as exc:  # protobuf refuses a string (a lone surrogate) or a number
-        raise InvalidArgument(f"the request cannot be represented: {exc}") from None
-    return parsed
+    request_id = _string(top["id"], "'id'") if "id" in top else ""
+    params: dict[str, Param] = {}
+    binary_default = False
+    if "parameters" in top:
+        params = _parameters(top["parameters"], "request")
+        if "binary_data_output" in params:
+            binary_default = params["binary_data_output"].value is True
+    inputs = top.get("inputs")
+    if not isinstance(inputs, list):
+        raise InvalidArgument(f"the request's 'inputs' must be an array, got {_kind(inputs)}")
+    binary = _Binary(body, length)
+    raw: list[RawEntry] = []
+    tensors = [_input(raw, item, f"inputs[{i}]", binary) for i, item in enumerate(inputs)]
+    if binary.pos != len(body):
+        raise InvalidArgument(
+            f"the body has {len(body) - binary.pos} bytes after the JSON header and the inputs' binary data"
+        )
+    outputs = top.get("outputs", [])
+    if not isinstance(outputs, list):
+        raise InvalidArgument(f"the request's 'outputs' must be an array, got {_kind(outputs)}")
+    wanted: dict[str, bool] = {}
+    asked = [_output(wanted, item, f"outputs[{i}]") for i, item in enumerate(outputs)]
+    call = InferCall(model, version, request_id, params, tuple(tensors), tuple(asked), tuple(raw))
+    return InferBody(call, wanted, binary_default)
 
 
-def _add_input(request: Any, raw: list[RawEntry], item: Any, where: str, binary: _Binary) -> None:
+def _input(raw: list[RawEntry], item: Any, where: str, binary: _Binary) -> InputCall:
     tensor = _object(item, where, INPUT_KEYS)
     for key in ("name", "datatype", "shape"):
         if key not in tensor:
@@ -186,8 +176,8 @@ def _add_input(request: Any, raw: list[RawEntry], item: Any, where: str, binary:
     name = _string(tensor["name"], f"{where}: 'name'")
     where = f"input '{name}'" if name.isprintable() and len(name) < 256 else where
     datatype = _string(tensor["datatype"], f"{where}: 'datatype'")
-    added = request.inputs.add(name=name, datatype=datatype, shape=_shape(tensor["shape"], where))
-    params = _parameters(tensor["parameters"], added.parameters, where) if "parameters" in tensor else {}
+    shape = _shape(tensor["shape"], where)
+    params = _parameters(tensor["parameters"], where) if "parameters" in tensor else {}
     given = [
         what
         for what, present in (
@@ -206,18 +196,20 @@ def _add_input(request: Any, raw: list[RawEntry], item: Any, where: str, binary:
             raise InvalidArgument(f"{where}: 'data' must be an array, got {_kind(tensor['data'])}")
         raw.append(Values(tensor["data"]))
     elif BINARY_DATA_SIZE in params:
-        raw.append(binary.take(params[BINARY_DATA_SIZE], where))
+        raw.append(binary.take(params[BINARY_DATA_SIZE].value, where))
+    return InputCall(name, datatype, tuple(shape), params)
 
 
-def _add_output(request: Any, binary: dict[str, bool], item: Any, where: str) -> None:
+def _output(binary: dict[str, bool], item: Any, where: str) -> OutputCall:
     output = _object(item, where, OUTPUT_KEYS)
     if "name" not in output:
         raise InvalidArgument(f"{where}: 'name' is missing")
     name = _string(output["name"], f"{where}: 'name'")
-    added = request.outputs.add(name=name)
+    params: dict[str, Param] = {}
     if "parameters" in output:
-        params = _parameters(output["parameters"], added.parameters, f"output '{name}'"[:300])
+        params = _parameters(output["parameters"], f"output '{name}'"[:300])
         if "binary_data" in params:
-            if not isinstance(params["binary_data"], bool):
+            if params["binary_data"].kind != "bool":
                 raise InvalidArgument(f"output '{name}'"[:300] + ": 'binary_data' must be a boolean")
-            binary[name] = params["binary_data"]
+            binary[name] = bool(params["binary_data"].value)
+    return OutputCall(name, params)

@@ -2,8 +2,8 @@
 object, `/generate_stream` with server-sent events, one per response of a decoupled model.
 
 The request is a JSON object whose keys other than `id` and `parameters` are the model's inputs by name, each
-a number or a (nested) array of numbers of the input's datatype; it becomes the ModelInferRequest a gRPC
-client would send, so the same checks, queue and statistics apply. A response is a JSON object with
+a number or a (nested) array of numbers of the input's datatype; it becomes the inference call an infer
+request makes (`api.call`), so the same checks, queue and statistics apply. A response is a JSON object with
 `model_name`, `model_version`, `id` when given, and each output by name: a single element as a number, more
 as nested arrays in the output's shape. An error is `{"error": "..."}` (as an event, once a stream has begun).
 """
@@ -11,19 +11,20 @@ as nested arrays in the output's shape. An error is `{"error": "..."}` (as an ev
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.call import InferCall, InputCall, RawEntry
 from mpsd.daemon.api.operations import Answered, Operations
 from mpsd.daemon.api.parse import check_name
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.ipc.dtypes import DATATYPES, config_to_wire
-from mpsd.proto import grpc_service_pb2 as pb
 
-from .body import load_json
+from .body import json_param, load_json
 from .handlers import path, rpc
 from .infer import read_body
 from .responses import dumps, json_response, json_values
@@ -31,32 +32,27 @@ from .responses import dumps, json_response, json_values
 RESERVED = ("id", "parameters")
 
 
-def _request(body: Any, model: str, version: str, config: ModelConfig) -> Any:
-    """The ModelInferRequest a generate body stands for."""
+def _request(body: Any, model: str, version: str, config: ModelConfig) -> InferCall:
+    """The inference call a generate body stands for."""
     if not isinstance(body, dict):
         raise InvalidArgument("the generate request must be a JSON object of input names and values")
-    request = pb.ModelInferRequest(model_name=model, model_version=version)
+    request_id = ""
     if "id" in body:
         if not isinstance(body["id"], str):
             raise InvalidArgument("'id' must be a string")
-        request.id = body["id"]
+        request_id = body["id"]
     params = body.get("parameters", {})
     if not isinstance(params, dict):
         raise InvalidArgument("'parameters' must be a JSON object")
     for key, value in params.items():
-        target = request.parameters[key]
-        if isinstance(value, bool):
-            target.bool_param = value
-        elif isinstance(value, int):
-            target.int64_param = value
-        elif isinstance(value, str):
-            target.string_param = value
-        else:
+        if isinstance(value, float) or not isinstance(value, (bool, int, str)):
             raise InvalidArgument(f"parameter '{key}' must be a boolean, an integer or a string")
     names = {t.name: t for t in config.input}
     unknown = sorted(k for k in body if k not in names and k not in RESERVED)
     if unknown:
         raise InvalidArgument(f"unknown input(s) {', '.join(unknown)} (the model's: {', '.join(names)})")
+    inputs: list[InputCall] = []
+    raw: list[RawEntry] = []
     for tensor in config.input:
         if tensor.name not in body:
             continue  # a missing input is the unary path's error, named there
@@ -71,9 +67,10 @@ def _request(body: Any, model: str, version: str, config: ModelConfig) -> Any:
         shape = list(array.shape) or [1]
         if config.max_batch_size > 0:
             shape = [1, *shape]
-        request.inputs.add(name=tensor.name, datatype=datatype, shape=shape)
-        request.raw_input_contents.append(array.tobytes())
-    return request
+        inputs.append(InputCall(tensor.name, datatype, tuple(shape)))
+        raw.append(array.tobytes())
+    parameters = {key: json_param(key, value, "the generate request") for key, value in params.items()}
+    return InferCall(model, version, request_id, parameters, tuple(inputs), (), tuple(raw))
 
 
 def _answer(answered: Answered, request_id: str) -> dict[str, Any]:
@@ -92,7 +89,7 @@ class GenerateHandler:
         self.ops = ops
         self.limit = limit
 
-    async def _parse(self, request: web.Request) -> Any:
+    async def _parse(self, request: web.Request) -> InferCall:
         model, version = path(request, "model"), path(request, "version")
         check_name("model", model)
         config, _ = self.ops.metadata(model, version)  # an unknown model is answered before its body is read
@@ -103,12 +100,12 @@ class GenerateHandler:
     async def generate(self, request: web.Request) -> web.Response:
         """One JSON answer: the model's response (a decoupled model must yield exactly one)."""
         infer = await self._parse(request)
-        if not self.ops.decoupled(infer.model_name, infer.model_version):
+        if not self.ops.decoupled(infer.model, infer.version):
             return json_response(_answer(await self.ops.infer(infer), infer.id))
         answers = [a async for a in self.ops.stream(infer)]
         if len(answers) != 1:
             raise InvalidArgument(
-                f"model '{infer.model_name}' answered with {len(answers)} responses; /generate takes exactly "
+                f"model '{infer.model}' answered with {len(answers)} responses; /generate takes exactly "
                 "one: use /generate_stream"
             )
         return json_response(_answer(answers[0], infer.id))
@@ -121,7 +118,7 @@ class GenerateHandler:
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        if self.ops.decoupled(infer.model_name, infer.model_version):
+        if self.ops.decoupled(infer.model, infer.version):
             responses = self.ops.stream(infer)
         else:
             responses = _once(self.ops, infer)
@@ -145,6 +142,6 @@ class GenerateHandler:
         return stream
 
 
-async def _once(ops: Operations, infer: Any) -> Any:
+async def _once(ops: Operations, infer: InferCall) -> AsyncGenerator[Answered, None]:
     """An ordinary model's one response, as a stream of one."""
     yield await ops.infer(infer)

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from mpsd.daemon.api import respond as convert
+from mpsd.daemon.api import describe
 from mpsd.daemon.api.device_stats import with_device_compute
 from mpsd.daemon.api.operations import Operations, server_metadata
 from mpsd.errors import InvalidArgument
@@ -83,18 +83,18 @@ class Handlers:
     async def model_metadata(self, request: web.Request) -> web.Response:
         name = path(request, "model")
         config, versions = self.ops.metadata(name, path(request, "version"))
-        return json_response(proto_dict(convert.model_metadata(name, versions, config)))
+        return json_response(proto_dict(describe.model_metadata(name, versions, config)))
 
     @rpc("ModelConfig")
     async def model_config(self, request: web.Request) -> web.Response:
         name = path(request, "model")
         mv, _ = self.ops.model(name, path(request, "version"))
-        return json_response(proto_dict(convert.effective_config(name, mv)))
+        return json_response(proto_dict(describe.effective_config(name, mv)))
 
     @rpc("ModelStatistics")
     async def statistics(self, request: web.Request) -> web.Response:
         versions = self.ops.statistics(path(request, "model"), path(request, "version"))
-        body = proto_dict(convert.statistics(versions))
+        body = proto_dict(describe.statistics(versions))
         return json_response(with_device_compute(body, [mv.stats for mv in versions]))
 
     # ---- repository ----------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class InferHandler:
         self.ops.registry.known(model, version)  # an unknown model is answered before its body is read
         body = await read_body(request, self.limit)
         parsed = parse_infer_body(body, request.headers.get(HEADER_LENGTH), model, version)
-        answered = await self.ops.infer(parsed.request, None, parsed.raw)
+        answered = await self.ops.infer(parsed.call)
         return infer_response(
-            answered.result, parsed.request.id, answered.in_shm, parsed.binary, parsed.binary_default
+            answered.result, parsed.call.id, answered.in_shm, parsed.binary, parsed.binary_default
         )

@@ -5,17 +5,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
-from mpsd.daemon.api import respond as convert
-from mpsd.daemon.api.known_headers import known_id
+from mpsd.daemon.api import describe
+from mpsd.daemon.api.grpc.calls import infer_call
+from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
+from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
+from mpsd.daemon.api.grpc.wire_split import SplitRequest, split_request
 from mpsd.daemon.api.operations import Operations, server_metadata
-from mpsd.daemon.api.wire_split import SplitRequest, split_request
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
 from mpsd.net.tasks import TaskGroup
@@ -55,7 +57,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.ops = ops
         self.registry = ops.registry
         self.client_shm = self.ops.client_shm
-        self.responses = convert.ResponseTemplates()
+        self.responses = ResponseTemplates()
+        self.known = KnownHeaders()  # ModelInfer headers that passed their checks
 
     # ---- health and metadata ---------------------------------------------------------------------
 
@@ -78,32 +81,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     @rpc
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         config, versions = self.ops.metadata(request.name, request.version)
-        return convert.model_metadata(request.name, versions, config)
+        return describe.model_metadata(request.name, versions, config)
 
     @rpc
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         mv = self.registry.route(request.name, request.version)
-        return pb.ModelConfigResponse(config=convert.effective_config(request.name, mv))
+        return pb.ModelConfigResponse(config=describe.effective_config(request.name, mv))
 
     @rpc
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        return convert.statistics(self.ops.statistics(request.name, request.version))
+        return describe.statistics(self.ops.statistics(request.name, request.version))
 
     # ---- inference -----------------------------------------------------------------------------------
 
-    async def _infer_parts(
-        self,
-        request: Any,
-        deadline: float | None = None,
-        raw_contents: Sequence[bytes | memoryview] | None = None,
-        header: bytes | None = None,
-    ) -> tuple[Any, list[bytes]]:
-        """The response without its raw_output_contents, and those entries (see `convert`)."""
-        answered = await self.ops.infer(request, deadline, raw_contents, header)
-        return convert.infer_response_parts(answered.result, request.id, in_shm=answered.in_shm)
-
     async def _infer(self, request: Any) -> Any:
-        response, raw = await self._infer_parts(request)
+        """A parsed ModelInferRequest's response, raw_output_contents included."""
+        answered = await self.ops.infer(infer_call(request))
+        response, raw = infer_response_parts(answered.result, request.id, in_shm=answered.in_shm)
         response.raw_output_contents.extend(raw)
         return response
 
@@ -132,18 +126,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             request = pb.ModelInferRequest.FromString(header)
         except DecodeError as exc:
             raise InvalidArgument(f"the request is not a valid protobuf message: {exc}") from None
-        answered = await self.ops.infer(request, deadline, raw or None, key)
+        call = infer_call(request, raw or None)
+        learn = self.known.learner(key, call) if key is not None else None
+        answered = await self.ops.infer(call, deadline, learn)
         return self.responses.parts(answered.result, request.id, answered.in_shm)
 
     async def _infer_known(
         self, split: SplitRequest, deadline: float | None
     ) -> list[bytes | memoryview] | None:
         """The answer to a request whose header is known, without parsing it; None: the full path takes it."""
-        known = self.ops.known.get(split.key)
+        known = self.known.get(split.key)
         request_id = known_id(split.request_id) if known is not None else None
         if known is None or request_id is None:
             return None
-        answered = await self.ops.infer_known(known, split.key, split.raw, request_id, deadline)
+        bind = self.known.binder(known, split.key, split.raw, request_id)
+        answered = await self.ops.infer_checked(known.model, known.version, bind, deadline)
         if answered is None:
             return None
         return self.responses.parts(answered.result, request_id)
@@ -230,10 +227,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         )
         version = request.model_version
         try:
-            responses = self.ops.stream(request)
+            responses = self.ops.stream(infer_call(request))
             try:
                 async for answered in responses:
-                    response, raw = convert.infer_response_parts(answered.result, request.id, answered.in_shm)
+                    response, raw = infer_response_parts(answered.result, request.id, answered.in_shm)
                     response.raw_output_contents.extend(raw)
                     response.parameters["triton_final_response"].bool_param = False
                     version = response.model_version

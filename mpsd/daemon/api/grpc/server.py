@@ -11,12 +11,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mpsd.daemon.api.admin import SERVICE_NAME as ADMIN_SERVICE
-from mpsd.daemon.api.admin import AdminServicer
-from mpsd.daemon.api.gate import Gate, Services
-from mpsd.daemon.api.health import HealthService
-from mpsd.daemon.api.inference import InferenceServicer
-from mpsd.daemon.api.inference import add_to_server as add_inference_service
+from mpsd.daemon.api.grpc.admin import SERVICE_NAME as ADMIN_SERVICE
+from mpsd.daemon.api.grpc.admin import AdminServicer
+from mpsd.daemon.api.grpc.gate import Gate, Services
+from mpsd.daemon.api.grpc.health import HealthService
+from mpsd.daemon.api.grpc.inference import InferenceServicer
+from mpsd.daemon.api.grpc.inference import add_to_server as add_inference_service
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 

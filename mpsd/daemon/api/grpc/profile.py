@@ -23,7 +23,7 @@ from mpsd.errors import Internal, InvalidArgument, MpsdError, NotFound, Unavaila
 from mpsd.ipc import protocol as p
 from mpsd.proto import admin_pb2 as pb
 
-log = structlog.get_logger("mpsd.daemon.api.profile")
+log = structlog.get_logger("mpsd.daemon.api.grpc.profile")
 
 MAX_SECONDS = 300.0
 MAX_REQUESTS = 100_000

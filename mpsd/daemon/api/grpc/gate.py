@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 import structlog
 
-from mpsd.daemon.api.decode_guard import guard
+from mpsd.daemon.api.grpc.decode_guard import guard
 from mpsd.net.auth import AccessPolicy, refusal
 
 log = structlog.get_logger("mpsd.daemon.grpc")

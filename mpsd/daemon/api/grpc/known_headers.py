@@ -13,11 +13,11 @@ through the full path again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.parse import MAX_ID
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 
@@ -75,16 +75,16 @@ def known_id(raw_id: bytes | None) -> str | None:
         return None
 
 
-def learnable(request: Any, raw: Sequence[object] | None) -> bool:
-    """Whether a request's header can stand for later ones: every input in raw contents, no parameters."""
-    if not raw or len(raw) != len(request.inputs) or request.parameters:
+def learnable(call: InferCall) -> bool:
+    """Whether a call's header can stand for later ones: every input in raw contents, no parameters."""
+    if not call.raw or len(call.raw) != len(call.inputs) or call.parameters:
         return False
-    return not any(t.parameters for t in request.inputs) and not any(o.parameters for o in request.outputs)
+    return not any(t.parameters for t in call.inputs) and not any(o.parameters for o in call.outputs)
 
 
-def known_header(request: Any, parsed: InferRequest, config: ModelConfig) -> KnownHeader:
-    """What a checked, `learnable` request's header stands for."""
-    order = {t.name: i for i, t in enumerate(request.inputs)}
+def known_header(call: InferCall, parsed: InferRequest, config: ModelConfig) -> KnownHeader:
+    """What a checked, `learnable` call's header stands for."""
+    order = {t.name: i for i, t in enumerate(call.inputs)}
     inputs = []
     for t in parsed.inputs:
         assert isinstance(t.data, bytes | memoryview), "a learnable request's inputs are raw contents"
@@ -96,7 +96,7 @@ def known_header(request: Any, parsed: InferRequest, config: ModelConfig) -> Kno
         tuple(inputs),
         parsed.outputs,
         parsed.batch_size,
-        len(request.inputs),
+        len(call.inputs),
     )
 
 
@@ -121,3 +121,27 @@ class KnownHeaders:
 
     def forget(self, header: bytes) -> None:
         self._known.pop(header, None)
+
+    def learner(self, header: bytes, call: InferCall) -> Callable[[InferRequest, ModelConfig], None] | None:
+        """What learns `header` once its call passed the checks against a config (None: never learned)."""
+        if not learnable(call):
+            return None
+
+        def learn(parsed: InferRequest, config: ModelConfig) -> None:
+            self.add(header, known_header(call, parsed, config))
+
+        return learn
+
+    def binder(
+        self, known: KnownHeader, header: bytes, raw: Sequence[bytes | memoryview], request_id: str
+    ) -> Callable[[ModelConfig], InferRequest | None]:
+        """What binds a request's bytes to its known header under the model's config now: None once the
+        config is not the one the header was checked against (forgotten then), or the bytes do not fit."""
+
+        def bind(config: ModelConfig) -> InferRequest | None:
+            if config is not known.config:
+                self.forget(header)
+                return None
+            return known.bind(raw, request_id)
+
+        return bind

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from mpsd.daemon.api.inference import rpc
+from mpsd.daemon.api.grpc.inference import rpc
 from mpsd.daemon.core.model_version import ModelVersion, VersionInstance
 from mpsd.daemon.core.registry import ModelEntry, Registry
 from mpsd.errors import InvalidArgument
@@ -23,7 +23,7 @@ from mpsd.proto import admin_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from mpsd.daemon.supervise.fronts.pool import FrontInfo
 
-log = structlog.get_logger("mpsd.daemon.api.admin")
+log = structlog.get_logger("mpsd.daemon.api.grpc.admin")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MpsdAdmin"].full_name
 
 
@@ -186,7 +186,7 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
 
     @rpc
     async def Profile(self, request: Any, context: Any) -> None:
-        from mpsd.daemon.api.profile import profile
+        from mpsd.daemon.api.grpc.profile import profile
 
         async for event in profile(self.registry, request):
             await context.write(event)
