@@ -15,7 +15,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor
-from mpsd.errors import InvalidArgument
+from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.proto import grpc_service_pb2 as pb
 from tests.fresh_interpreter import main
 
@@ -147,10 +147,53 @@ def bytes_that_do_not_fit_get_the_full_paths_error() -> None:
     assert len(parses) == 3
 
 
+def outcome(servicer: InferenceServicer, data: bytes) -> tuple[str, object]:
+    """What the client gets: the response's id and outputs, or the error's code and message."""
+    try:
+        rid, y = answer(servicer, data)
+    except MpsdError as exc:
+        return ("error", (exc.code.value, exc.message))
+    return ("ok", (rid, y.tolist()))
+
+
+def known_path_answers_as_the_full_path() -> None:
+    """Property: a sequence of requests (shapes, ids, raw sizes that fit or not, some with a timeout
+    parameter) gets the same answers and errors, in the same order, from a servicer that learns headers
+    as from one that never does (every request parsed and checked in full)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    requests = st.lists(
+        st.tuples(
+            st.integers(1, 3),  # rows of a
+            st.sampled_from([None, 4, 8, 16]),  # bytes of b (None: the right size)
+            st.sampled_from(["", "r", "s", "i" * (MAX_ID + 1)]),  # ids, one too long
+            st.booleans(),  # a timeout parameter: never learned
+        ),
+        min_size=1,
+        max_size=12,
+    )
+
+    @settings(max_examples=60, deadline=None)
+    @given(requests)
+    def same(sequence: list[tuple[int, int | None, str, bool]]) -> None:
+        learning, plain = servicer(Registry()), servicer(Registry())
+        plain.known.learner = lambda *args: None  # type: ignore[method-assign]
+        for k, (rows, b_size, rid, timeout) in enumerate(sequence):
+            a = np.full((rows, 4), k, np.float32)
+            b = bytes(b_size) if b_size is not None else None
+            data = request(a, b, rid, **({"timeout": 10_000_000} if timeout else {}))
+            assert outcome(learning, data) == outcome(plain, data), (k, sequence)
+        assert len(plain.known) == 0
+
+    same()
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "skips": known_header_skips_the_parse,
     "full-path": other_bytes_a_reload_and_parameters_take_the_full_path,
     "sizes": bytes_that_do_not_fit_get_the_full_paths_error,
+    "property": known_path_answers_as_the_full_path,
 }
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from mpsd.daemon.dataplane.arenas import ArenaBook
@@ -118,6 +120,66 @@ def test_the_worker_builds_its_inputs_from_the_pieces_and_the_region(device: str
         np.testing.assert_array_equal(x.cpu().numpy(), expected)
         arenas.forget(5)
         assert arenas.regions == {}
+    finally:
+        arena.unlink()
+        arena.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.lists(st.tuples(st.integers(1, 3), st.booleans(), st.booleans()), min_size=1, max_size=5),
+    small=st.booleans(),
+    device=st.sampled_from(["cuda"] if torch.cuda.is_available() else ["cpu"]),
+)
+def test_inputs_read_in_place_are_the_inputs_copied(
+    batch: list[tuple[int, bool, bool]], small: bool, device: str
+) -> None:
+    """The fast path (bytes in a mapped arena left to the worker) against the plain one (every byte
+    copied into the region): the worker builds the same inputs from either, through the real marshalling
+    and `Runner.inputs`. Each request has `rows` rows of input x (at least IN_PLACE_BYTES per row unless
+    `small`) and of input z (always small); x in the arena or not, z in the arena or not."""
+    width = 8 if small else FLOATS
+    arena = Region.create(2 * len(batch) * 3 * (4 * FLOATS + 64) + 4096, keep_fd=True)
+    try:
+        assert arena.fd is not None
+        requests, at = [], 64
+        for k, (n, x_in_arena, z_in_arena) in enumerate(batch):
+            tensors = []
+            for name, floats, in_arena in (("x", width, x_in_arena), ("z", 2, z_in_arena)):
+                data = np.arange(n * floats, dtype=np.float32) + 1000 * k + (0.5 if name == "z" else 0)
+                raw = data.tobytes()
+                if in_arena:
+                    arena.buf[at : at + len(raw)] = raw
+                    view: bytes | memoryview = arena.buf[at : at + len(raw)]
+                    at += len(raw) + 64
+                else:
+                    view = raw
+                tensors.append(InputTensor(name, "FP32", (n, floats), view))
+            requests.append(InferRequest("m", "1", str(k), tuple(tensors), ("y",), n))
+
+        def place(data: memoryview) -> tuple[int, int] | None:
+            base = np.frombuffer(arena.buf, np.uint8).ctypes.data
+            start = np.frombuffer(data, np.uint8).ctypes.data - base
+            return (5, start) if 0 <= start < arena.size else None
+
+        inputs = (p.TensorSpec("x", "FP32", (width,)), p.TensorSpec("z", "FP32", (2,)))
+        spec = p.ModelSpec("m", 1, "python", "", 8, inputs, ())
+        runner = Runner(spec, lambda inputs: {}, torch.device(device))
+        arenas = Arenas([p.ArenaRef(5, os.dup(arena.fd), arena.size)])
+        built = []
+        for where in (place, None):
+            tensors = BatchTensors(requests, [])
+            region_bytes = bytearray(tensors.lay_out())
+            region = SimpleNamespace(buf=memoryview(region_bytes), size=len(region_bytes))
+            pieces = tensors.write(region.buf, where)
+            in_place = where is not None and not small and any(x for _, x, _ in batch)
+            assert bool(pieces) == in_place, pieces  # only x's rows are large enough to be left in place
+            built.append(
+                [t.cpu().clone() for t in runner.inputs(region, list(tensors.refs), {}, pieces, arenas)]  # type: ignore[arg-type]
+            )
+        for fast, plain in zip(*built, strict=True):
+            torch.testing.assert_close(fast, plain, rtol=0, atol=0)
+        arenas.forget(5)
     finally:
         arena.unlink()
         arena.close()
