@@ -43,8 +43,10 @@ models: install
 run: models
 	$(BIN)/mpsd serve --config config/mpsd.yaml
 
+# Test modules run side by side, at most 4 at a time (one per core): a module and the daemons it shares stay
+# in one process (--dist loadfile).
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
 
 lint: install
 	$(BIN)/ruff check mpsd tests bench
