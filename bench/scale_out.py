@@ -14,7 +14,7 @@ of daemons is measured both ways. Figures: throughput, p50/p99, errors, each dae
 the daemons of the largest count run, one set each (cores left over stay idle). A daemon starts on its set,
 and the fronts and workers it starts inherit it; the runs with fewer daemons use the first sets, so each
 daemon has the same cores in every run. A pinned daemon's model runs `--instances` instances (default: its
-cores minus one, at least one) of `--threads` torch threads each (default 1), the core left over being for
+cores minus one, at least one) of `--threads` torch threads each (default 1), the daemon left over being for
 the daemon itself; front processes follow the daemon's `auto` (0 up to 4 cores) unless
 `--front-processes` says otherwise. Without `--pin` nothing is pinned and every worker's torch sizes itself
 to the machine: more daemons then only share the same cores.

@@ -1,4 +1,4 @@
-"""The shared-memory arena between a front and the daemon core: the allocator, which calls use it, and
+"""The shared-memory arena between a front and the daemon: the allocator, which calls use it, and
 the rules that keep a chunk safe to reuse (an answer to every call, bounds, and a batch that reads nothing
 of a request whose caller is gone).
 
@@ -127,7 +127,7 @@ def test_the_front_puts_large_requests_in_the_arena_until_it_is_full() -> None:
             start, length, capacity = INFER_REF.unpack(wire.frames()[1][3])
             assert length == len(big) and capacity == chunk_size(len(big))
             assert bytes(region.buf[start : start + length]) == big
-            # The core's answer frees the chunk, whatever it says: a reply in the chunk is read from there,
+            # The daemon's answer frees the chunk, whatever it says: a reply in the chunk is read from there,
             # and the answer to a call the client cancelled (its waiter gone) frees its chunk as well.
             waiter = asyncio.get_running_loop().create_future()
             link._pending[2] = waiter
@@ -145,7 +145,7 @@ def test_the_front_puts_large_requests_in_the_arena_until_it_is_full() -> None:
     asyncio.run(run())
 
 
-def _core_link(infer: Any, region: Region) -> tuple[FrontLink, Recorder]:
+def _daemon_link(infer: Any, region: Region) -> tuple[FrontLink, Recorder]:
     link = FrontLink(0, infer, lambda _: None, arena=region)
     wire = Recorder()
     link.attach(wire)  # type: ignore[arg-type]
@@ -162,7 +162,7 @@ def test_the_core_reads_the_request_in_place_and_answers_into_its_chunk() -> Non
             return [b"head", bytes(ARENA_MIN)]
 
         try:
-            link, wire = _core_link(infer, region)
+            link, wire = _daemon_link(infer, region)
             region.buf[4096 : 4096 + 6] = b"tensor"
             link._on_frame(Kind.INFER_SHM, 7, -1.0, INFER_REF.pack(4096, 6, ARENA_MIN + 4096))
             await _settle()
@@ -202,7 +202,7 @@ def test_a_cancelled_call_is_answered_so_that_its_chunk_is_freed() -> None:
             return [b"ok"]
 
         try:
-            link, wire = _core_link(infer, region)
+            link, wire = _daemon_link(infer, region)
             link._on_frame(Kind.INFER_SHM, 1, -1.0, INFER_REF.pack(0, 100, 4096))
             link._on_frame(Kind.INFER, 2, -1.0, b"x" * 50)
             link._on_frame(Kind.INFER, 3, -1.0, b"y" * 50)
@@ -257,8 +257,8 @@ def test_malformed_arena_frames_are_answered_with_errors_on_both_ends() -> None:
             raise AssertionError("a malformed reference must not reach the model")
 
         try:
-            core, wire = _core_link(infer, region)
-            core._on_frame(Kind.INFER_SHM, 1, -1.0, b"short")
+            link, wire = _daemon_link(infer, region)
+            link._on_frame(Kind.INFER_SHM, 1, -1.0, b"short")
             await _settle()
             ((kind, call_id, number, message),) = wire.frames()
             assert (kind, call_id, int(number)) == (Kind.REPLY, 1, grpc.StatusCode.INTERNAL.value[0])

@@ -40,7 +40,7 @@ ARENA = ArenaRegion("/mpsd-arena", 16 << 20)
 
 def config(arena: ArenaRegion | None = ARENA) -> FrontConfig:
     daemon = DaemonConfig().model_dump(mode="json")
-    return FrontConfig(2, "info", "unix:/run/core.sock", daemon, arena, access(), "127.0.0.1:8013", False)
+    return FrontConfig(2, "info", "unix:/run/daemon.sock", daemon, arena, access(), "127.0.0.1:8013", False)
 
 
 @pytest.mark.parametrize("arena", [ARENA, None])
@@ -62,7 +62,7 @@ def test_config_auth_and_ready_come_back_as_they_were_sent(arena: ArenaRegion | 
 def test_the_wire_keeps_its_json() -> None:
     """The same keys as the dicts the two ends used to build: access settings beside the others in CONFIG."""
     sent = json.loads(config().encode())
-    keys = ["index", "log_level", "core_target", "config", "arena", "auth", "tokens", "tls"]
+    keys = ["index", "log_level", "daemon_target", "config", "arena", "auth", "tokens", "tls"]
     assert list(sent) == [*keys, "address", "share_port"]
     assert (sent["address"], sent["share_port"]) == ("127.0.0.1:8013", False)
     assert sent["arena"] == {"name": "/mpsd-arena", "size": 16 << 20}

@@ -874,15 +874,15 @@ def test_socket_directories_of_dead_daemons_are_removed(monkeypatch: pytest.Monk
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    stale = tmp_path / f"mpsd-core-{gone.pid}-abc"
+    stale = tmp_path / f"mpsd-daemon-{gone.pid}-abc"
     stale.mkdir()
-    (stale / "core.sock").touch()
-    alive = tmp_path / f"mpsd-core-{os.getppid()}-def"  # our parent is running
+    (stale / "daemon.sock").touch()
+    alive = tmp_path / f"mpsd-daemon-{os.getppid()}-def"  # our parent is running
     alive.mkdir()
-    mine = sockets.make_core_dir()
+    mine = sockets.make_socket_dir()
     assert mine.parent == tmp_path and oct(mine.stat().st_mode & 0o777) == "0o700"
     try:
-        assert sockets.remove_stale_core_dirs() == [stale.name]
+        assert sockets.remove_stale_socket_dirs() == [stale.name]
         assert not stale.exists() and alive.exists() and mine.exists()
     finally:
         shutil.rmtree(tmp_path)

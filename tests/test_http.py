@@ -285,7 +285,7 @@ def test_statistics_move_and_are_numbers(client: httpclient.InferenceServerClien
 def test_the_same_queue_and_statistics_as_grpc(
     daemon: RunningDaemon, client: httpclient.InferenceServerClient
 ) -> None:
-    """HTTP is an adapter over the same core: a request on either protocol counts in the one statistics."""
+    """HTTP is an adapter over the same operations: a request on either protocol counts in one statistics."""
     a = np.ones((1, 16), np.float32)
     before = client.get_inference_statistics("add_sub")["model_stats"][0]["inference_count"]
     client.infer("add_sub", add_sub(a, a))

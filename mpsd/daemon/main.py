@@ -35,7 +35,7 @@ from mpsd.daemon.shutdown import (
     ExitDeadline,
     stop_bound_s,
 )
-from mpsd.daemon.supervise.fronts.sockets import remove_stale_core_dirs
+from mpsd.daemon.supervise.fronts.sockets import remove_stale_socket_dirs
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
@@ -96,7 +96,7 @@ class Daemon:
     def _remove_files(self) -> None:
         """What would outlive a daemon ended by its deadline: its shared memory and socket directory."""
         shm.cleanup_own()
-        self.ports.remove_core_dir()
+        self.ports.remove_socket_dir()
 
     def _stop_bound(self) -> float:
         config = self.config
@@ -118,7 +118,7 @@ class Daemon:
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
-        stale_dirs = remove_stale_core_dirs()
+        stale_dirs = remove_stale_socket_dirs()
         if stale_dirs:
             log.info("removed socket directories of dead daemons", directories=stale_dirs)
         try:
@@ -131,7 +131,7 @@ class Daemon:
         finally:  # whatever failed: no front outlives the daemon, no socket directory stays behind
             if self.ports.fronts is not None:
                 await self.ports.fronts.stop(0.0)
-            self.ports.remove_core_dir()
+            self.ports.remove_socket_dir()
 
     async def _serve(self) -> int:
         self.ports.build()
@@ -319,12 +319,12 @@ class Daemon:
         drained = asyncio.ensure_future(self._drained(drain))
         ports = self.ports
         http = asyncio.ensure_future(ports.http.stop(drain)) if ports.http is not None else None
-        # The public port drains beside the fronts; the core's server (last) after them: it serves them.
-        core = ports.servers[-1:] if ports.fronts is not None else []
-        public = asyncio.gather(*(server.stop(drain) for server in ports.servers if server not in core))
+        # The public port drains beside the fronts; the private server (last) after them: it serves them.
+        private = ports.servers[-1:] if ports.fronts is not None else []
+        public = asyncio.gather(*(server.stop(drain) for server in ports.servers if server not in private))
         if ports.fronts is not None:
             await ports.fronts.stop(drain)
-        await asyncio.gather(public, *(server.stop(drain) for server in core))
+        await asyncio.gather(public, *(server.stop(drain) for server in private))
         if http is not None:
             await http
         clean = await drained

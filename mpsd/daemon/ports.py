@@ -1,5 +1,5 @@
 """Every way into the daemon: the public gRPC server (or the front processes sharing its port, and the
-core's server on a private Unix socket that they relay to) and HTTP/REST, built from the daemon config, with
+daemon's private server on a Unix socket that they relay to) and HTTP/REST, built from the daemon config, with
 the one access policy they all enforce, which SIGHUP may replace.
 
 An address the daemon cannot listen on is a ConfigError (`mpsd serve` exits 78 with one line), found before
@@ -28,7 +28,7 @@ from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.supervise.fronts.policy import check_port_free, front_address, front_plan
 from mpsd.daemon.supervise.fronts.pool import FrontPool
-from mpsd.daemon.supervise.fronts.sockets import make_core_dir
+from mpsd.daemon.supervise.fronts.sockets import make_socket_dir
 from mpsd.errors import ConfigError
 from mpsd.net.auth import AccessPolicy, build_policy
 from mpsd.net.certificates import Certificates, TlsMaterial
@@ -53,12 +53,13 @@ class Ports:
         self._health = health
         self._admin = admin
         self._metrics = metrics
-        self.servers: list[grpc.aio.Server] = []  # the public one (none with shared-port fronts), the core's
+        # The public one (none with shared-port fronts), and the private one the fronts relay to.
+        self.servers: list[grpc.aio.Server] = []
         self.fronts: FrontPool | None = None
         self.http: HttpEndpoint | None = None  # when http_address is set
         self._gate: Gate | None = None  # access control and decoding for every gRPC call
         self._certificates: Certificates | None = None  # the daemon's own TLS port (none with fronts)
-        self._core_dir: Path | None = None
+        self._socket_dir: Path | None = None
 
     def policy(
         self, auth: AuthConfig, tokens: Sequence[Token], address: Address | None = None
@@ -75,7 +76,7 @@ class Ports:
         )
 
     def build(self) -> None:
-        """The public gRPC server on grpc_address, unless fronts share that port; with fronts, the core's
+        """The public gRPC server on grpc_address, unless fronts share that port; with fronts, the daemon's
         server on a Unix socket in a private directory, which they relay to; the HTTP endpoint."""
         config = self.config
         limit = config.max_message_bytes
@@ -92,7 +93,7 @@ class Ports:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
-                # only on the public port: the fronts' connections to the core socket stay
+                # only on the public port: the fronts' connections to the private socket stay
                 *(self._connection_age() if public else []),
             ]
             return grpc_server(gate, options)
@@ -105,13 +106,13 @@ class Ports:
         if plan.count:
             for port in plan.ports or (address.port,):
                 _check_free(front_address(address, port))
-            self._core_dir = make_core_dir()
-            core = parse_address(f"unix://{self._core_dir / 'core.sock'}")
-            core_server = server(public=False)
-            bind(core_server, core, None)
-            self.servers.append(core_server)
+            self._socket_dir = make_socket_dir()
+            private = parse_address(f"unix://{self._socket_dir / 'daemon.sock'}")
+            private_server = server(public=False)
+            bind(private_server, private, None)
+            self.servers.append(private_server)
             infer = self._servicer.infer_serialized_parts
-            self.fronts = FrontPool(plan.shared, config, core.grpc_target, infer, tokens, tls, plan.ports)
+            self.fronts = FrontPool(plan.shared, config, private.grpc_target, infer, tokens, tls, plan.ports)
             self._metrics.add_fronts(self.fronts)
             self._admin.fronts = self.fronts.describe
         http = http_address(config.http_address)
@@ -126,9 +127,9 @@ class Ports:
     async def stop_servers(self, grace: float) -> None:
         await asyncio.gather(*(server.stop(grace) for server in self.servers))
 
-    def remove_core_dir(self) -> None:
-        if self._core_dir is not None:
-            shutil.rmtree(self._core_dir, ignore_errors=True)
+    def remove_socket_dir(self) -> None:
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     def tls(self) -> TlsMaterial | None:
         """The TLS material being served now (by this process's own port, or by the fronts)."""

@@ -1,1 +1,1 @@
-"""A front process: a gRPC server sharing the daemon's port, handing calls to the daemon core."""
+"""A front process: a gRPC server sharing the daemon's port, handing calls to the daemon."""

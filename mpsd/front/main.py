@@ -1,8 +1,8 @@
-"""The front process: serve gRPC on the shared port (or one of its own), hand ModelInfer to the core,
+"""The front process: serve gRPC on the shared port (or one of its own), hand ModelInfer to the daemon,
 forward the rest.
 
-It holds no state of its own. ModelInfer travels to the core as the request's bytes over the socketpair
-the core gave it; every other RPC is relayed as raw messages, in its own call shape, to the core's gRPC
+It holds no state of its own. ModelInfer travels to the daemon as the request's bytes over the socketpair
+the daemon gave it; every other RPC is relayed as raw messages, in its own call shape, to the daemon's gRPC
 server on its private Unix socket. Access control runs here too, before a call goes anywhere.
 """
 
@@ -48,9 +48,9 @@ def relayed_metadata(metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[s
 
 
 class CoreLink:
-    """The front's end of the socketpair: sends ModelInfer calls and resolves them with the core's reply.
+    """The front's end of the socketpair: sends ModelInfer calls and resolves them with the daemon's reply.
 
-    Large requests go through the arena the core created for this front (`mpsd/ipc/front_arena.py`) while
+    Large requests go through the arena the daemon created for this front (`mpsd/ipc/front_arena.py`) while
     it has room.
     """
 
@@ -87,7 +87,7 @@ class CoreLink:
                 if chunk is not None and self._arena is not None:
                     reply = read_reply(self._arena, chunk, payload)
                 if reply is None:  # cannot happen unless the two ends disagree
-                    number, payload = _INTERNAL, b"the daemon core answered outside the call's chunk"
+                    number, payload = _INTERNAL, b"the daemon answered outside the call's chunk"
                 else:
                     payload = reply
             if chunk is not None and self._allocator is not None:
@@ -110,14 +110,14 @@ class CoreLink:
     def _on_lost(self, exc: Exception | None) -> None:
         for waiter in self._pending.values():
             if not waiter.done():
-                waiter.set_result((grpc.StatusCode.UNAVAILABLE.value[0], b"the daemon core went away"))
+                waiter.set_result((grpc.StatusCode.UNAVAILABLE.value[0], b"the daemon went away"))
         self._pending.clear()
         if not self.lost.done():
             self.lost.set_result(None)
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if self.lost.done():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon core went away")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon went away")
         async with self._window:
             call_id = next(self._ids)
             waiter = asyncio.get_running_loop().create_future()
@@ -145,8 +145,8 @@ class CoreLink:
 
 
 class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
-    """ModelInfer to the core link; the daemon's other methods relayed, each in its own call shape, to
-    the core's gRPC server. Methods the daemon does not have are UNIMPLEMENTED here already."""
+    """ModelInfer to the daemon link; the daemon's other methods relayed, each in its own call shape, to
+    the daemon's gRPC server. Methods the daemon does not have are UNIMPLEMENTED here already."""
 
     def __init__(self, link: CoreLink, channel: grpc.aio.Channel, policy: AccessPolicy) -> None:
         self._channel = channel
@@ -249,7 +249,7 @@ async def serve(sock: socket.socket) -> int:
     address = parse_address(settings.address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    channel = grpc.aio.insecure_channel(settings.core_target, options=sizes)
+    channel = grpc.aio.insecure_channel(settings.daemon_target, options=sizes)
     try:
         if settings.arena is not None:
             link.attach_arena(settings.arena.name, settings.arena.size)
@@ -305,7 +305,7 @@ async def serve(sock: socket.socket) -> int:
     waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait()), link.lost]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     if link.lost.done():
-        log.warning("daemon core went away; front stopping")
+        log.warning("daemon went away; front stopping")
         await server.stop(0)
         return 0
     stopping = asyncio.ensure_future(server.stop(config.drain_timeout_s))

@@ -1,10 +1,10 @@
-"""The shared-memory arena between a front process and the daemon core, for large ModelInfer calls.
+"""The shared-memory arena between a front process and the daemon, for large ModelInfer calls.
 
 Through the socketpair, a 600 KB request is copied into the kernel and out again, and so is its reply,
 with a wake-up per socket buffer. Instead, the front writes a large request once into a chunk of an arena
-the core created for it and sends only where it is; the core reads the tensor bytes in place, and writes
+the daemon created for it and sends only where it is; the daemon reads the tensor bytes in place, and writes
 a large reply into the same chunk when it fits. The front owns the chunks: it frees one only when the
-core has answered the call, even a cancelled one, so the core never touches a chunk that is in use for
+daemon has answered the call, even a cancelled one, so the daemon never touches a chunk that is in use for
 another call. Small calls, and large ones when the arena is full, go through the socket as before.
 
 Everything about the arena is here, for both ends: the layout of the references in the frames, the
@@ -48,13 +48,13 @@ class Chunk:
     capacity: int
 
 
-# ---- the core's end: read a request in place, write a reply into its chunk -----------------------------
+# ---- the daemon's end: read a request in place, write a reply into its chunk -----------------------------
 
 
 def referenced_request(arena: Region | None, ref: bytes | bytearray) -> tuple[memoryview, Chunk]:
     """The request an INFER_SHM frame points at, as a view of the arena (no copy), and its call's chunk.
 
-    Internal (the answer to the call) when the reference is malformed or reaches past the arena: the core
+    Internal (the answer to the call) when the reference is malformed or reaches past the arena: the daemon
     never reads, nor later writes, outside it whatever a front sends.
     """
     start, length, capacity = INFER_REF.unpack(ref) if len(ref) == INFER_REF.size else (0, 1, 0)

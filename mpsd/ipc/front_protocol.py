@@ -71,11 +71,11 @@ class FrontAccess:
 
 @dataclass(frozen=True)
 class FrontConfig:
-    """The first frame a front gets: which front it is, what to serve and how, where the core is."""
+    """The first frame a front gets: which front it is, what to serve and how, where the daemon is."""
 
     index: int
     log_level: str  # the daemon's level now: LogSettings or SIGHUP may have changed the configured one
-    core_target: str  # the core's gRPC server, for every call but ModelInfer
+    daemon_target: str  # the daemon's gRPC server, for every call but ModelInfer
     config: Exported  # DaemonConfig as JSON
     arena: ArenaRegion | None  # None: large calls take the socket too
     access: FrontAccess
@@ -87,7 +87,7 @@ class FrontConfig:
         settings = {
             "index": self.index,
             "log_level": self.log_level,
-            "core_target": self.core_target,
+            "daemon_target": self.daemon_target,
             "config": self.config,
             "arena": arena,
             **self.access.fields(),
@@ -108,7 +108,7 @@ class FrontConfig:
         config = cls(
             fields.take("index", int),
             fields.take("log_level", str),
-            fields.take("core_target", str),
+            fields.take("daemon_target", str),
             fields.take("config", dict),
             arena,
             FrontAccess.read(fields),

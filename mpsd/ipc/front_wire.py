@@ -1,7 +1,7 @@
-"""Frames between a front process and the daemon core on their socketpair.
+"""Frames between a front process and the daemon on their socketpair.
 
-A front hands each ModelInfer call to the core as the request's serialized bytes and gets back the
-serialized response or a status: the front never decodes protobuf on this path, the core never runs
+A front hands each ModelInfer call to the daemon as the request's serialized bytes and gets back the
+serialized response or a status: the front never decodes protobuf on this path, the daemon never runs
 gRPC for it. The header is fixed-size binary (not pickle) because it is paid once per request.
 """
 
@@ -27,17 +27,17 @@ _SCRATCH = 64 * 1024
 
 
 class Kind(enum.IntEnum):
-    CONFIG = 1  # core -> front: the front's settings (JSON), the first frame
-    READY = 2  # front -> core: listening (payload: JSON with the front's pid)
-    FAILED = 3  # front -> core: could not start (payload: the reason)
-    INFER = 4  # front -> core: a ModelInfer call (number: seconds left, payload: request bytes)
-    CANCEL = 5  # front -> core: the client went away; drop the call
-    REPLY = 6  # core -> front: number 0 and response bytes, or a status code and a message (every call
+    CONFIG = 1  # daemon -> front: the front's settings (JSON), the first frame
+    READY = 2  # front -> daemon: listening (payload: JSON with the front's pid)
+    FAILED = 3  # front -> daemon: could not start (payload: the reason)
+    INFER = 4  # front -> daemon: a ModelInfer call (number: seconds left, payload: request bytes)
+    CANCEL = 5  # front -> daemon: the client went away; drop the call
+    REPLY = 6  # daemon -> front: number 0 and response bytes, or a status code and a message (every call
     # gets one, a cancelled one too: only then may the front reuse the call's arena chunk)
-    LOG_LEVEL = 7  # core -> front: the daemon's log level changed (payload: its name)
-    INFER_SHM = 8  # front -> core: a ModelInfer call whose request is in the arena (payload: arena.INFER_REF)
-    REPLY_SHM = 9  # core -> front: the response, at the start of the call's chunk (payload: arena.REPLY_REF)
-    AUTH = 10  # core -> front: SIGHUP re-read the access settings (payload: auth, tokens, TLS as JSON)
+    LOG_LEVEL = 7  # daemon -> front: the daemon's log level changed (payload: its name)
+    INFER_SHM = 8  # front -> daemon: a ModelInfer call, its request in the arena (payload: arena.INFER_REF)
+    REPLY_SHM = 9  # daemon -> front: the response, at the start of the chunk (payload: arena.REPLY_REF)
+    AUTH = 10  # daemon -> front: SIGHUP re-read the access settings (payload: auth, tokens, TLS as JSON)
 
 
 # Socket buffer of each end: a frame of a few MiB (a 600 KB image and its reply) goes in one system call

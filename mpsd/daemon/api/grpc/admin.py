@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from mpsd.daemon.api.grpc.inference import rpc
+from mpsd.daemon.api.grpc.inference import status_mapped
 from mpsd.daemon.core.model_version import ModelVersion, VersionInstance
 from mpsd.daemon.core.registry import ModelEntry, Registry
 from mpsd.errors import InvalidArgument
@@ -118,7 +118,7 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
         self._closed = True
         self._bus.close_subscriptions()
 
-    @rpc
+    @status_mapped
     async def StreamLogs(self, request: Any, context: Any) -> None:
         try:
             wanted = EventFilter(request.model, request.level.lower(), frozenset(request.kinds))
@@ -138,7 +138,7 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
         finally:
             self._bus.unsubscribe(sub)
 
-    @rpc
+    @status_mapped
     async def ListWorkers(self, request: Any, context: Any) -> Any:
         now = time.monotonic()
         workers = [
@@ -184,14 +184,14 @@ class AdminServicer(pb_grpc.MpsdAdminServicer):  # type: ignore[misc]
             workers=workers, fronts=fronts, residency=residency, budgets=budgets, device_compute=device
         )
 
-    @rpc
+    @status_mapped
     async def Profile(self, request: Any, context: Any) -> None:
         from mpsd.daemon.api.grpc.profile import profile
 
         async for event in profile(self.registry, request):
             await context.write(event)
 
-    @rpc
+    @status_mapped
     async def Reload(self, request: Any, context: Any) -> Any:
         log.info("reload requested", trigger="admin")
         summary = await self._reload()

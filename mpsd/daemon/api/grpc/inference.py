@@ -31,7 +31,7 @@ Handler = Callable[..., Awaitable[T]]
 STREAM_WINDOW = 256
 
 
-def rpc(method: Handler[T]) -> Handler[T]:
+def status_mapped(method: Handler[T]) -> Handler[T]:
     """Map mpsd errors to their gRPC status in one place; unexpected errors become INTERNAL."""
 
     @functools.wraps(method)
@@ -62,33 +62,33 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- health and metadata ---------------------------------------------------------------------
 
-    @rpc
+    @status_mapped
     async def ServerLive(self, request: Any, context: Any) -> Any:
         return pb.ServerLiveResponse(live=self.ops.live())
 
-    @rpc
+    @status_mapped
     async def ServerReady(self, request: Any, context: Any) -> Any:
         return pb.ServerReadyResponse(ready=self.ops.ready())
 
-    @rpc
+    @status_mapped
     async def ModelReady(self, request: Any, context: Any) -> Any:
         return pb.ModelReadyResponse(ready=self.ops.model_ready(request.name, request.version))
 
-    @rpc
+    @status_mapped
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
         return pb.ServerMetadataResponse(**server_metadata())
 
-    @rpc
+    @status_mapped
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
         config, versions = self.ops.metadata(request.name, request.version)
         return describe.model_metadata(request.name, versions, config)
 
-    @rpc
+    @status_mapped
     async def ModelConfig(self, request: Any, context: Any) -> Any:
         mv = self.registry.route(request.name, request.version)
         return pb.ModelConfigResponse(config=describe.effective_config(request.name, mv))
 
-    @rpc
+    @status_mapped
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         return describe.statistics(self.ops.statistics(request.name, request.version))
 
@@ -145,7 +145,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             return None
         return self.responses.parts(answered.result, request_id)
 
-    @rpc
+    @status_mapped
     async def ModelInfer(self, request: bytes, context: Any) -> bytes:
         """Registered without protobuf (de)serializers (`add_to_server`): the same bytes path as a front's."""
         remaining = context.time_remaining()
@@ -260,7 +260,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- repository ----------------------------------------------------------------------------------
 
-    @rpc
+    @status_mapped
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
         rows = self.ops.index(request.repository_name, request.ready)
         return pb.RepositoryIndexResponse(
@@ -272,21 +272,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             ]
         )
 
-    @rpc
+    @status_mapped
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
         await self.ops.load(
             request.repository_name, request.model_name, list(request.parameters), "RepositoryModelLoad"
         )
         return pb.RepositoryModelLoadResponse()
 
-    @rpc
+    @status_mapped
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         await self.ops.unload(request.repository_name, request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # ---- system shared memory ------------------------------------------------------------------------
 
-    @rpc
+    @status_mapped
     async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         reply = pb.SystemSharedMemoryStatusResponse()
         for region in self.ops.shm_status(request.name):
@@ -297,35 +297,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             )
         return reply
 
-    @rpc
+    @status_mapped
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         self.ops.shm_register(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
-    @rpc
+    @status_mapped
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         self.ops.shm_unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # ---- not implemented yet ------------------------------------------------------------------------
 
-    @rpc
+    @status_mapped
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
         raise Operations.unimplemented("CUDA shared memory")
 
-    @rpc
+    @status_mapped
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
         raise Operations.unimplemented("CUDA shared memory")
 
-    @rpc
+    @status_mapped
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         raise Operations.unimplemented("CUDA shared memory")
 
-    @rpc
+    @status_mapped
     async def TraceSetting(self, request: Any, context: Any) -> Any:
         raise Operations.unimplemented("request tracing (TraceSetting)")
 
-    @rpc
+    @status_mapped
     async def LogSettings(self, request: Any, context: Any) -> Any:
         """Triton's runtime log settings, mapped onto mpsd's one output level; an empty request reads."""
         updates: dict[str, bool | int | str] = {}

@@ -1,5 +1,5 @@
 """`POST /v2/models/{model}[/versions/{version}]/infer`: read the body within the size limit, hand the
-request to the same core as gRPC (`Operations.infer`: validation, batching, deadlines, queue limits,
+request to the same operations as gRPC (`Operations.infer`: validation, batching, deadlines, queue limits,
 statistics), write the response."""
 
 from __future__ import annotations

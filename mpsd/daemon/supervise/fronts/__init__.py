@@ -7,13 +7,13 @@ connections over them) and keeps the rest here: the registry, the batcher and th
 `front_ports` each front listens on a port of its own instead, for clients that spread their calls over the
 ports (macOS cannot spread one port's connections); the daemon then serves grpc_address itself too.
 
-A front hands ModelInfer calls to the core as serialized bytes over a socketpair (`mpsd/ipc/front_wire.py`),
-large ones through a shared-memory arena the core creates for it (`mpsd/ipc/front_arena.py`); the
-core decodes, validates, batches and answers with serialized bytes, so gRPC runs in the fronts and
-mpsd's own work here. Every other RPC the front forwards unchanged to the core's gRPC server on a
-private Unix socket, so the core stays the one place that holds state.
+A front hands ModelInfer calls to the daemon as serialized bytes over a socketpair (`mpsd/ipc/front_wire.py`),
+large ones through a shared-memory arena the daemon creates for it (`mpsd/ipc/front_arena.py`); the
+daemon decodes, validates, batches and answers with serialized bytes, so gRPC runs in the fronts and
+mpsd's own work here. Every other RPC the front forwards unchanged to the daemon's gRPC server on a
+private Unix socket, so the daemon stays the one place that holds state.
 
-One module per job: `policy` (how many fronts, whether the port is free), `sockets` (the core's private
-socket directory), `link` (the core's end of one front's socketpair), `pool` (starting, supervising and
+One module per job: `policy` (how many fronts, whether the port is free), `sockets` (the daemon's private
+socket directory), `link` (the daemon's end of one front's socketpair), `pool` (starting, supervising and
 stopping the processes) and `relay` (their log events into the daemon's).
 """

@@ -1,4 +1,4 @@
-"""The core's end of one front's socketpair: runs the ModelInfer calls the front hands over.
+"""The daemon's end of one front's socketpair: runs the ModelInfer calls the front hands over.
 
 It runs them through the `infer` it is given (the inference servicer's, on serialized bytes), so the
 link knows frames, the arena and flow control, and nothing of models.
@@ -19,7 +19,7 @@ from mpsd.errors import Internal, MpsdError
 from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
 from mpsd.ipc.front_protocol import FrontReady, MalformedMessage
 
-# A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the core stops reading its socket.
+# A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the daemon stops reading its socket.
 from mpsd.ipc.front_wire import (
     MAX_IN_FLIGHT,
     Buffer,
@@ -47,7 +47,7 @@ class FrontFailed(Exception):
 
 @dataclass
 class FrontCounts:
-    """What one front slot has handed to the core, over its processes' restarts."""
+    """What one front slot has handed to the daemon, over its processes' restarts."""
 
     served: int = 0  # ModelInfer calls answered
     arena_requests: int = 0  # of which the request came through the arena
@@ -56,7 +56,7 @@ class FrontCounts:
 
 @dataclass
 class FrontLink:
-    """The core's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
+    """The daemon's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
 
     index: int
     infer: InferBytes

@@ -53,7 +53,7 @@ class FrontInfo:
     index: int
     pid: int
     state: str  # "listening", or "restarting" between a death and the new process listening
-    requests: int  # ModelInfer calls handed to the core, over restarts
+    requests: int  # ModelInfer calls handed to the daemon, over restarts
     restarts: int
     port: int  # the port it listens on alone (front_ports); 0: grpc_address's, shared
 
@@ -73,7 +73,7 @@ class FrontPool:
         self,
         count: int,
         config: DaemonConfig,
-        core_target: str,
+        daemon_target: str,
         infer: InferBytes,
         tokens: Sequence[Token] = (),
         tls: TlsMaterial | None = None,
@@ -85,7 +85,7 @@ class FrontPool:
         # As the daemon read them: fronts never read token or certificate files.
         self._tokens = list(tokens)
         self._tls = tls
-        self._core_target = core_target
+        self._daemon_target = daemon_target
         self._infer = infer
         self.fronts: dict[int, Front] = {}
         self.restarts: dict[int, int] = {}
@@ -103,7 +103,7 @@ class FrontPool:
         self._clock: Callable[[], float] = time.monotonic
 
     def served(self) -> dict[int, int]:
-        """ModelInfer calls each front slot has handed to the core, over restarts."""
+        """ModelInfer calls each front slot has handed to the daemon, over restarts."""
         return {i: self.counts[i].served for i in sorted(self.fronts)}
 
     def running(self) -> int:
@@ -183,7 +183,7 @@ class FrontPool:
             settings = FrontConfig(
                 index,
                 sent_level,  # now: LogSettings or SIGHUP may have changed it
-                self._core_target,
+                self._daemon_target,
                 self._config.model_dump(mode="json"),
                 ArenaRegion(arena.name, arena.size) if arena is not None else None,
                 self._access(),
@@ -335,7 +335,7 @@ class FrontPool:
             front.link.send(_level_frame(level))
 
     async def stop(self, drain_timeout_s: float) -> None:
-        """Stop accepting calls, let the fronts finish theirs (the core still answers them), then end."""
+        """Stop accepting calls, let the fronts finish theirs (the daemon still answers them), then end."""
         self._stopping = True
         self._stop_listening()
         for task in self._supervisors:

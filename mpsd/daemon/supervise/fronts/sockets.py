@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-CORE_DIR_PREFIX = "mpsd-core-"
+SOCKET_DIR_PREFIX = "mpsd-daemon-"
 
 
 def _socket_base() -> Path:
@@ -16,16 +16,16 @@ def _socket_base() -> Path:
     return Path(base) if len(base) <= 60 and os.path.isdir(base) else Path("/tmp")
 
 
-def make_core_dir() -> Path:
+def make_socket_dir() -> Path:
     """A private (0700) directory for the daemon's internal gRPC socket, named after this process."""
-    return Path(tempfile.mkdtemp(prefix=f"{CORE_DIR_PREFIX}{os.getpid()}-", dir=_socket_base()))
+    return Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-", dir=_socket_base()))
 
 
-def remove_stale_core_dirs() -> list[str]:
+def remove_stale_socket_dirs() -> list[str]:
     """Remove socket directories of daemons that died without cleaning up (kill -9)."""
     removed = []
-    for entry in _socket_base().glob(f"{CORE_DIR_PREFIX}*-*"):
-        pid = entry.name[len(CORE_DIR_PREFIX) :].split("-", 1)[0]
+    for entry in _socket_base().glob(f"{SOCKET_DIR_PREFIX}*-*"):
+        pid = entry.name[len(SOCKET_DIR_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or int(pid) == os.getpid() or not entry.is_dir():
             continue
         if entry.stat().st_uid != os.getuid():
