@@ -13,6 +13,17 @@ from mpsd.daemon.api.values import Values
 
 # One entry of a call's raw contents: bytes, or elements that become bytes once the input is checked.
 RawEntry = bytes | memoryview | Values
+# The fields typed contents come in (gRPC's InferTensorContents), by which `InputCall.contents` holds them.
+TYPED_CONTENTS = (
+    "bool_contents",
+    "int_contents",
+    "int64_contents",
+    "uint_contents",
+    "uint64_contents",
+    "fp32_contents",
+    "fp64_contents",
+    "bytes_contents",
+)
 
 
 @dataclass(frozen=True, slots=True)

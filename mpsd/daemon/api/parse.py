@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mpsd.config.model_config import ModelConfig, TensorConfig
-from mpsd.daemon.api.call import InferCall, InputCall, OutputCall, Params, RawEntry
+from mpsd.daemon.api.call import TYPED_CONTENTS, InferCall, InputCall, OutputCall, Params, RawEntry
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.api.values import Values, typed_bytes
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
@@ -32,16 +32,6 @@ TYPED_FIELDS: dict[str, tuple[str, Any]] = {
     for name, d in DATATYPES.items()
     if d.contents is not None and d.numpy is not None
 }
-_ALL_TYPED = (
-    "bool_contents",
-    "int_contents",
-    "int64_contents",
-    "uint_contents",
-    "uint64_contents",
-    "fp32_contents",
-    "fp64_contents",
-    "bytes_contents",
-)
 _KNOWN_OUTPUT_PARAMS = {"binary_data"}
 _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
 # Request parameters Triton clients send, with the value kinds each may have. `timeout` (microseconds) bounds
@@ -114,7 +104,7 @@ def _typed_used(tensor: InputCall) -> list[str]:
     """The typed `contents` fields an input tensor fills."""
     if not tensor.contents:
         return []
-    return [f for f in _ALL_TYPED if len(tensor.contents.get(f, ()))]
+    return [f for f in TYPED_CONTENTS if len(tensor.contents.get(f, ()))]
 
 
 def _check_shape(model: str, cfg: TensorConfig, shape: Sequence[int], max_batch: int) -> None:

@@ -7,17 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mpsd.daemon.api.call import NO_PARAMS, InferCall, InputCall, OutputCall, Param, Params, RawEntry
-
-_TYPED = (
-    "bool_contents",
-    "int_contents",
-    "int64_contents",
-    "uint_contents",
-    "uint64_contents",
-    "fp32_contents",
-    "fp64_contents",
-    "bytes_contents",
+from mpsd.daemon.api.call import (
+    NO_PARAMS,
+    TYPED_CONTENTS,
+    InferCall,
+    InputCall,
+    OutputCall,
+    Param,
+    Params,
+    RawEntry,
 )
 
 
@@ -36,7 +34,7 @@ def _contents(tensor: Any) -> dict[str, Sequence[Any]]:
     if not tensor.HasField("contents"):
         return {}
     contents = tensor.contents
-    return {f: values for f in _TYPED if len(values := getattr(contents, f))}
+    return {f: values for f in TYPED_CONTENTS if len(values := getattr(contents, f))}
 
 
 def infer_call(request: Any, raw: Sequence[RawEntry] | None = None) -> InferCall:
