@@ -43,10 +43,12 @@ models: install
 run: models
 	$(BIN)/mpsd serve --config config/mpsd.yaml
 
-# Test modules run side by side, at most 4 at a time (one per core): a module and the daemons it shares stay
-# in one process (--dist loadfile).
+# Test modules run side by side (pytest-xdist), one more at a time than there are cores and at most 4: much
+# of a test's time is spent waiting for the processes it starts. A module and the daemons it shares stay in
+# one process (--dist loadfile).
+TEST_WORKERS = $(shell $(PY) -c 'import os; print(min(4, (os.cpu_count() or 1) + 1))')
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check mpsd tests bench
