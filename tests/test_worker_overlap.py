@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mpsd.errors import ErrorCode
 from mpsd.ipc import protocol as p
@@ -84,12 +86,12 @@ def execution(slots: list[Region], number: int, slot: int) -> p.Infer:
     )
 
 
-def serve(log: Log, messages: list[object], overlap: bool = True) -> list[object]:
+def serve(log: Log, messages: list[object], overlap: bool = True, model: Model | None = None) -> list[object]:
     """Run the worker's serving loop over `messages` (ending with Shutdown); the answers it sent."""
     spec = p.ModelSpec(
         "m", 1, "python", "", 8, (p.TensorSpec("x", "FP32", (4,)),), (p.TensorSpec("y", "FP32", (4,)),)
     )
-    runner = Runner(spec, Model(log), torch.device("cpu"))
+    runner = Runner(spec, model if model is not None else Model(log), torch.device("cpu"))
     if overlap:
         made = iter(range(1, 100))
         runner._completion = lambda: StandInCompletion(log, next(made))
@@ -155,3 +157,76 @@ def test_answers_keep_their_order_and_rows_when_one_launch_fails(slots: list[Reg
     assert "cancelled" in failed.message
     assert log.events == [("call", 1), ("wait", 1)]
     assert outputs(slots, 0, answers[0]) == [2.0] * 4
+
+
+class PoisonableModel(Model):
+    """Doubles its input, and fails an execution whose first value is negative (as a model's error would)."""
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        if float(inputs[0][0, 0]) < 0:
+            raise RuntimeError("the model failed on a negative row")
+        return super().__call__(inputs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(1, 3),
+            st.integers(0, 6).map(lambda n: n == 0),
+            st.integers(0, 6).map(lambda n: n == 0),
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_overlapped_launches_answer_as_one_at_a_time(plan: list[tuple[int, bool, bool]]) -> None:
+    """The fast path (the next execution launched behind the running one) against the plain one (each
+    answered before the next is launched): the same answers, in the same order, with the same rows, for
+    executions of 1-3 rows, some failing in the model, some abandoned before they run. Each execution has
+    regions of its own, in slots taken in turn."""
+    regions = [Region.create(1 << 12) for _ in range(2 * len(plan))]
+    try:
+        got = []
+        for overlap in (True, False):
+            messages: list[object] = []
+            for k, (rows, fails, abandoned) in enumerate(plan):
+                inputs, out = regions[2 * k], regions[2 * k + 1]
+                inputs.buf[0] = p.ABANDONED_CANCELLED if abandoned else 0
+                values = np.arange(rows * 4, dtype=np.float32) + 10 * (k + 1)
+                if fails:
+                    values[0] = -1
+                inputs.buf[p.CONTROL_BYTES : p.CONTROL_BYTES + values.nbytes] = values.tobytes()
+                out.buf[:] = bytes(out.size)
+                ref = p.TensorRef("x", "FP32", (rows, 4), p.CONTROL_BYTES, values.nbytes)
+                messages.append(
+                    p.Infer(
+                        k + 1,
+                        (ref,),
+                        ("y",),
+                        p.RegionRef(inputs.name, inputs.size),
+                        p.RegionRef(out.name, out.size),
+                        k % p.SLOTS,
+                    )
+                )
+            log = Log()
+            answers = serve(log, [*messages, p.Shutdown()], overlap=overlap, model=PoisonableModel(log))
+            seen = []
+            for k, answer in enumerate(answers):
+                if isinstance(answer, p.InferDone):
+                    (ref,) = answer.outputs
+                    out = regions[2 * k + 1]
+                    rows_out = np.frombuffer(
+                        out.buf[ref.offset : ref.offset + ref.nbytes], np.float32
+                    ).tolist()
+                    seen.append(("done", answer.req_id, ref.shape, rows_out))
+                else:
+                    assert isinstance(answer, p.InferFailed), answer
+                    seen.append(("failed", answer.req_id, answer.code, answer.message))
+            got.append(seen)
+        assert got[0] == got[1]
+        assert [entry[1] for entry in got[0]] == list(range(1, len(plan) + 1))  # one answer each, in order
+    finally:
+        for region in regions:
+            region.unlink()
+            region.close()
