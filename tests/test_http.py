@@ -386,9 +386,19 @@ def test_log_settings_read_and_change(client: httpclient.InferenceServerClient) 
 
 
 def test_unimplemented_endpoints_say_so(client: httpclient.InferenceServerClient) -> None:
-    for call in (client.get_cuda_shared_memory_status, client.get_trace_settings):
+    for call in (client.get_trace_settings, lambda: client.register_cuda_shared_memory("r", b"h", 0, 16)):
         status, message = refused(call)
         assert status == "501" and "not implemented by mpsd" in message
+
+
+def test_cuda_shared_memory_with_none_registered(client: httpclient.InferenceServerClient) -> None:
+    """Status and unregister answer as Triton's do with nothing registered (clients unregister everything
+    before they register system shared memory); a named region is not found."""
+    assert client.get_cuda_shared_memory_status() == []
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("never")
+    status, message = refused(lambda: client.get_cuda_shared_memory_status("never"))
+    assert status == "404" and "unable to find cuda shared memory region: 'never'" in message
 
 
 # ---- HTTP itself -------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import subprocess
@@ -274,9 +275,22 @@ def test_statistics_move(daemon: RunningDaemon) -> None:
     assert err.value.status() == "StatusCode.NOT_FOUND"
 
 
+def test_cuda_shared_memory_with_none_registered(daemon: RunningDaemon) -> None:
+    """Status and unregister answer as Triton's do with nothing registered (Triton's shared memory examples
+    unregister everything first); a named region is not found."""
+    client = daemon.client
+    assert client.get_cuda_shared_memory_status(as_json=True) == {}
+    client.unregister_cuda_shared_memory()
+    client.unregister_cuda_shared_memory("never")
+    with pytest.raises(InferenceServerException) as err:
+        client.get_cuda_shared_memory_status("never")
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert "unable to find cuda shared memory region: 'never'" in err.value.message()
+
+
 def test_unimplemented_rpcs_say_so(daemon: RunningDaemon) -> None:
     for call in (
-        daemon.client.get_cuda_shared_memory_status,
+        partial(daemon.client.register_cuda_shared_memory, "r", base64.b64encode(b"handle"), 0, 16),
         partial(daemon.client.get_trace_settings),
     ):
         with pytest.raises(InferenceServerException) as err:

@@ -240,6 +240,28 @@ class Operations:
         self.client_shm.unregister(name)
         log.info("shared memory unregistered", region=name or "(all)")
 
+    # ---- CUDA shared memory: registering a region is not implemented, so none is ever registered --------
+
+    @staticmethod
+    def cuda_shm_status(name: str) -> list[str]:
+        """Every region registered (none), or the one named (never found), as Triton answers for a region
+        that is not registered."""
+        if name:
+            raise NotFound(f"unable to find cuda shared memory region: '{name}'")
+        return []
+
+    @staticmethod
+    def cuda_shm_unregister(name: str) -> None:
+        """Nothing to forget: succeeds, as Triton's does for a region that is not registered. Clients call
+        it before they register system shared memory."""
+
+    @staticmethod
+    def cuda_shm_register(name: str) -> None:
+        raise Unimplemented(
+            f"CUDA shared memory region '{name}': registering CUDA shared memory is not implemented by mpsd; "
+            "use system shared memory"
+        )
+
     # ---- settings ------------------------------------------------------------------------------------
 
     @staticmethod

@@ -307,19 +307,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.ops.shm_unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    # ---- not implemented yet ------------------------------------------------------------------------
-
     @status_mapped
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        raise Operations.unimplemented("CUDA shared memory")
+        self.ops.cuda_shm_status(request.name)
+        return pb.CudaSharedMemoryStatusResponse()
 
     @status_mapped
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        raise Operations.unimplemented("CUDA shared memory")
+        self.ops.cuda_shm_register(request.name)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     @status_mapped
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        raise Operations.unimplemented("CUDA shared memory")
+        self.ops.cuda_shm_unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # ---- not implemented yet ------------------------------------------------------------------------
 
     @status_mapped
     async def TraceSetting(self, request: Any, context: Any) -> Any:

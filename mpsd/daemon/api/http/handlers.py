@@ -164,5 +164,15 @@ class Handlers:
         raise Operations.unimplemented("request tracing (trace settings)")
 
     @rpc("CudaSharedMemoryStatus")
-    async def cuda_shm(self, request: web.Request) -> web.Response:
-        raise Operations.unimplemented("CUDA shared memory")
+    async def cuda_shm_status(self, request: web.Request) -> web.Response:
+        return json_response(self.ops.cuda_shm_status(path(request, "region")))
+
+    @rpc("CudaSharedMemoryRegister")
+    async def cuda_shm_register(self, request: web.Request) -> web.Response:
+        self.ops.cuda_shm_register(path(request, "region"))
+        return empty(200)
+
+    @rpc("CudaSharedMemoryUnregister")
+    async def cuda_shm_unregister(self, request: web.Request) -> web.Response:
+        self.ops.cuda_shm_unregister(path(request, "region"))
+        return empty(200)

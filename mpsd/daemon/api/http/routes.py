@@ -57,11 +57,11 @@ def add_routes(app: web.Application, ops: Operations, limit: int, admission: Adm
     post(f"{SHM}/region/{{region}}/register", h.shm_register)
     post(f"{SHM}/unregister", h.shm_unregister)
     post(f"{SHM}/region/{{region}}/unregister", h.shm_unregister)
-    get(f"{CUDA_SHM}/status", h.cuda_shm, allow_head=False)
-    get(f"{CUDA_SHM}/region/{{region}}/status", h.cuda_shm, allow_head=False)
-    for action in ("register", "unregister"):
-        post(f"{CUDA_SHM}/region/{{region}}/{action}", h.cuda_shm)
-    post(f"{CUDA_SHM}/unregister", h.cuda_shm)
+    get(f"{CUDA_SHM}/status", h.cuda_shm_status, allow_head=False)
+    get(f"{CUDA_SHM}/region/{{region}}/status", h.cuda_shm_status, allow_head=False)
+    post(f"{CUDA_SHM}/region/{{region}}/register", h.cuda_shm_register)
+    post(f"{CUDA_SHM}/region/{{region}}/unregister", h.cuda_shm_unregister)
+    post(f"{CUDA_SHM}/unregister", h.cuda_shm_unregister)
     for trace in ("/v2/trace/setting", f"{MODEL}/trace/setting"):
         get(trace, h.trace, allow_head=False)
         post(trace, h.trace)
