@@ -156,7 +156,7 @@ CASES = [
             lambda: [_input("INPUT0", np.array([[b"x"] * 16], dtype=np.object_), "BYTES"), _pair()[1]],
         ),
         INVALID,
-        ("INPUT0", "tensors of strings", "not supported"),
+        ("INPUT0", "expected datatype FP32", "'BYTES'"),
     ),
     Case(
         "unknown_output",

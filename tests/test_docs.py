@@ -104,7 +104,7 @@ def test_every_config_field_is_documented_with_its_default(root: type[BaseModel]
 def test_config_models_are_found_recursively() -> None:
     """The walk above must see nested models, or the check would pass vacuously."""
     names = {m.__name__ for m in config_models(ModelConfig)}
-    assert {"TensorConfig", "InstanceGroup", "LatestPolicy", "DynamicBatching"} <= names
+    assert {"InputConfig", "OutputConfig", "InstanceGroup", "LatestPolicy", "DynamicBatching"} <= names
     assert {"DaemonConfig", "TlsConfig", "TokenConfig"} <= {m.__name__ for m in config_models(DaemonConfig)}
 
 

@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 from google.protobuf.descriptor import FieldDescriptor
+from tritonclient.grpc import model_config_pb2 as triton_config
 from tritonclient.grpc import service_pb2 as triton
 
 from mpsd.config.model_config import DataType, TensorConfig
-from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE, UNSUPPORTED
-from mpsd.worker.dtypes import FROM_TORCH, TO_TORCH
+from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE, config_to_wire, wire_to_config
+from mpsd.worker.dtypes import FROM_TORCH, TO_TORCH, datatype_of
+from mpsd.worker.strings import as_strings
 
 # protobuf scalar type -> numpy kind and bytes it holds
 _PROTO_KINDS = {
@@ -29,10 +31,24 @@ _PROTO_KINDS = {
 
 def test_the_config_schema_lists_exactly_the_tables_types() -> None:
     assert get_args(DataType) == tuple(d.config_name for d in DATATYPES.values())
-    assert not set(DATATYPES) & set(UNSUPPORTED)
+    # Every datatype Triton's model config defines (Triton's own definition) is served.
+    assert {d.config_name for d in DATATYPES.values()} == set(triton_config.DataType.keys()) - {
+        "TYPE_INVALID"
+    }
 
 
-@pytest.mark.parametrize("name", sorted(DATATYPES))
+def test_strings_are_the_one_type_without_a_size_or_a_torch_dtype() -> None:
+    entry = DATATYPES["BYTES"]
+    assert (entry.itemsize, entry.torch, entry.contents) == (None, None, "bytes_contents")
+    assert entry.config_name == "TYPE_STRING" and config_to_wire("TYPE_STRING") == "BYTES"
+    assert wire_to_config("BYTES") == "TYPE_STRING"
+    assert "BYTES" not in ITEMSIZE and "BYTES" not in TO_TORCH
+    strings = as_strings(["a", b"b"])
+    assert strings is not None and datatype_of(strings) == "BYTES"
+    assert as_strings(np.zeros(2)) is None  # numbers are not strings
+
+
+@pytest.mark.parametrize("name", sorted(set(DATATYPES) - {"BYTES"}))
 def test_each_entry_agrees_with_numpy_torch_and_the_protocol(name: str) -> None:
     entry = DATATYPES[name]
     dtype = TO_TORCH[name]

@@ -64,6 +64,17 @@ def daemon(example_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A daemon watching its own copy of the example repository (init-model adds models to it)."""
     served = tmp_path_factory.mktemp("served") / "models"
     shutil.copytree(example_repo, served)
+    strings = {"data_type": "TYPE_STRING", "dims": [-1]}
+    models.python_model(
+        served,
+        "upper",
+        "import numpy as np\nreturn {'UPPER': np.vectorize(bytes.upper, otypes=[object])(inputs['TEXT'])}",
+        config={
+            "backend": "python",
+            "input": [{"name": "TEXT", **strings}],
+            "output": [{"name": "UPPER", **strings}],
+        },
+    )
     with serving(served, tmp_path_factory.mktemp("log") / "daemon.log") as d:
         yield d
 
@@ -248,6 +259,13 @@ def test_infer_prints_outputs_as_table_and_json(daemon: RunningDaemon, tmp_path:
     scaled = mpsd("infer", "scale", "--address", daemon.address, "-i", "x=[1, 2, 3]", "--output-format=json")
     assert scaled.returncode == 0, scaled.stderr
     assert json.loads(scaled.stdout)["outputs"][0]["data"] == [2.5, 5.0, 7.5]
+
+    text = mpsd(
+        "infer", "upper", "--address", daemon.address, "-i", 'TEXT=["ab", "wörd"]', "--output-format=json"
+    )
+    assert text.returncode == 0, text.stderr
+    out = json.loads(text.stdout)["outputs"][0]
+    assert (out["datatype"], out["shape"], out["data"]) == ("BYTES", [2], ["AB", "WöRD"])
 
 
 def test_infer_writes_npy_outputs(daemon: RunningDaemon, tmp_path: Path) -> None:

@@ -13,12 +13,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from mpsd.ipc.dtypes import ITEMSIZE, UNSUPPORTED, config_to_wire
+from mpsd.ipc.dtypes import DATATYPES, config_to_wire
 
 # The config spelling of each of mpsd.ipc.dtypes.DATATYPES (a Literal, so that the schema lists them).
 DataType = Literal[
     "TYPE_BOOL",
     "TYPE_UINT8",
+    "TYPE_UINT16",
+    "TYPE_UINT32",
+    "TYPE_UINT64",
     "TYPE_INT8",
     "TYPE_INT16",
     "TYPE_INT32",
@@ -27,6 +30,7 @@ DataType = Literal[
     "TYPE_BF16",
     "TYPE_FP32",
     "TYPE_FP64",
+    "TYPE_STRING",
 ]
 Kind = Literal["KIND_AUTO", "KIND_GPU", "KIND_MPS", "KIND_CPU"]
 Backend = Literal["torchscript", "torch_export", "aoti", "python"]
@@ -78,17 +82,6 @@ class TensorConfig(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     data_type: DataType
     dims: list[int]
-    optional: bool = False
-
-    @field_validator("data_type", mode="before")
-    @classmethod
-    def _explain_unsupported(cls, value: object) -> object:
-        if isinstance(value, str):
-            # Triton's config spells the string type TYPE_STRING (BYTES on the wire).
-            wire = "BYTES" if value == "TYPE_STRING" else config_to_wire(value)
-            if wire in UNSUPPORTED:
-                raise ValueError(UNSUPPORTED[wire])
-        return value
 
     @field_validator("dims")
     @classmethod
@@ -103,8 +96,20 @@ class TensorConfig(_Strict):
         return config_to_wire(self.data_type)
 
     @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.wire_datatype]
+    def itemsize(self) -> int | None:
+        """Bytes per element; None for strings, whose elements have sizes of their own."""
+        return DATATYPES[self.wire_datatype].itemsize
+
+
+class InputConfig(TensorConfig):
+    optional: bool = False
+    # Triton's `format` (how an image's dimensions are laid out): described to clients, never acted on.
+    format: Literal["FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW"] = "FORMAT_NONE"
+
+
+class OutputConfig(TensorConfig):
+    # Labels for the classification extension: a file in the model's folder, one label per line.
+    label_filename: Annotated[str, Field(min_length=1)] | None = None
 
 
 class InstanceGroup(_Strict):
@@ -301,6 +306,20 @@ def _check_compile(config: ModelConfig) -> None:
 _WARMUP = ("model_warmup",)
 
 
+def _check_strings(config: ModelConfig) -> None:
+    """Strings reach only python models (as numpy arrays of bytes): torch has no tensor of strings."""
+    if config.backend == "python":
+        return
+    for field in ("input", "output"):
+        for i, t in enumerate(getattr(config, field)):
+            if t.data_type == "TYPE_STRING":
+                raise RuleError(
+                    (field, i, "data_type"),
+                    f"{field} '{t.name}' is TYPE_STRING, which a {config.backend} model cannot take or "
+                    "return: torch has no string tensors; serve strings with a python model",
+                )
+
+
 def _check_warmup(config: ModelConfig) -> None:
     """Every sample feeds every required input with a shape and type the model accepts."""
     configured = config.input_by_name()
@@ -335,8 +354,8 @@ class ModelConfig(_Strict):
     name: str | None = None
     backend: Backend = "torchscript"
     max_batch_size: Annotated[int, Field(ge=0)] = 0
-    input: list[TensorConfig]
-    output: list[TensorConfig]
+    input: list[InputConfig]
+    output: list[OutputConfig]
     instance_group: list[InstanceGroup] = [InstanceGroup()]
     version_policy: VersionPolicy = VersionPolicy()
     default_model_filename: str | None = None
@@ -389,6 +408,7 @@ class ModelConfig(_Strict):
                     ("dynamic_batching",),
                     "a decoupled model runs each request on its own: remove dynamic_batching",
                 )
+        _check_strings(self)
         _check_warmup(self)
         _check_graphs(self)
         _check_compile(self)
@@ -435,11 +455,11 @@ class ModelConfig(_Strict):
     def platform(self) -> str:
         return PLATFORMS[self.backend]
 
-    def input_by_name(self) -> dict[str, TensorConfig]:
+    def input_by_name(self) -> dict[str, InputConfig]:
         """Read-only by convention: built once per (frozen) config, as every request looks inputs up."""
         return self._inputs_by_name
 
-    def output_by_name(self) -> dict[str, TensorConfig]:
+    def output_by_name(self) -> dict[str, OutputConfig]:
         return self._outputs_by_name
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelConfig:
@@ -450,9 +470,9 @@ class ModelConfig(_Strict):
         return copy
 
     @functools.cached_property
-    def _inputs_by_name(self) -> dict[str, TensorConfig]:
+    def _inputs_by_name(self) -> dict[str, InputConfig]:
         return {t.name: t for t in self.input}
 
     @functools.cached_property
-    def _outputs_by_name(self) -> dict[str, TensorConfig]:
+    def _outputs_by_name(self) -> dict[str, OutputConfig]:
         return {t.name: t for t in self.output}

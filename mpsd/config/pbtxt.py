@@ -16,7 +16,15 @@ from typing import Any, NoReturn
 
 from google.protobuf import text_format  # type: ignore[import-untyped]
 
-from mpsd.config.model_config import InstanceGroup, ModelConfig, Residency, VersionPolicy
+from mpsd.config.model_config import (
+    InputConfig,
+    InstanceGroup,
+    ModelConfig,
+    OutputConfig,
+    Residency,
+    TensorConfig,
+    VersionPolicy,
+)
 from mpsd.config.model_file import check_config_name, config_problem, validate_model_config
 from mpsd.errors import Issue, ModelConfigError
 from mpsd.proto import model_config_pb2 as mc
@@ -127,6 +135,10 @@ class _Reader:
                 _fail((field, i, key), _TENSOR_FATAL[key])
             if key == "optional":
                 out["optional"] = True
+            elif key == "format":
+                out["format"] = mc.ModelInput.Format.Name(t.format)
+            elif key == "label_filename":
+                out["label_filename"] = t.label_filename
             else:
                 self.ignore(f"{path}.{key}")
         return out
@@ -375,9 +387,7 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
     msg.max_batch_size = config.max_batch_size
     for src, dst in ((config.input, msg.input), (config.output, msg.output)):
         for t in src:
-            tensor = dst.add(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
-            if t.optional:
-                tensor.optional = True
+            write_tensor(t, dst.add())
     _write_version_policy(config.version_policy, msg)
     if config.model_transaction_policy.decoupled:
         msg.model_transaction_policy.decoupled = True
@@ -421,6 +431,19 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             else:
                 entry.zero_data = True
     return str(text_format.MessageToString(msg))
+
+
+def write_tensor(t: TensorConfig, msg: Any) -> None:
+    """One input or output into its ModelInput / ModelOutput message."""
+    msg.name = t.name
+    msg.data_type = mc.DataType.Value(t.data_type)
+    msg.dims.extend(t.dims)
+    if isinstance(t, InputConfig):
+        msg.optional = t.optional
+        if t.format != "FORMAT_NONE":
+            msg.format = mc.ModelInput.Format.Value(t.format)
+    if isinstance(t, OutputConfig) and t.label_filename is not None:
+        msg.label_filename = t.label_filename
 
 
 def write_libraries_and_autocast(config: ModelConfig, msg: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE
 from mpsd.tools.client import connect, inference_stub, rpc_failure
 from mpsd.tools.common import ToolError, table
@@ -79,13 +80,21 @@ def read_value(name: str, value: str) -> np.ndarray[Any, Any]:
     except ValueError as exc:  # ragged nested lists
         hint = "every row of a nested list needs the same length"
         raise ToolError(f"input '{name}': {exc}", hint) from None
-    if array.dtype.kind not in "biuf":
-        raise ToolError(f"input '{name}': values must be numbers or booleans, got {value!r}", VALUE_HINT)
+    if array.dtype.kind not in "biufU":
+        raise ToolError(
+            f"input '{name}': values must be numbers, booleans or strings, got {value!r}", VALUE_HINT
+        )
     return array
 
 
 def _cast(name: str, array: np.ndarray[Any, Any], datatype: str) -> np.ndarray[Any, Any]:
     """Convert to the model's datatype, refusing conversions that would change a value silently."""
+    if datatype == strings.DATATYPE:
+        if array.dtype.kind not in "US":
+            raise ToolError(f"input '{name}' is BYTES: give strings", VALUE_HINT)
+        return array.astype(np.object_)
+    if array.dtype.kind in "US":
+        raise ToolError(f"input '{name}' is {datatype}: give numbers, not strings", VALUE_HINT)
     target = np.dtype(np.float32 if datatype == "BF16" else NUMPY[datatype])
     if array.dtype == target:
         return array
@@ -141,6 +150,9 @@ def encode(meta: TensorMeta, array: np.ndarray[Any, Any], batch: int = 1) -> tup
     fitted = _fit_shape(meta.name, _cast(meta.name, array, meta.datatype), meta.shape, batch)
     if meta.datatype == "BF16":
         return list(fitted.shape), to_bf16_bytes(fitted)
+    if meta.datatype == strings.DATATYPE:
+        elements = (e.encode() if isinstance(e, str) else bytes(e) for e in fitted.reshape(-1))
+        return list(fitted.shape), strings.serialize(elements)
     wire = np.dtype(NUMPY[meta.datatype]).newbyteorder("<")
     return list(fitted.shape), np.ascontiguousarray(fitted, dtype=wire).tobytes()
 
@@ -148,6 +160,14 @@ def encode(meta: TensorMeta, array: np.ndarray[Any, Any], batch: int = 1) -> tup
 def decode(datatype: str, shape: Sequence[int], data: bytes) -> np.ndarray[Any, Any]:
     if datatype == "BF16":
         return from_bf16_bytes(data, shape)
+    if datatype == strings.DATATYPE:
+        try:
+            elements = strings.split(data, math.prod(shape))
+        except strings.MalformedStrings as exc:
+            raise ToolError(f"the daemon sent BYTES data that {exc}") from None
+        text = np.empty(len(elements), dtype=np.object_)
+        text[:] = [e.decode("utf-8", "backslashreplace") for e in elements]
+        return text.reshape(shape)
     if datatype not in NUMPY:
         raise ToolError(f"cannot show an output of datatype {datatype}")
     expected = math.prod(shape) * ITEMSIZE[datatype]

@@ -16,6 +16,7 @@ import torch
 from mpsd.ipc.protocol import ModelSpec
 from mpsd.worker.backends import Backend
 from mpsd.worker.dtypes import TO_TORCH
+from mpsd.worker.strings import Value
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -62,13 +63,14 @@ class AutocastBackend:
         # when it ends (torch.cuda.make_graphed_callables says the same).
         self._cache = not (spec.cuda_graph_batch_sizes and device.type == "cuda")
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
         with torch.autocast(self._device_type, dtype=self._dtype, cache_enabled=self._cache):
             outputs = self.backend(inputs)
         for name, tensor in outputs.items():
             declared = self._declared.get(name)
             if (
                 declared is not None
+                and isinstance(tensor, torch.Tensor)
                 and tensor.dtype != declared
                 and tensor.is_floating_point()
                 and declared.is_floating_point

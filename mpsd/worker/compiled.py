@@ -12,11 +12,11 @@ import time
 
 import torch
 
-from mpsd.ipc.protocol import ModelSpec
+from mpsd.ipc.protocol import ModelSpec, WarmupTensor
 from mpsd.worker.backends import Backend
 from mpsd.worker.device import synchronize
-from mpsd.worker.dtypes import TO_TORCH
-from mpsd.worker.inference import warmup_inputs
+from mpsd.worker.inference import sample_value, warmup_inputs
+from mpsd.worker.strings import Value
 
 
 def compile_backend(backend: Backend, spec: ModelSpec) -> None:
@@ -28,10 +28,10 @@ def compile_backend(backend: Backend, spec: ModelSpec) -> None:
     compile_model(spec.compile_mode, spec.compile_dynamic)
 
 
-def compile_inputs(spec: ModelSpec, device: torch.device, batch: int) -> list[torch.Tensor]:
-    """Zeros of the configured shapes at one batch size (variable dims as 1)."""
+def compile_inputs(spec: ModelSpec, device: torch.device, batch: int) -> list[Value]:
+    """Zeros (empty strings) of the configured shapes at one batch size (variable dims as 1)."""
     return [
-        torch.zeros([batch, *(d if d > 0 else 1 for d in t.dims)], dtype=TO_TORCH[t.datatype], device=device)
+        sample_value(WarmupTensor(t.name, t.datatype, (batch, *(d if d > 0 else 1 for d in t.dims))), device)
         for t in spec.inputs
     ]
 

@@ -21,6 +21,7 @@ from mpsd.ipc.protocol import ModelSpec, WarmupTensor
 from mpsd.worker.backends import Backend
 from mpsd.worker.dtypes import TO_TORCH
 from mpsd.worker.inference import sample_tensor
+from mpsd.worker.strings import Value, tensor_outputs, tensors_of
 
 # Calls on a side stream before a recording: lazy set-up (cuBLAS workspaces, cuDNN plans, the TorchScript
 # executor's profiling runs) must happen before it, as none of it can be recorded.
@@ -74,7 +75,7 @@ class GraphedBackend:
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                outputs = self.backend(inputs)
+                outputs = tensor_outputs(self.backend(inputs))
         except Exception as exc:
             raise RuntimeError(
                 f"recording a CUDA graph at batch size {size} failed ({type(exc).__name__}: {exc}); "
@@ -97,7 +98,7 @@ class GraphedBackend:
             static.copy_(sample_tensor(random, self.device))
         recorded.graph.replay()
         replayed = {name: out.clone() for name, out in recorded.outputs.items()}
-        direct = self.backend(recorded.inputs)
+        direct = tensor_outputs(self.backend(recorded.inputs))
         for name, want in direct.items():
             got = replayed.get(name)
             loose = want.dtype in (torch.float16, torch.bfloat16)
@@ -114,7 +115,10 @@ class GraphedBackend:
                     "host values); turn optimization.cuda.graphs off for this model"
                 )
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
+        return self._run(tensors_of(inputs))
+
+    def _run(self, inputs: list[torch.Tensor]) -> dict[str, Value]:
         rows = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
         size = graph_size(self.sizes, rows)
         shapes = zip(inputs, self._row_shapes, strict=True)

@@ -16,12 +16,18 @@ import torch
 from mpsd.errors import Internal
 from mpsd.ipc.protocol import ModelSpec, Piece, TensorRef, TensorSpec, WarmupTensor
 from mpsd.ipc.shm import Region
+from mpsd.ipc.strings import DATATYPE as STRINGS
+from mpsd.worker import strings
 from mpsd.worker.backends import Backend
 from mpsd.worker.completions import Completion
 from mpsd.worker.device import completion, execution_timer, synchronize
 from mpsd.worker.device_time import ExecutionTimer
 from mpsd.worker.dtypes import TO_TORCH, datatype_of
 from mpsd.worker.regions import Arenas
+from mpsd.worker.strings import StringTensor, Value
+
+# An output on the host, ready for the output region.
+HostOutput = torch.Tensor | StringTensor
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class WarmupMismatch:
         return f"{self.label}: " + "; ".join(m.message for m in self.outputs)
 
 
-def output_mismatch(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> OutputMismatch | None:
+def output_mismatch(spec: TensorSpec, tensor: Value, batched: bool) -> OutputMismatch | None:
     """How the tensor differs from the configured output, or None when it matches."""
     got_type = datatype_of(tensor)
     if got_type != spec.datatype:
@@ -63,19 +69,30 @@ def output_mismatch(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> Ou
     return None
 
 
-def check_output(spec: TensorSpec, tensor: torch.Tensor, batched: bool) -> str | None:
+def check_output(spec: TensorSpec, tensor: Value, batched: bool) -> str | None:
     """Why the tensor does not match the configured output, or None when it does."""
     mismatch = output_mismatch(spec, tensor, batched)
     return None if mismatch is None else mismatch.message
 
 
-def warmup_inputs(spec: ModelSpec, device: torch.device) -> list[torch.Tensor]:
-    """Zero inputs of the configured shapes (variable dims as 1, a batch of 1 when batching)."""
-    tensors = []
+def warmup_inputs(spec: ModelSpec, device: torch.device) -> list[Value]:
+    """Zero inputs (empty strings) of the configured shapes (variable dims as 1, a batch of 1 when
+    batching)."""
+    values: list[Value] = []
     for t in spec.inputs:
         shape = ([1] if spec.max_batch_size > 0 else []) + [d if d > 0 else 1 for d in t.dims]
-        tensors.append(torch.zeros(shape, dtype=TO_TORCH[t.datatype], device=device))
-    return tensors
+        if t.datatype == STRINGS:
+            values.append(strings.sample(tuple(shape), random=False))
+        else:
+            values.append(torch.zeros(shape, dtype=TO_TORCH[t.datatype], device=device))
+    return values
+
+
+def sample_value(t: WarmupTensor, device: torch.device) -> Value:
+    """A configured warm-up input: `sample_tensor`, or strings (`strings.sample`)."""
+    if t.datatype == STRINGS:
+        return strings.sample(t.shape, t.random)
+    return sample_tensor(t, device)
 
 
 def sample_tensor(t: WarmupTensor, device: torch.device) -> torch.Tensor:
@@ -90,12 +107,12 @@ def sample_tensor(t: WarmupTensor, device: torch.device) -> torch.Tensor:
     return values.to(dtype).to(device)
 
 
-def _warmup_runs(spec: ModelSpec, device: torch.device) -> Iterator[tuple[str, list[torch.Tensor]]]:
+def _warmup_runs(spec: ModelSpec, device: torch.device) -> Iterator[tuple[str, list[Value]]]:
     if not spec.warmup:
         yield "warm-up", warmup_inputs(spec, device)
     for sample in spec.warmup:
         for _ in range(sample.count):
-            yield f"warm-up '{sample.name}'", [sample_tensor(t, device) for t in sample.inputs]
+            yield f"warm-up '{sample.name}'", [sample_value(t, device) for t in sample.inputs]
 
 
 def warmup_mismatch(spec: ModelSpec, backend: Backend, device: torch.device) -> WarmupMismatch | None:
@@ -132,11 +149,11 @@ class Launch:
     is done), the host time its inputs took, when the model call began, and its timer. With `copy_out`,
     also its requested outputs on their way to the host, and the completion that says they have arrived."""
 
-    outputs: dict[str, torch.Tensor]
+    outputs: dict[str, Value]
     input_ns: int
     started_ns: int
     timer: ExecutionTimer | None
-    host: list[torch.Tensor] | None = None
+    host: list[HostOutput] | None = None
     done: Completion | None = None
     waited_ns: int = 0  # from the daemon's sending to the launch
 
@@ -193,7 +210,9 @@ class Runner:
         # execution's outputs waits for everything queued on the device, the next execution too.
         self.overlaps = self._completion is not None and not spec.decoupled
 
-    def _input(self, region: Region, views: Views, ref: TensorRef) -> torch.Tensor:
+    def _input(self, region: Region, views: Views, ref: TensorRef) -> Value:
+        if ref.datatype == STRINGS:  # made anew each time: the model may keep or change them
+            return strings.to_array(region.buf[ref.offset : ref.offset + ref.nbytes], ref.shape)
         if ref.nbytes == 0:
             return torch.empty(ref.shape, dtype=TO_TORCH[ref.datatype], device=self.device)
         key = (ref.offset, ref.nbytes, ref.datatype, ref.shape)
@@ -212,7 +231,7 @@ class Runner:
         views: Views,
         pieces: Sequence[Piece] = (),
         arenas: Arenas | None = None,
-    ) -> list[torch.Tensor]:
+    ) -> list[Value]:
         """The execution's inputs (`_inputs`); on CUDA copied on the copy stream, the model's stream made to
         wait for them, and each tensor marked as used there (its memory is not reused before that use)."""
         if self._copies is None:
@@ -224,7 +243,8 @@ class Runner:
             copied.record()
         compute.wait_event(copied)
         for tensor in tensors:
-            tensor.record_stream(compute)
+            if isinstance(tensor, torch.Tensor):
+                tensor.record_stream(compute)
         return tensors
 
     def _inputs(
@@ -234,7 +254,7 @@ class Runner:
         views: Views,
         pieces: Sequence[Piece] = (),
         arenas: Arenas | None = None,
-    ) -> list[torch.Tensor]:
+    ) -> list[Value]:
         """The execution's inputs: views of the input region (zero-copy on the CPU), with the pieces that
         are in fronts' arenas taken from there. On a CUDA device each piece goes to the device by DMA from
         the (page-locked) arena and the rest from the region; elsewhere the pieces are copied into the
@@ -251,7 +271,7 @@ class Runner:
         for piece in pieces:
             by_input.setdefault(piece.input, []).append(piece)
         host = region_view(region, views, 0, region.size)
-        inputs = []
+        inputs: list[Value] = []
         for i, ref in enumerate(refs):
             mine = by_input.get(i)
             if not mine:
@@ -317,7 +337,7 @@ class Runner:
                 synchronize(self.device)
             raise
 
-    def finish(self, launch: Launch) -> tuple[dict[str, torch.Tensor], int, int, int | None]:
+    def finish(self, launch: Launch) -> tuple[dict[str, Value], int, int, int | None]:
         """Wait for the execution's work; returns its outputs, the input and infer times on the host, and
         the device's own time for the model call (None on the CPU). The infer time includes whatever the
         host did between launching and finishing, where that lasted longer than the device's work."""
@@ -337,7 +357,7 @@ class Runner:
         views: Views,
         pieces: Sequence[Piece] = (),
         arenas: Arenas | None = None,
-    ) -> Generator[dict[str, torch.Tensor], None, None]:
+    ) -> Generator[dict[str, Value], None, None]:
         """A decoupled model's responses, each on the host's side of a synchronize; closing this closes the
         model's generator. The inputs stay views of the region, which the slot holds until the request
         ends."""
@@ -356,13 +376,20 @@ class Runner:
                 synchronize(self.device)
 
     def prepare_outputs(
-        self, outputs: dict[str, torch.Tensor], names: Sequence[str], non_blocking: bool = False
-    ) -> list[torch.Tensor]:
-        """Requested outputs as contiguous CPU tensors, each checked against its config. `non_blocking`:
-        the copies from the device are only queued (into page-locked memory), valid once they are done."""
-        prepared = []
+        self, outputs: dict[str, Value], names: Sequence[str], non_blocking: bool = False
+    ) -> list[HostOutput]:
+        """Requested outputs as contiguous CPU tensors (strings serialized), each checked against its
+        config. `non_blocking`: the copies from the device are only queued (into page-locked memory), valid
+        once they are done."""
+        prepared: list[HostOutput] = []
         for name in names:
             tensor = outputs[name]
+            if not isinstance(tensor, torch.Tensor):
+                problem = check_output(self._outputs[name], tensor, self._batched)
+                if problem is not None:
+                    raise Internal(problem)
+                prepared.append(StringTensor.of(tensor))
+                continue
             seen = (name, tensor.dtype, tuple(tensor.shape))
             if seen not in self._checked:
                 problem = check_output(self._outputs[name], tensor, self._batched)
@@ -387,8 +414,13 @@ def _arena_bytes(arenas: Arenas, arena_id: int) -> torch.Tensor:
     return tensor
 
 
+def host_nbytes(outputs: Sequence[HostOutput]) -> int:
+    """The bytes `write_outputs` writes."""
+    return sum(t.nbytes if isinstance(t, StringTensor) else t.numel() * t.element_size() for t in outputs)
+
+
 def write_outputs(
-    region: Region, names: Sequence[str], tensors: Sequence[torch.Tensor]
+    region: Region, names: Sequence[str], tensors: Sequence[HostOutput]
 ) -> tuple[TensorRef, ...]:
     """Copy each (contiguous CPU) output into the region once, back to back, and describe where it went.
 
@@ -400,6 +432,12 @@ def write_outputs(
     offset = 0
     buf = region.buf
     for name, tensor in zip(names, tensors, strict=True):
+        if isinstance(tensor, StringTensor):
+            nbytes = tensor.nbytes
+            buf[offset : offset + nbytes] = tensor.data
+            refs.append(TensorRef(name, STRINGS, tensor.shape, offset, nbytes))
+            offset += nbytes
+            continue
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
             buf[offset : offset + nbytes] = tensor.reshape(-1).view(torch.uint8).numpy().data

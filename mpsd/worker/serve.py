@@ -180,15 +180,14 @@ class Serving:
         Messages that arrive while it waits for a larger output region (the daemon's next request) go to
         `early`, to be handled after it.
         """
-        from mpsd.worker.inference import write_outputs
+        from mpsd.worker.inference import host_nbytes, write_outputs
 
         runner = self.runner
         outputs, in_ns, infer_ns, device_ns = runner.finish(launch)
         t0 = time.perf_counter_ns()
         tensors = launch.host if launch.host is not None else runner.prepare_outputs(outputs, msg.outputs)
         del outputs
-        needed = sum(t.numel() * t.element_size() for t in tensors)
-        out_ref = self._output_region(msg, msg.output_region, needed)
+        out_ref = self._output_region(msg, msg.output_region, host_nbytes(tensors))
         refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
         output_ns = time.perf_counter_ns() - t0
         return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, launch.waited_ns, device_ns)
@@ -228,7 +227,7 @@ class Serving:
         output region, and the model is resumed only once the daemon acknowledges it (so a slow client
         holds the model back); a `stop` in the acknowledgement closes the model's generator. The InferDone
         at the end carries no outputs: it is the final flag."""
-        from mpsd.worker.inference import write_outputs
+        from mpsd.worker.inference import host_nbytes, write_outputs
 
         t0 = time.perf_counter_ns()
         out_ref = msg.output_region
@@ -239,8 +238,7 @@ class Serving:
             for outputs in parts:
                 tensors = self.runner.prepare_outputs(outputs, msg.outputs)
                 del outputs
-                needed = sum(t.numel() * t.element_size() for t in tensors)
-                out_ref = self._output_region(msg, out_ref, needed)
+                out_ref = self._output_region(msg, out_ref, host_nbytes(tensors))
                 refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
                 send_blocking(self.sock, p.StreamPart(msg.req_id, index, refs))
                 while not (

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.pbtxt import write_cuda_graphs, write_libraries_and_autocast
+from mpsd.config.pbtxt import write_cuda_graphs, write_libraries_and_autocast, write_tensor
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.dataplane.stats import Duration
 from mpsd.proto import grpc_service_pb2 as pb
@@ -52,7 +52,7 @@ def model_config_proto(
     )
     for src, dst in ((config.input, msg.input), (config.output, msg.output)):
         for t in src:
-            dst.add(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
+            write_tensor(t, dst.add())
     for i, group in enumerate(config.instance_group):
         g = msg.instance_group.add(
             name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count

@@ -20,7 +20,8 @@ from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.api.values import Values, typed_bytes
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
-from mpsd.ipc.dtypes import DATATYPES, ITEMSIZE, UNSUPPORTED
+from mpsd.ipc import strings
+from mpsd.ipc.dtypes import DATATYPES
 
 MAX_NAME = 256
 MAX_DIMS = 16
@@ -30,7 +31,7 @@ MAX_TENSOR_BYTES = 2**63 - 1  # what a signed 64-bit byte count (numpy, torch, t
 TYPED_FIELDS: dict[str, tuple[str, Any]] = {
     name: (d.contents, np.dtype(d.numpy).type)
     for name, d in DATATYPES.items()
-    if d.contents is not None and d.numpy is not None
+    if d.contents is not None and d.numpy is not None and d.itemsize is not None
 }
 _KNOWN_OUTPUT_PARAMS = {"binary_data"}
 _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
@@ -117,7 +118,8 @@ def _check_shape(model: str, cfg: TensorConfig, shape: Sequence[int], max_batch:
     elements = 1
     for d in shape:  # zero-sized dims count as 1: the shape must still be representable downstream
         elements *= max(d, 1)
-    if elements * cfg.itemsize > MAX_TENSOR_BYTES:
+    # A string element takes at least its 4-byte length.
+    if elements * (cfg.itemsize or strings.LENGTH_BYTES) > MAX_TENSOR_BYTES:
         raise InvalidArgument(
             f"input '{name}': shape {_fmt(shape)} is too large: its byte size overflows 64 bits"
         )
@@ -137,8 +139,18 @@ def _check_shape(model: str, cfg: TensorConfig, shape: Sequence[int], max_batch:
 
 
 def _typed_bytes(name: str, datatype: str, tensor: InputCall, count: int) -> bytes:
-    """Convert typed `contents` to raw bytes, checking the field and the element count."""
+    """Convert typed `contents` to raw bytes (strings serialized), checking the field and the element
+    count."""
     used = _typed_used(tensor)
+    if datatype == strings.DATATYPE:
+        if used and used != ["bytes_contents"]:
+            raise InvalidArgument(
+                f"input '{name}': BYTES data belongs in contents.bytes_contents, got {', '.join(used)}"
+            )
+        elements = tensor.contents.get("bytes_contents", ())
+        if len(elements) != count:
+            raise InvalidArgument(f"input '{name}': contents has {len(elements)} elements, expected {count}")
+        return strings.serialize(elements)
     typed = TYPED_FIELDS.get(datatype)
     if typed is None:
         raise InvalidArgument(f"input '{name}': {datatype} data must be sent in raw_input_contents")
@@ -151,6 +163,14 @@ def _typed_bytes(name: str, datatype: str, tensor: InputCall, count: int) -> byt
     if len(values) != count:
         raise InvalidArgument(f"input '{name}': contents has {len(values)} elements, expected {count}")
     return typed_bytes(f"input '{name}'", datatype, values, np_type)
+
+
+def _check_strings(name: str, data: bytes | bytearray | memoryview, count: int) -> None:
+    """Serialized strings: exactly `count` elements, each whole."""
+    try:
+        strings.element_ends(data, count)
+    except strings.MalformedStrings as exc:
+        raise InvalidArgument(f"input '{name}': BYTES data {exc}") from None
 
 
 def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | None = None) -> InferRequest:
@@ -192,8 +212,6 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
             ref = shm_ref(f"input '{name}'", tensor.parameters)
         if ref is not None and shm is None:
             raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
-        if tensor.datatype in UNSUPPORTED:
-            raise InvalidArgument(f"input '{name}': {UNSUPPORTED[tensor.datatype]}")
         if tensor.datatype != cfg.wire_datatype:
             raise InvalidArgument(
                 f"input '{name}': expected datatype {cfg.wire_datatype}, got '{tensor.datatype[:32]}'"
@@ -207,12 +225,19 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
                 )
             batch = shape[0]
         count = math.prod(shape)
-        nbytes = count * ITEMSIZE[cfg.wire_datatype]
+        itemsize = cfg.itemsize
+        nbytes = count * itemsize if itemsize is not None else None
         data: bytes | memoryview | Deferred
         if ref is not None and shm is not None:
             if _typed_used(tensor):
                 raise InvalidArgument(f"input '{name}': data is given both in shared memory and in contents")
-            data = shm.input(f"input '{name}'", ref, nbytes)
+            if nbytes is None:  # strings are checked now, so they are read now
+                place = shm.input(f"input '{name}'", ref, ref.byte_size)
+                data = memoryview(bytearray(len(place)))
+                place.read_into(data)
+                _check_strings(name, data, count)
+            else:
+                data = shm.input(f"input '{name}'", ref, nbytes)
         elif raw:
             if _typed_used(tensor):
                 raise InvalidArgument(
@@ -225,7 +250,9 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
                 if isinstance(entry, Values)
                 else entry
             )
-            if len(data) != nbytes:
+            if nbytes is None:
+                _check_strings(name, data, count)
+            elif len(data) != nbytes:
                 raise InvalidArgument(
                     f"input '{name}': raw content has {len(data)} bytes, expected {nbytes} "
                     f"for shape {_fmt(shape)} of {cfg.wire_datatype}"

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from mpsd.errors import InvalidArgument
+from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES
 
 # Python types a JSON array may hold for each datatype: booleans for BOOL, integers for the integer
@@ -60,6 +61,8 @@ class Values:
         self.data = data
 
     def encode(self, what: str, datatype: str, count: int) -> bytes:
+        if datatype == strings.DATATYPE:
+            return _encode_strings(what, flatten(self.data, what), count)
         spec = DATATYPES.get(datatype)
         if spec is None or spec.numpy is None:  # BF16 (numpy has no type for it)
             raise InvalidArgument(f"{what}: {datatype} data must be sent as binary data (binary_data_size)")
@@ -87,6 +90,20 @@ class Values:
                 return np.asarray(flat, dtype=np_type).tobytes()
             except OverflowError:  # an integer too large for any float (JSON allows 10**400)
                 raise InvalidArgument(f"{what}: a value is too large for {datatype}") from None
+
+
+def _encode_strings(what: str, flat: list[Any], count: int) -> bytes:
+    """JSON strings as serialized BYTES elements (UTF-8), as Triton takes them."""
+    if len(flat) != count:
+        raise InvalidArgument(f"{what}: 'data' has {len(flat)} elements, expected {count}")
+    kinds = {type(v) for v in flat}
+    if not kinds <= {str}:
+        got = ", ".join(sorted(k.__name__ for k in kinds - {str}))
+        raise InvalidArgument(f"{what}: BYTES data must be strings, got {got}")
+    try:
+        return strings.serialize(v.encode("utf-8") for v in flat)
+    except UnicodeEncodeError:  # a lone surrogate (\ud800) that JSON allows
+        raise InvalidArgument(f"{what}: a string is not valid Unicode (a lone surrogate)") from None
 
 
 def typed_bytes(what: str, datatype: str, values: Sequence[Any], np_type: Any) -> bytes:

@@ -8,6 +8,7 @@ holds the execution's slot, so the regions cannot change under the copies.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from mpsd.daemon.dataplane.request import InferRequest, OutputTensor
 from mpsd.daemon.dataplane.tensors import Place
 from mpsd.errors import Internal, MpsdError
 from mpsd.ipc import protocol as p
+from mpsd.ipc import strings
 
 ALIGN = 64
 # Arena bytes at least this large are read by the worker in place; smaller ones cost less to copy than
@@ -45,12 +47,14 @@ def assemble(
     pieces: list[p.Piece] = []
     for i, ref in enumerate(refs):
         pos = ref.offset
+        # Strings are read by the worker in one piece, out of its region.
+        in_place = place if ref.datatype != strings.DATATYPE else None
         for k, r in enumerate(requests):
             data = r.inputs[i].data
             n = len(data)
             if not (waiting and waiting[k].done()):
-                if isinstance(data, memoryview) and place is not None and n >= IN_PLACE_BYTES:
-                    found = place(data)
+                if isinstance(data, memoryview) and in_place is not None and n >= IN_PLACE_BYTES:
+                    found = in_place(data)
                     if found is not None:
                         pieces.append(p.Piece(i, found[0], found[1], pos, n))
                         pos += n
@@ -92,25 +96,44 @@ def split(
                 f"output '{ref.name}': a batch of {total_rows} rows gave shape {list(ref.shape)}; "
                 "the first dimension must be the batch"
             )
+    bounds = {ref.name: _row_bounds(ref, buf, total_rows) for ref in refs}
     results = []
     row = 0
     for r in requests:
         tensors = []
         for name in r.outputs:
             ref = by_name[name]
-            row_bytes = ref.nbytes // total_rows
-            start = ref.offset + row * row_bytes
+            rows = bounds[name]
+            start, end = ref.offset + rows[row], ref.offset + rows[row + r.batch_size]
             tensors.append(
-                OutputTensor(
-                    name,
-                    ref.datatype,
-                    (r.batch_size, *ref.shape[1:]),
-                    bytes(buf[start : start + r.batch_size * row_bytes]),
-                )
+                OutputTensor(name, ref.datatype, (r.batch_size, *ref.shape[1:]), bytes(buf[start:end]))
             )
         results.append(tuple(tensors))
         row += r.batch_size
     return results
+
+
+class _EvenRows:
+    """Where each row of a fixed-size output starts (relative to the output): row i at i x row bytes."""
+
+    __slots__ = ("row_bytes",)
+
+    def __init__(self, row_bytes: int) -> None:
+        self.row_bytes = row_bytes
+
+    def __getitem__(self, row: int) -> int:
+        return row * self.row_bytes
+
+
+def _row_bounds(ref: p.TensorRef, buf: memoryview, total_rows: int) -> _EvenRows | list[int]:
+    """Where each row of an output starts; strings' rows are found by walking their elements."""
+    if ref.datatype != strings.DATATYPE:
+        return _EvenRows(ref.nbytes // total_rows)
+    per_row = math.prod(ref.shape[1:])
+    try:
+        return strings.row_bounds(buf[ref.offset : ref.offset + ref.nbytes], total_rows, per_row)
+    except strings.MalformedStrings as exc:
+        raise Internal(f"output '{ref.name}': the worker's BYTES data {exc}") from None
 
 
 class BatchTensors:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from mpsd.config.model_config import ModelConfig, TensorConfig
+from mpsd.config.model_config import InputConfig, ModelConfig, TensorConfig
 from mpsd.config.repository import ModelSource
 from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.daemon.supervise.placement import InstancePlacement, plan_instances, worker_environment
@@ -17,7 +17,7 @@ DAEMON_ONLY_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS
 
 
 def _tensor_spec(t: TensorConfig) -> TensorSpec:
-    return TensorSpec(t.name, t.wire_datatype, tuple(t.dims), t.optional)
+    return TensorSpec(t.name, t.wire_datatype, tuple(t.dims), isinstance(t, InputConfig) and t.optional)
 
 
 def _warmup_samples(config: ModelConfig) -> tuple[WarmupSample, ...]:

@@ -15,6 +15,7 @@ import torch
 
 from mpsd.ipc.protocol import ModelSpec
 from mpsd.worker.backends.base import map_outputs
+from mpsd.worker.strings import Value
 
 _METADATA_SUFFIX = "_metadata.json"
 
@@ -76,5 +77,5 @@ class AotiBackend:
             spec.model_path, run_single_threaded=graphs, device_index=index
         )
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
         return map_outputs(self._model(*inputs), self._names)

@@ -8,14 +8,16 @@ from typing import Protocol
 
 import torch
 
+from mpsd.worker.strings import Value
+
 
 class Backend(Protocol):
     """A loaded model: positional inputs in config order in, named outputs out."""
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]: ...
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]: ...
 
 
-def map_outputs(result: object, names: Sequence[str]) -> dict[str, torch.Tensor]:
+def map_outputs(result: object, names: Sequence[str]) -> dict[str, Value]:
     """Map what a TorchScript/export module returned to configured output names.
 
     A tensor is the first output; a tuple/list maps by position; a dict maps by name.

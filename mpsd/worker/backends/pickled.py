@@ -21,6 +21,7 @@ import torch
 
 from mpsd.ipc.protocol import ModelSpec
 from mpsd.worker.backends.base import map_outputs
+from mpsd.worker.strings import Value
 
 HOW_TO_ALLOW = (
     "loading it unpickles arbitrary Python objects, which can run any code; if you trust the file, set "
@@ -62,7 +63,7 @@ class TorchSaveBackend:
             )
         self._module = loaded.eval()
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
         return map_outputs(self._module(*inputs), self._names)
 
 

@@ -2,6 +2,9 @@
 or, for a decoupled model, an `infer` that yields its outputs one response at a time (a generator or an async
 generator).
 
+Inputs are torch tensors, and numpy arrays of bytes for strings (TYPE_STRING); outputs may be torch
+tensors or numpy arrays, and strings as numpy arrays or lists of bytes or str (mpsd.worker.strings).
+
 This runs the repository's own code in the worker: the repository is trusted code.
 """
 
@@ -14,15 +17,19 @@ from collections.abc import Generator, Sequence
 from dataclasses import asdict
 from typing import Any
 
+import numpy as np
 import torch
 
 from mpsd.ipc.protocol import ModelSpec
+from mpsd.ipc.strings import DATATYPE as STRINGS
+from mpsd.worker.strings import Value, as_strings
 
 
 class PythonBackend:
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         self._input_names = [i.name for i in spec.inputs]
         self._output_names = [o.name for o in spec.outputs]
+        self._string_outputs = {o.name for o in spec.outputs if o.datatype == STRINGS}
         module_name = f"mpsd_model_{spec.name}_{spec.version}".replace("-", "_").replace(".", "_")
         loader_spec = importlib.util.spec_from_file_location(module_name, spec.model_path)
         if loader_spec is None or loader_spec.loader is None:
@@ -38,14 +45,14 @@ class PythonBackend:
         """torch.compile the model's `infer` (optimization.compile); it compiles on its first calls."""
         self._model.infer = torch.compile(self._model.infer, mode=mode, dynamic=dynamic)
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
         result = self._model.infer(dict(zip(self._input_names, inputs, strict=True)))
         if inspect.isgenerator(result) or inspect.isasyncgen(result):
             _responses(result).close()
             raise ValueError("Model.infer yields responses: set model_transaction_policy.decoupled")
         return self._named(result)
 
-    def stream(self, inputs: Sequence[torch.Tensor]) -> Generator[dict[str, torch.Tensor], None, None]:
+    def stream(self, inputs: Sequence[Value]) -> Generator[dict[str, Value], None, None]:
         """A decoupled model's responses, as it yields them; closing this closes the model's generator (its
         `finally` runs). A model whose infer returns a dict answers once."""
         result = self._model.infer(dict(zip(self._input_names, inputs, strict=True)))
@@ -59,13 +66,36 @@ class PythonBackend:
         finally:
             parts.close()
 
-    def _named(self, result: object) -> dict[str, torch.Tensor]:
+    def _named(self, result: object) -> dict[str, Value]:
         if not isinstance(result, dict):
             raise ValueError(f"Model.infer returned {type(result).__name__}, expected a dict of tensors")
         missing = [n for n in self._output_names if n not in result]
         if missing:
             raise ValueError(f"Model.infer did not return output(s) {', '.join(missing)}")
-        return {n: result[n] for n in self._output_names}
+        return {n: self._value(n, result[n]) for n in self._output_names}
+
+    def _value(self, name: str, value: object) -> Value:
+        if name in self._string_outputs:
+            array = as_strings(value)
+            if array is None:
+                raise ValueError(
+                    f"output '{name}' is TYPE_STRING: return a numpy array or a list of bytes or str, "
+                    f"not {_kind(value)}"
+                )
+            return array
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            return torch.from_numpy(value)
+        raise ValueError(
+            f"output '{name}' is {_kind(value)}; return a torch tensor or a numpy array of numbers"
+        )
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a numpy array of {value.dtype}"
+    return f"a {type(value).__name__}"
 
 
 def _responses(result: Any) -> Generator[Any, None, None]:

@@ -9,6 +9,7 @@ import torch
 
 from mpsd.ipc.protocol import ModelSpec
 from mpsd.worker.backends.base import map_outputs
+from mpsd.worker.strings import Value
 
 
 class TorchExportBackend:
@@ -22,5 +23,5 @@ class TorchExportBackend:
         """torch.compile the program's module (optimization.compile); it compiles on its first calls."""
         self._module = torch.compile(self._module, mode=mode, dynamic=dynamic)
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
         return map_outputs(self._module(*inputs), self._names)

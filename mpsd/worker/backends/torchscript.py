@@ -8,6 +8,7 @@ import torch
 
 from mpsd.ipc.protocol import ModelSpec
 from mpsd.worker.backends.base import map_outputs
+from mpsd.worker.strings import Value
 
 
 class TorchScriptBackend:
@@ -17,5 +18,5 @@ class TorchScriptBackend:
         self._module.eval()
         self._forward = self._module.forward  # straight to the compiled method: no Python hook dispatch
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
         return map_outputs(self._forward(*inputs), self._names)

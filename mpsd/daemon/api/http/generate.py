@@ -22,6 +22,7 @@ from mpsd.daemon.api.call import InferCall, InputCall, RawEntry
 from mpsd.daemon.api.operations import Answered, Operations
 from mpsd.daemon.api.parse import check_name
 from mpsd.errors import InvalidArgument, MpsdError
+from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES, config_to_wire
 
 from .body import json_param, load_json
@@ -57,20 +58,29 @@ def _request(body: Any, model: str, version: str, config: ModelConfig) -> InferC
         if tensor.name not in body:
             continue  # a missing input is the unary path's error, named there
         datatype = config_to_wire(tensor.data_type)
-        spec = DATATYPES[datatype]
-        if spec.numpy is None:
-            raise InvalidArgument(f"input '{tensor.name}': {datatype} cannot be given as JSON numbers")
-        try:
-            array = np.asarray(body[tensor.name], dtype=np.dtype(spec.numpy))
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidArgument(f"input '{tensor.name}': not {datatype} values: {exc}") from None
-        shape = list(array.shape) or [1]
+        shape, data = _values(tensor.name, datatype, body[tensor.name])
         if config.max_batch_size > 0:
             shape = [1, *shape]
         inputs.append(InputCall(tensor.name, datatype, tuple(shape)))
-        raw.append(array.tobytes())
+        raw.append(data)
     parameters = {key: json_param(key, value, "the generate request") for key, value in params.items()}
     return InferCall(model, version, request_id, parameters, tuple(inputs), (), tuple(raw))
+
+
+def _values(name: str, datatype: str, given: Any) -> tuple[list[int], bytes]:
+    """An input's JSON value (a scalar or nested arrays; text for strings) as its shape and bytes."""
+    spec = DATATYPES[datatype]
+    if spec.numpy is None:
+        raise InvalidArgument(f"input '{name}': {datatype} cannot be given as JSON numbers")
+    try:
+        array = np.asarray(given, dtype=np.dtype(spec.numpy))
+        if datatype == strings.DATATYPE:
+            if not all(isinstance(v, str) for v in array.flat):
+                raise InvalidArgument(f"input '{name}': BYTES values must be strings")
+            return list(array.shape) or [1], strings.serialize(v.encode() for v in array.flat)
+    except (TypeError, ValueError, OverflowError) as exc:  # a lone surrogate is a UnicodeEncodeError
+        raise InvalidArgument(f"input '{name}': not {datatype} values: {exc}") from None
+    return list(array.shape) or [1], array.tobytes()
 
 
 def _answer(answered: Answered, request_id: str) -> dict[str, Any]:
@@ -79,7 +89,7 @@ def _answer(answered: Answered, request_id: str) -> dict[str, Any]:
     if request_id:
         out["id"] = request_id
     for tensor in result.outputs:
-        values = json_values(tensor.datatype, tensor.data)
+        values = json_values(tensor.datatype, tensor.data, tensor.shape)
         out[tensor.name] = values[0] if len(values) == 1 else np.array(values).reshape(tensor.shape).tolist()
     return out
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Collection, Mapping
+import math
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ from aiohttp import web
 from google.protobuf.descriptor import FieldDescriptor
 
 from mpsd.daemon.dataplane.request import InferResult
+from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES
 
 JSON = "application/json"
@@ -84,8 +86,11 @@ def _scalar(fd: Any, value: Any) -> Any:
 # ---- infer ---------------------------------------------------------------------------------------------
 
 
-def json_values(datatype: str, data: bytes | memoryview) -> list[Any]:
-    """An output's bytes as a flat JSON array (BF16 as the float32 values it stands for)."""
+def json_values(datatype: str, data: bytes | memoryview, shape: Sequence[int]) -> list[Any]:
+    """An output's bytes as a flat JSON array (BF16 as the float32 values it stands for; strings as text,
+    bytes that are not UTF-8 replaced by U+FFFD: binary data carries them exactly)."""
+    if datatype == strings.DATATYPE:
+        return [e.decode("utf-8", "replace") for e in strings.split(data, math.prod(shape))]
     if datatype == "BF16":
         wide = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
         return wide.view(np.float32).tolist()  # type: ignore[no-any-return]
@@ -115,7 +120,7 @@ def infer_response(
             if out.data:
                 pieces.append(out.data)
         else:
-            entry["data"] = json_values(out.datatype, out.data)
+            entry["data"] = json_values(out.datatype, out.data, out.shape)
         outputs.append(entry)
     head["outputs"] = outputs
     header = dumps(head)
