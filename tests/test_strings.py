@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor, serialize_byte_tensor
 
 from mpsd.config.model_file import validate_model_config
+from mpsd.ipc.strings import serialize as strings_bytes
 from tests import models
 from tests.conftest import RunningDaemon, serving, wait_for
 from tests.triton_shm import shm
@@ -248,6 +249,26 @@ def test_malformed_serialized_strings_are_refused(daemon: RunningDaemon) -> None
                 stub.ModelInfer(request)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.details() == f"input 'TEXT': BYTES data {message}"
+
+
+def test_strings_are_checked_on_every_request_of_a_known_header(daemon: RunningDaemon) -> None:
+    """Requests alike but for their bytes take a fast path that skips checks already made; strings'
+    bytes are checked each time: malformed ones of the same size as good ones are still refused."""
+    good = strings_bytes([b"ab", b"cd"])
+    bad = b"\x09\x00\x00\x00" + b"x" * (len(good) - 4)  # one element claiming more bytes than follow
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for raw in (good, good, good, bad):
+            request = service_pb2.ModelInferRequest(model_name="upper")
+            request.inputs.add(name="TEXT", datatype="BYTES", shape=[1, 2])
+            request.raw_input_contents.append(raw)
+            if raw is good:
+                stub.ModelInfer(request)
+                continue
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "string element 0 declares 9 bytes but only 8 follow" in str(info.value.details())
 
 
 def test_http_json_strings_must_be_strings(

@@ -88,6 +88,8 @@ def _model(repo: Path, name: str, pbtxt: str, module: nn.Module | None) -> Path:
     model_dir = repo / name
     model_dir.mkdir(parents=True)
     (model_dir / "config.pbtxt").write_text(pbtxt)
+    if "labels.txt" in pbtxt:
+        (model_dir / "labels.txt").write_text("".join(f"class {i}\n" for i in range(16)))
     if module is not None:
         models.save_torchscript(module, model_dir / "1" / "model.pt")
     return model_dir
@@ -133,6 +135,7 @@ def converted(triton_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     repo = tmp_path_factory.mktemp("yaml_repo")
     target = repo / "triton_add"
     shutil.copytree(triton_repo / "triton_add" / "1", target / "1")
+    shutil.copy(triton_repo / "triton_add" / "labels.txt", target / "labels.txt")
     done = convert(triton_repo / "triton_add" / "config.pbtxt", "--output", target / "config.yaml")
     assert done.returncode == 0, done.stderr
     with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as d:
@@ -168,6 +171,34 @@ def test_triton_model_serves_with_pytorch_naming(served: RunningDaemon) -> None:
     total, diff = _add(client, a, b)
     np.testing.assert_array_equal(total, a + b)
     np.testing.assert_array_equal(diff, a - b)
+
+
+def test_model_config_is_the_pbtxt_as_written_with_what_is_served(served: RunningDaemon) -> None:
+    """Fields mpsd does not act on come back as written; what it serves (and reports) is added."""
+    config = served.client.get_model_config("triton_add", as_json=True)["config"]
+    assert config["output"][0]["label_filename"] == "labels.txt"
+    assert config["response_cache"] == {"enable": True}
+    assert config["optimization"]["input_pinned_memory"] == {"enable": True}
+    assert [i["name"] for i in config["input"]] == ["INPUT__0", "INPUT__1"]  # not listed twice
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == "100"
+    assert config["parameters"]["mpsd.instance_group.0.kind"]["string_value"] == "KIND_CPU"
+    assert config["default_model_filename"] == "model.pt"  # mpsd's default, which Triton's config leaves out
+
+
+def test_classification_labels_from_the_triton_label_file(served: RunningDaemon) -> None:
+    a = np.zeros((1, DIMS), dtype=np.float32)
+    a[0, 5], a[0, 9] = 2.0, 3.0
+    inputs = []
+    for name in ("INPUT__0", "INPUT__1"):
+        inp = grpcclient.InferInput(name, [1, DIMS], "FP32")
+        inp.set_data_from_numpy(a if name == "INPUT__0" else np.zeros_like(a))
+        inputs.append(inp)
+    wanted = [grpcclient.InferRequestedOutput("OUTPUT__0", class_count=2)]
+    result = served.client.infer("triton_add", inputs, outputs=wanted)
+    assert [e.decode() for e in result.as_numpy("OUTPUT__0")[0]] == [
+        "3.000000:9:class 9",
+        "2.000000:5:class 5",
+    ]
 
 
 def test_converted_yaml_gives_identical_answers(served: RunningDaemon, converted: RunningDaemon) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpsd.config.labels import LabelFileError, Labels, read_labels
 from mpsd.config.model_config import ModelConfig
 from mpsd.config.model_file import (
     parse_model_config,
@@ -73,6 +74,8 @@ class ModelSource:
     warnings: tuple[str, ...] = ()  # config fields that are ignored, each named with the reason
     issues: tuple[Issue, ...] = ()  # `error` as data: file, field and problem of each part
     op_libraries: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per version, resolved paths
+    labels: Labels = field(default_factory=dict)  # classification labels per output (label_filename)
+    pbtxt: str | None = None  # the config.pbtxt as written, when the config is one (ModelConfig reports it)
 
     @property
     def ok(self) -> bool:
@@ -187,6 +190,10 @@ def load_model_source(
     if filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename:
         problem = f"'{filename}' must be a plain file name inside the version directory"
         return _broken(name, model_dir, Issue(str(cfg_path), ("default_model_filename",), problem), cfg_fp)
+    try:
+        labels, labels_fp = read_labels(model_dir, config, cfg_path)
+    except LabelFileError as exc:
+        return _broken(name, model_dir, exc.issue, cfg_fp)
     fingerprints: dict[int, str] = {}
     libraries: dict[int, tuple[str, ...]] = {}
     for v in versions:
@@ -207,6 +214,8 @@ def load_model_source(
         fingerprints[v] = _fingerprint_dir(model_dir / str(v))
         if libraries[v]:
             fingerprints[v] += ":" + libraries_fingerprint(libraries[v])
+        if labels_fp:  # new labels: a new version (a running one is not changed in place)
+            fingerprints[v] += ":labels:" + labels_fp
     return ModelSource(
         name,
         model_dir,
@@ -216,6 +225,8 @@ def load_model_source(
         config_fingerprint=cfg_fp,
         warnings=warnings,
         op_libraries=libraries,
+        labels=labels,
+        pbtxt=text if cfg_path.name == PBTXT_FILE else None,
     )
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from google.protobuf import text_format  # type: ignore[import-untyped]
+from google.protobuf.descriptor import FieldDescriptor
+
 from mpsd.config.model_config import ModelConfig
 from mpsd.config.pbtxt import write_cuda_graphs, write_libraries_and_autocast, write_tensor
 from mpsd.daemon.core.model_version import ModelVersion
@@ -35,7 +38,38 @@ def group_devices(mv: ModelVersion) -> dict[int, list[Mapping[str, object]]]:
 
 def effective_config(name: str, mv: ModelVersion) -> Any:
     """What ModelConfig answers, on either protocol: the config, with what its running workers chose."""
-    return model_config_proto(name, mv.config, group_devices(mv))
+    msg = model_config_proto(name, mv.config, group_devices(mv))
+    return as_written(msg, mv.pbtxt) if mv.pbtxt is not None else msg
+
+
+def repeated(fd: Any) -> bool:
+    """`is_repeated` where protobuf has it (5.29 on; 7 removed `label`), else the label."""
+    flag = getattr(fd, "is_repeated", None)
+    return bool(flag) if flag is not None else bool(fd.label == FieldDescriptor.LABEL_REPEATED)
+
+
+def as_written(msg: Any, pbtxt: str) -> Any:
+    """The config.pbtxt as written, with what mpsd serves in its place: fields mpsd does not act on (and
+    reports as ignored) come back as written, so a client sees the Triton config it was given."""
+    try:
+        written = text_format.Parse(pbtxt, mc.ModelConfig())
+    except text_format.ParseError:  # unreadable now: what is served is all there is
+        return msg
+    _clear_overlap(written, msg)
+    written.MergeFrom(msg)
+    return written
+
+
+def _clear_overlap(written: Any, served: Any) -> None:
+    """Empty the repeated fields of `written` that `served` sets (MergeFrom would append to them), down
+    through the messages both set; maps are merged key by key, the served value winning."""
+    for fd, value in served.ListFields():
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            continue
+        if repeated(fd):
+            written.ClearField(fd.name)
+        elif fd.message_type is not None and written.HasField(fd.name):
+            _clear_overlap(getattr(written, fd.name), value)
 
 
 def model_config_proto(

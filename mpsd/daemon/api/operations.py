@@ -16,6 +16,7 @@ import structlog
 import mpsd
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
+from mpsd.daemon.api.classification import classify, requested
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
 from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
@@ -130,6 +131,9 @@ class Operations:
                 if learn is not None:
                     learn(parsed, mv.config)
                 result = await mv.plane.infer(parsed, deadline)
+                wanted = requested(call)
+                if wanted:
+                    result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
                 shm.write_outputs(result.outputs)
                 return Answered(result, frozenset(shm.outputs))
         finally:
@@ -180,9 +184,12 @@ class Operations:
         try:
             with self.client_shm.lease() as shm:
                 parsed = parse_infer_request(call, mv.config, shm)
+                wanted = requested(call)
                 responses = mv.plane.stream(parsed, deadline)
                 try:
                     async for result in responses:
+                        if wanted:
+                            result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
                         shm.write_outputs(result.outputs)
                         yield Answered(result, frozenset(shm.outputs))
                         self.registry.touch(call.model)

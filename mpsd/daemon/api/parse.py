@@ -16,6 +16,8 @@ import numpy as np
 
 from mpsd.config.model_config import ModelConfig, TensorConfig
 from mpsd.daemon.api.call import TYPED_CONTENTS, InferCall, InputCall, OutputCall, Params, RawEntry
+from mpsd.daemon.api.classification import PARAM as CLASSIFICATION
+from mpsd.daemon.api.classification import class_count
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.api.values import Values, typed_bytes
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
@@ -50,7 +52,7 @@ REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
     "headers": ("string",),
 }
 INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}
-OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {"classification"}
+OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {CLASSIFICATION}
 
 
 def _fmt(shape: Any) -> str:
@@ -300,6 +302,6 @@ def _check_output_parameters(out: OutputCall, shm: ShmLease | None) -> None:
         if shm is None:
             raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported here")
         shm.bind_output(out.name, ref)
-    classification = out.parameters.get("classification")
-    if classification is not None and (classification.integer() or 0) > 0:
-        raise Unimplemented(f"output '{out.name}': classification outputs are not supported")
+    classification = out.parameters.get(CLASSIFICATION)
+    if classification is not None:
+        class_count(out.name, classification)  # answered by `classification.classify`

@@ -9,6 +9,7 @@ import time
 
 import structlog
 
+from mpsd.config.labels import Labels
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
@@ -39,8 +40,12 @@ class ModelVersion:
         placements: list[InstancePlacement],
         launches: list[WorkerLaunch],
         settings: SupervisorSettings,
+        labels: Labels | None = None,
+        pbtxt: str | None = None,
     ) -> None:
         self.name = name
+        self.labels: Labels = labels or {}  # classification labels per output
+        self.pbtxt = pbtxt  # the config.pbtxt as written, when it is one
         self.version = version
         self.config = config
         self.fingerprint = fingerprint

@@ -124,7 +124,17 @@ class Rollout:
                 resized.append((running, source.config))
                 continue
             fresh.append(
-                ModelVersion(source.name, v, source.config, version_fp, placements, launches, self.settings)
+                ModelVersion(
+                    source.name,
+                    v,
+                    source.config,
+                    version_fp,
+                    placements,
+                    launches,
+                    self.settings,
+                    labels=source.labels,
+                    pbtxt=source.pbtxt,
+                )
             )
         retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
         side_by_side = self._check_budget(entry.name, fresh, retiring, resized, source)

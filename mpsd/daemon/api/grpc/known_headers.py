@@ -20,6 +20,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.parse import MAX_ID
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
+from mpsd.ipc import strings
 
 MAX_HEADERS = 1024  # past this many (request ids that change each time, say) the table starts again
 MAX_HEADER_BYTES = 4096
@@ -76,10 +77,13 @@ def known_id(raw_id: bytes | None) -> str | None:
 
 
 def learnable(call: InferCall) -> bool:
-    """Whether a call's header can stand for later ones: every input in raw contents, no parameters."""
+    """Whether a call's header can stand for later ones: every input in raw contents, no parameters, no
+    strings (whose bytes are checked element by element, each time)."""
     if not call.raw or len(call.raw) != len(call.inputs) or call.parameters:
         return False
-    return not any(t.parameters for t in call.inputs) and not any(o.parameters for o in call.outputs)
+    if any(t.parameters or t.datatype == strings.DATATYPE for t in call.inputs):
+        return False
+    return not any(o.parameters for o in call.outputs)
 
 
 def known_header(call: InferCall, parsed: InferRequest, config: ModelConfig) -> KnownHeader:

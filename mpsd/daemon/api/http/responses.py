@@ -17,6 +17,7 @@ import numpy as np
 from aiohttp import web
 from google.protobuf.descriptor import FieldDescriptor
 
+from mpsd.daemon.api.describe import repeated
 from mpsd.daemon.dataplane.request import InferResult
 from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES
@@ -56,7 +57,7 @@ def proto_dict(message: Any) -> dict[str, Any]:
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             value_fd = fd.message_type.fields_by_name["value"]
             out[fd.name] = {key: _scalar(value_fd, item) for key, item in value.items()}
-        elif _repeated(fd):
+        elif repeated(fd):
             out[fd.name] = [_scalar(fd, item) for item in value]
         elif fd.type == FieldDescriptor.TYPE_MESSAGE:
             if message.HasField(fd.name):
@@ -64,12 +65,6 @@ def proto_dict(message: Any) -> dict[str, Any]:
         elif fd.containing_oneof is None or message.HasField(fd.name):
             out[fd.name] = _scalar(fd, value)
     return out
-
-
-def _repeated(fd: Any) -> bool:
-    """`is_repeated` where protobuf has it (5.29 on; 7 removed `label`), else the label."""
-    flag = getattr(fd, "is_repeated", None)
-    return bool(flag) if flag is not None else bool(fd.label == FieldDescriptor.LABEL_REPEATED)
 
 
 def _scalar(fd: Any, value: Any) -> Any:
