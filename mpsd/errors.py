@@ -139,6 +139,49 @@ class ModelConfigError(ConfigError, ValueError):
     and their callers catch."""
 
 
+# ---- Triton's own words -------------------------------------------------------------------------------
+# Where Triton's clients, its client examples and its test suite match an answer's text
+# (`"Request for unknown model" in message`, `"failed to load" in message`), the text is Triton's, to the
+# letter: core's model_lifecycle.cc and model_repository_manager.cc, server's common.cc.
+
+
+class UnknownModel(NotFound):
+    """A model, or a version of one, that is not served; `unloaded`: a model unloaded on request, which
+    Triton still knows, but without a version."""
+
+    def __init__(self, name: str, version: int | None = None, unloaded: bool = False) -> None:
+        if version is None and unloaded:
+            super().__init__(f"Request for unknown model: '{name}' has no available versions")
+            return
+        which = f"'{name}'" if version is None else f"'{name}' version {version}"
+        super().__init__(f"Request for unknown model: {which} is not found")
+
+
+class BadVersion(InvalidArgument):
+    """A version string that is no integer > 0, refused before the model is looked up."""
+
+    def __init__(self, text: str, negative: bool = False) -> None:
+        if negative:
+            super().__init__(
+                f"invalid model version specified '{text}' , version should be an integral value > 0"
+            )
+        else:  # `stol` is what Triton's message carries as the details of its std::stol failing
+            super().__init__(
+                f"failed to get model version from specified version string '{text}' (details: stol), "
+                "version should be an integral value > 0"
+            )
+
+
+class LoadRefused(Internal):
+    """RepositoryModelLoad that found nothing it could load: Triton's answer when the repository gives no
+    model of that name, or when the load's parameters cannot be used; `reason` says which, where more
+    than the model's absence."""
+
+    def __init__(self, name: str, reason: str = "") -> None:
+        why = f": {reason}" if reason else ""
+        super().__init__(f"failed to load '{name}', failed to poll from model repository{why}")
+
+
 class WorkerDied(Unavailable):
     """The worker process ended while a request was in flight (or before it could be sent)."""
 

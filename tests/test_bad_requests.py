@@ -94,18 +94,23 @@ def _raw(build: Callable[[], service_pb2.ModelInferRequest]) -> Sender:
 
 
 CASES = [
-    Case("unknown_model", _client("no_such_model", _pair), NOT_FOUND, ("unknown model", "no_such_model")),
+    Case(
+        "unknown_model",
+        _client("no_such_model", _pair),
+        NOT_FOUND,
+        ("Request for unknown model: 'no_such_model' is not found",),
+    ),
     Case(
         "unknown_version",
         _client("add_sub", _pair, model_version="7"),
         NOT_FOUND,
-        ("add_sub", "no version 7", "available: 1"),
+        ("Request for unknown model: 'add_sub' version 7 is not found",),
     ),
     Case(
         "non_numeric_version",
         _client("add_sub", _pair, model_version="v1"),
-        NOT_FOUND,
-        ("add_sub", "no version 'v1'"),
+        INVALID,
+        ("failed to get model version from specified version string 'v1'",),
     ),
     Case(
         "missing_input",
@@ -219,11 +224,11 @@ def test_bad_request_gets_code_and_message(
         assert word in message, f"{word!r} not in {message!r}"
 
 
-def test_version_of_non_ascii_digits_is_not_found(daemon: RunningDaemon) -> None:
+def test_version_of_non_ascii_digits_is_no_version(daemon: RunningDaemon) -> None:
     with pytest.raises(InferenceServerException) as exc:
         daemon.client.infer("add_sub", _pair(), model_version="\u00b2")
-    assert exc.value.status() == str(NOT_FOUND), exc.value.message()
-    assert "add_sub" in exc.value.message()
+    assert exc.value.status() == str(INVALID), exc.value.message()
+    assert "version string '\u00b2'" in exc.value.message()
 
 
 def test_bad_requests_leave_daemon_and_workers_untouched(
@@ -265,7 +270,7 @@ def test_bad_requests_in_a_stream_are_answered_in_band(daemon: RunningDaemon) ->
     assert e1 is None and r1.get_response().id == "ok1"  # type: ignore[attr-defined]
     for result, error, words in (
         (r2, e2, ("INPUT0", "batch size 9", "max_batch_size 8")),
-        (r3, e3, ("unknown model", "no_such_model")),
+        (r3, e3, ("Request for unknown model: 'no_such_model' is not found",)),
         (r4, e4, ("unknown output", "OUTPUT9")),
     ):
         assert result is None
@@ -294,3 +299,82 @@ def test_stream_error_message_field_and_stream_continues(
     assert responses[2].error_message == ""
     out = np.frombuffer(responses[2].infer_response.raw_output_contents[0], np.float32)
     np.testing.assert_array_equal(out, np.full(16, 3.0, np.float32))
+
+
+# ---- Triton's answers, word for word, where its clients and examples match them -----------------------
+
+UNKNOWN = "Request for unknown model: 'no_such_model' is not found"
+BAD_VERSION = (
+    "failed to get model version from specified version string '{}' (details: stol), "
+    "version should be an integral value > 0"
+)
+VERSIONS = [
+    ("7", NOT_FOUND, "Request for unknown model: 'add_sub' version 7 is not found"),
+    ("0", NOT_FOUND, "Request for unknown model: 'add_sub' version 0 is not found"),
+    ("abc", INVALID, BAD_VERSION.format("abc")),
+    ("1.5", INVALID, BAD_VERSION.format("1.5")),  # Triton's std::stol would read version 1: refused here
+    ("99999999999999999999", INVALID, BAD_VERSION.format("99999999999999999999")),  # past a 64-bit long
+    ("-1", INVALID, "invalid model version specified '-1' , version should be an integral value > 0"),
+]
+
+
+def _failure(call: Callable[[], object]) -> tuple[str, str]:
+    """(status, message) of a stock client call that must fail."""
+    try:
+        call()
+    except InferenceServerException as exc:
+        return str(exc.status()), str(exc.message())
+    pytest.fail("the call succeeded")
+
+
+def test_an_unknown_model_is_answered_as_triton_answers(daemon: RunningDaemon) -> None:
+    c = daemon.client
+    for what, call in {
+        "infer": lambda: c.infer("no_such_model", _pair()),
+        "metadata": lambda: c.get_model_metadata("no_such_model"),
+        "config": lambda: c.get_model_config("no_such_model"),
+    }.items():
+        assert _failure(call) == (str(NOT_FOUND), UNKNOWN), what
+    assert _failure(lambda: c.get_inference_statistics("no_such_model")) == (
+        str(INVALID),
+        "requested model 'no_such_model' is not available",
+    )
+    assert c.is_model_ready("no_such_model") is False  # not an error: Triton answers ready=false
+
+
+@pytest.mark.parametrize(("version", "code", "message"), VERSIONS, ids=[v for v, _, _ in VERSIONS])
+def test_versions_are_read_and_refused_as_triton_does(
+    daemon: RunningDaemon, version: str, code: grpc.StatusCode, message: str
+) -> None:
+    c = daemon.client
+    for what, call in {
+        "infer": lambda: c.infer("add_sub", _pair(), model_version=version),
+        "metadata": lambda: c.get_model_metadata("add_sub", version),
+        "config": lambda: c.get_model_config("add_sub", version),
+    }.items():
+        assert _failure(call) == (str(code), message), what
+    stats = _failure(lambda: c.get_inference_statistics("add_sub", version))
+    ready = lambda: c.is_model_ready("add_sub", version)  # noqa: E731
+    if code == NOT_FOUND:  # a version that is no number of the model's
+        assert stats == (str(INVALID), "requested model version is not available for model 'add_sub'")
+        assert ready() is False
+    else:  # a string that is no version: refused by every call, before the model is looked up
+        assert stats == (str(code), message)
+        assert _failure(ready) == (str(code), message)
+        assert _failure(lambda: c.get_model_metadata("no_such_model", version)) == (str(code), message)
+
+
+def test_contents_beside_raw_input_contents_is_named_before_any_count(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """INPUT0 in typed contents, INPUT1 raw: one raw entry for two inputs, but the mix is what is wrong."""
+    req = service_pb2.ModelInferRequest(model_name="add_sub")
+    req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([1.0] * 16)
+    req.inputs.add(name="INPUT1", datatype="FP32", shape=[1, 16])
+    req.raw_input_contents.append(np.ones(16, np.float32).tobytes())
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(req, timeout=30)
+    assert (err.value.code(), err.value.details()) == (  # type: ignore[attr-defined]
+        INVALID,
+        "contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'add_sub'",
+    )

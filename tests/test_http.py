@@ -104,7 +104,7 @@ def test_model_config_is_the_effective_config(client: httpclient.InferenceServer
     assert cfg["version_policy"] == {"latest": {"num_versions": 1}}
     assert client.get_model_config("add_sub", "1") == cfg
     status, message = refused(lambda: client.get_model_config("add_sub", "7"))
-    assert status == "404" and "no version 7" in message
+    assert (status, message) == ("404", "Request for unknown model: 'add_sub' version 7 is not found")
 
 
 def test_health_agrees_with_grpc(daemon: RunningDaemon, client: httpclient.InferenceServerClient) -> None:
@@ -215,11 +215,15 @@ def test_bf16_outputs_as_json_are_their_float_values(client: httpclient.Inferenc
 def test_errors_have_triton_statuses_and_name_the_problem(client: httpclient.InferenceServerClient) -> None:
     a = np.ones((1, 16), np.float32)
     cases = {
-        "unknown model": (lambda: client.infer("no_such_model", add_sub(a, a)), "404", "unknown model"),
+        "unknown model": (
+            lambda: client.infer("no_such_model", add_sub(a, a)),
+            "404",
+            "Request for unknown model: 'no_such_model' is not found",
+        ),
         "unknown version": (
             lambda: client.infer("add_sub", add_sub(a, a), model_version="7"),
             "404",
-            "no version 7",
+            "Request for unknown model: 'add_sub' version 7 is not found",
         ),
         "missing input": (
             lambda: client.infer("add_sub", inputs_of({"INPUT0": a})),
@@ -279,7 +283,10 @@ def test_statistics_move_and_are_numbers(client: httpclient.InferenceServerClien
     ]
     everything = client.get_inference_statistics()["model_stats"]
     assert {m["name"] for m in everything} >= {"add_sub", "echo_all"}
-    assert refused(lambda: client.get_inference_statistics("nope"))[0] == "404"
+    assert refused(lambda: client.get_inference_statistics("nope")) == (
+        "400",
+        "requested model 'nope' is not available",  # Triton's answer
+    )
 
 
 def test_the_same_queue_and_statistics_as_grpc(
@@ -366,13 +373,23 @@ def test_repository_index_load_and_unload(client: httpclient.InferenceServerClie
     client.unload_model("failing")
     assert not client.is_model_ready("failing")
     status, message = refused(lambda: client.infer("failing", inputs_of({"x": np.zeros(1, np.float32)})))
-    assert status == "404", message
+    assert (status, message) == ("404", "Request for unknown model: 'failing' has no available versions")
     client.load_model("failing")
     assert client.is_model_ready("failing")
-    assert refused(lambda: client.load_model("not_in_repo"))[0] == "404"
+    # Triton's answers, which its model control example matches: a load that finds nothing to load
+    not_polled = "failed to load '{}', failed to poll from model repository"
+    assert refused(lambda: client.load_model("not_in_repo")) == ("500", not_polled.format("not_in_repo"))
     status, message = refused(lambda: client.load_model("add_sub", files={"file:1/model.pt": b"\x00"}))
-    assert status == "400" and "repository" in message
-    assert refused(lambda: client.load_model("add_sub", config="{}"))[0] == "400"
+    assert status == "500", message
+    assert message.startswith(not_polled.format("add_sub") + ": parameter 'file:1/model.pt'")
+    assert "the repository on disk is the source of truth" in message
+    status, message = refused(lambda: client.load_model("add_sub", config="{}"))
+    assert (status, message) == (
+        "500",
+        not_polled.format("add_sub") + ": parameter 'config' is not supported by the load request",
+    )
+    client.unload_model("not_in_repo")  # nothing to unload: done, as Triton answers
+    assert client.is_model_ready("add_sub")
 
 
 def test_log_settings_read_and_change(client: httpclient.InferenceServerClient) -> None:

@@ -8,13 +8,14 @@ import http.client
 import json
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import yaml
+from tritonclient.utils import InferenceServerException
 
 from tests import models
 from tests.conftest import RunningDaemon, http_request, serving
@@ -30,7 +31,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     base = tmp_path_factory.mktemp("http_bad")
     models.add_sub(base / "repo")  # INPUT0/INPUT1 FP32 [16], max_batch_size 8
     config = base / "mpsd.yaml"
-    config.write_text(yaml.safe_dump({"max_message_bytes": LIMIT, "metrics_address": ""}))
+    config.write_text(
+        yaml.safe_dump({"max_message_bytes": LIMIT, "metrics_address": "", "server_name": "triton"})
+    )
     with serving(base / "repo", base / "daemon.log", config=config) as d:
         d.pids = sorted(d.worker_pids())  # type: ignore[attr-defined]
         yield d
@@ -302,3 +305,90 @@ def test_failed_requests_leave_no_shared_memory_region_held(daemon: RunningDaemo
     finally:
         client.close()
         shm.destroy_shared_memory_region(handle)
+
+
+# ---- Triton's answers, word for word, where its clients and examples match them -----------------------
+
+UNKNOWN = "Request for unknown model: 'no_such_model' is not found"
+
+
+@pytest.fixture(scope="module")
+def client(daemon: RunningDaemon) -> Iterator[httpclient.InferenceServerClient]:
+    c = httpclient.InferenceServerClient(daemon.http_address)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def failure(call: Callable[[], object]) -> tuple[str, str]:
+    """(HTTP status, message) of a stock client call that must fail."""
+    try:
+        call()
+    except InferenceServerException as exc:
+        return str(exc.status()), str(exc.message())
+    pytest.fail("the call succeeded")
+
+
+def pair() -> list[httpclient.InferInput]:
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        inp = httpclient.InferInput(name, [1, 16], "FP32")
+        inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+        inputs.append(inp)
+    return inputs
+
+
+def test_the_server_name_is_the_configured_one_on_both_protocols(
+    daemon: RunningDaemon, client: httpclient.InferenceServerClient
+) -> None:
+    """`server_name: triton`, for clients that check for Triton's name (as Triton's own examples do)."""
+    assert client.get_server_metadata()["name"] == "triton"
+    assert daemon.client.get_server_metadata().name == "triton"
+
+
+def test_an_unknown_model_is_answered_as_triton_answers(client: httpclient.InferenceServerClient) -> None:
+    for what, call in {
+        "infer": lambda: client.infer("no_such_model", pair()),
+        "metadata": lambda: client.get_model_metadata("no_such_model"),
+        "config": lambda: client.get_model_config("no_such_model"),
+    }.items():
+        assert failure(call) == ("404", UNKNOWN), what
+    assert failure(lambda: client.get_inference_statistics("no_such_model")) == (
+        "400",
+        "requested model 'no_such_model' is not available",
+    )
+    assert client.is_model_ready("no_such_model") is False
+
+
+HTTP_VERSIONS = [
+    ("7", "404", "Request for unknown model: 'add_sub' version 7 is not found"),
+    ("abc", "404", "Not Found"),
+    ("-1", "404", "Not Found"),
+    (
+        "99999999999999999999",
+        "400",
+        "failed to get model version from specified version string '99999999999999999999' "
+        "(details: stol), version should be an integral value > 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("version", "status", "message"), HTTP_VERSIONS, ids=[v[0] for v in HTTP_VERSIONS])
+def test_versions_are_read_and_refused_as_triton_does(
+    client: httpclient.InferenceServerClient, version: str, status: str, message: str
+) -> None:
+    """A version in a path is a number, as in Triton's routes: any other path is 404 `Not Found`; a
+    number the model has no version of is Triton's unknown model, one past a 64-bit long its bad version."""
+    for what, call in {
+        "infer": lambda: client.infer("add_sub", pair(), model_version=version),
+        "metadata": lambda: client.get_model_metadata("add_sub", version),
+        "config": lambda: client.get_model_config("add_sub", version),
+    }.items():
+        assert failure(call) == (status, message), what
+    assert client.is_model_ready("add_sub", version) is False
+    if version == "7":
+        assert failure(lambda: client.get_inference_statistics("add_sub", version)) == (
+            "400",
+            "requested model version is not available for model 'add_sub'",
+        )

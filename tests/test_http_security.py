@@ -333,8 +333,8 @@ def test_repository_changes_without_tokens_follow_the_http_address(daemons: Daem
         assert words in reply["error"], reply
     with pytest.raises(Exception) as err:
         daemons.open.client.load_model("not_in_repo")
-    assert "NOT_FOUND" in str(err.value), err.value  # gRPC listens on loopback: allowed
-    assert unix_request(daemons.socket_path, "POST", "/v2/repository/models/not_in_repo/load")[0] == 404
+    assert "failed to poll from model repository" in str(err.value), err.value  # gRPC on loopback: allowed
+    assert unix_request(daemons.socket_path, "POST", "/v2/repository/models/not_in_repo/load")[0] == 500
 
 
 # ---- SIGHUP ---------------------------------------------------------------------------------------------

@@ -272,7 +272,10 @@ def test_statistics_move(daemon: RunningDaemon) -> None:
     assert {m["name"] for m in all_stats} >= {"add_sub", "echo_all"}
     with pytest.raises(InferenceServerException) as err:
         daemon.client.get_inference_statistics("nope")
-    assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert (err.value.status(), err.value.message()) == (  # Triton's answer
+        "StatusCode.INVALID_ARGUMENT",
+        "requested model 'nope' is not available",
+    )
 
 
 def test_cuda_shared_memory_with_none_registered(daemon: RunningDaemon) -> None:
@@ -341,19 +344,28 @@ def test_repository_index_and_load_unload(daemon: RunningDaemon, tmp_path: Path)
         x.set_data_from_numpy(np.ones(1, np.float32))
         c.infer("failing", [x])
     assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert err.value.message() == "Request for unknown model: 'failing' has no available versions"  # Triton's
     c.load_model("failing")
     assert c.is_model_ready("failing")
+    # Triton's answers, which its model control example matches: a load that finds nothing to load
+    not_polled = "failed to load '{}', failed to poll from model repository"
     with pytest.raises(InferenceServerException) as err:
         c.load_model("not_in_repo")
-    assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert err.value.status() == "StatusCode.INTERNAL"
+    assert err.value.message() == not_polled.format("not_in_repo")
     with pytest.raises(InferenceServerException) as err:
         c.load_model("add_sub", files={"file:1/model.pt": b"\x00"})
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert "repository" in err.value.message()
+    assert err.value.status() == "StatusCode.INTERNAL"
+    assert str(err.value.message()).startswith(not_polled.format("add_sub") + ": parameter 'file:1/model.pt'")
+    assert "the repository on disk is the source of truth" in str(err.value.message())
     with pytest.raises(InferenceServerException) as err:  # any other parameter too
         c.load_model("add_sub", config='{"max_batch_size": 4}')
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert "'config'" in err.value.message()
+    assert (err.value.status(), err.value.message()) == (
+        "StatusCode.INTERNAL",
+        not_polled.format("add_sub") + ": parameter 'config' is not supported by RepositoryModelLoad",
+    )
+    c.unload_model("not_in_repo")  # nothing to unload: done, as Triton answers
+    assert c.is_model_ready("add_sub")
     with pytest.raises(grpc.RpcError) as rpc_err:  # mpsd serves one repository, the unnamed one
         c._client_stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(repository_name="other"))
     assert rpc_err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -61,6 +61,11 @@ class DaemonConfig(BaseModel):
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
     )
+    server_name: Annotated[str, Field(min_length=1, max_length=256)] = Field(
+        "mpsd",
+        description="The name ServerMetadata (gRPC) and GET /v2 (HTTP) report; `triton` for clients that "
+        "check for Triton's.",
+    )
     log_level: LogLevel = "info"
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="auto: JSON lines unless stderr is a terminal."

@@ -88,7 +88,11 @@ class Daemon:
         self._hurry: asyncio.Future[None] | None = None
         # The one set of operations both protocol adapters translate to: gRPC's servicer and HTTP's routes.
         self.ops = Operations(
-            self.registry, lambda: self.shutting_down, config.model_control, refusing=lambda: self.refusing
+            self.registry,
+            lambda: self.shutting_down,
+            config.model_control,
+            refusing=lambda: self.refusing,
+            server_name=config.server_name,
         )
         self.servicer = InferenceServicer(self.ops)
         self.ports = Ports(config, self.ops, self.servicer, self.health, self.admin, self.metrics)

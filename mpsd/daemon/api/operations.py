@@ -21,12 +21,22 @@ from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
 from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
+from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
-from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, Unimplemented
+from mpsd.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LoadError,
+    LoadRefused,
+    MpsdError,
+    NotFound,
+    Unimplemented,
+    UnknownModel,
+)
 
 log = structlog.get_logger("mpsd.daemon.api")
 
-SERVER_NAME = "mpsd"
+SERVER_NAME = "mpsd"  # the daemon config's `server_name` by default
 EXTENSIONS = [
     "model_repository",
     "model_configuration",
@@ -55,8 +65,10 @@ class Operations:
         model_control: str = "watch",
         client_shm: ClientShmRegistry | None = None,
         refusing: Callable[[], bool] | None = None,
+        server_name: str = SERVER_NAME,
     ) -> None:
         self.registry = registry
+        self.server_name = server_name  # what ServerMetadata says the server is
         self.shutting_down = shutting_down  # health and readiness say no from the stop signal on
         # new calls are refused once the shutdown grace is over (at once, when not told)
         self.refusing = refusing if refusing is not None else shutting_down
@@ -71,6 +83,9 @@ class Operations:
 
     def ready(self) -> bool:
         return not self.shutting_down() and self.registry.server_ready()
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": self.server_name, "version": mpsd.__version__, "extensions": EXTENSIONS}
 
     def model_ready(self, name: str, version: str) -> bool:
         return not self.shutting_down() and self.registry.model_ready(name, version)
@@ -93,19 +108,26 @@ class Operations:
         ):
             mv, versions = self.model(name, version)
             return mv.config, versions
-        served = [str(v) for v in source.versions]
-        if version and version not in served:
-            raise NotFound(f"model '{name}' has no version {version} (available: {', '.join(served)})")
-        return source.config, served
+        number = requested_version(version)
+        if number is not None and number not in source.versions:
+            raise UnknownModel(name, number)
+        return source.config, [str(v) for v in source.versions]
 
     def statistics(self, name: str, version: str) -> list[ModelVersion]:
-        """The versions whose statistics are asked for: one, a model's, or every model's ("" names)."""
-        if name:
-            if version:
-                return [self.registry.route(name, version)]
-            self.registry.route(name, "")
-            return self.registry.versions(name)
-        return [mv for model in sorted(self.registry.entries) for mv in self.registry.versions(model)]
+        """The versions whose statistics are asked for: one, a model's, or every model's ("" names); with
+        Triton's answers for a model or version that has none ready (INVALID_ARGUMENT there)."""
+        if not name:
+            return [mv for model in sorted(self.registry.entries) for mv in self.registry.versions(model)]
+        number = requested_version(version)
+        served = self.registry.versions(name)
+        if not served:
+            raise InvalidArgument(f"requested model '{name}' is not available")
+        if number is None:
+            return served
+        chosen = [mv for mv in served if mv.version == number]
+        if not chosen:
+            raise InvalidArgument(f"requested model version is not available for model '{name}'")
+        return chosen
 
     # ---- inference -----------------------------------------------------------------------------------
 
@@ -206,16 +228,19 @@ class Operations:
         return self.registry.index(ready_only=ready_only)
 
     async def load(self, repository: str, name: str, parameters: Collection[str], caller: str) -> None:
-        """(Re)load one model; `parameters` are the keys the request set (`caller` names the call)."""
+        """(Re)load one model; `parameters` are the keys the request set (`caller` names the call). A
+        parameter mpsd does not take is refused as Triton refuses one it cannot use: a load that found
+        nothing to load (LoadRefused), with the reason."""
         self._check_repository(repository)
+        check_name("model", name)
         for key in parameters:
             if key.startswith("file:"):
-                raise InvalidArgument(
+                raise LoadRefused(
+                    name,
                     f"parameter '{key}': uploading model files is refused; the repository on disk is the "
-                    "source of truth (copy files into it instead)"
+                    "source of truth (copy files into it instead)",
                 )
-            raise InvalidArgument(f"parameter '{key}' is not supported by {caller}")
-        check_name("model", name)
+            raise LoadRefused(name, f"parameter '{key}' is not supported by {caller}")
         try:
             await self.registry.load_model(name)
         except LoadError as exc:
@@ -284,7 +309,3 @@ class Operations:
         if updates:
             log.info("log settings changed", **{k: current[k] for k in updates})
         return current
-
-
-def server_metadata() -> dict[str, Any]:
-    return {"name": SERVER_NAME, "version": mpsd.__version__, "extensions": EXTENSIONS}

@@ -103,6 +103,10 @@ def deadline_of(call: InferCall, deadline: float | None) -> float | None:
     return limit if deadline is None else min(deadline, limit)
 
 
+def _in_shm(tensor: InputCall) -> bool:
+    return bool(tensor.parameters and set(tensor.parameters) & _SHM_PARAMS)
+
+
 def _typed_used(tensor: InputCall) -> list[str]:
     """The typed `contents` fields an input tensor fills."""
     if not tensor.contents:
@@ -189,6 +193,13 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
     max_batch = config.max_batch_size
     raw: Sequence[RawEntry] = call.raw
     in_request = sum(not (t.parameters and set(t.parameters) & _SHM_PARAMS) for t in call.inputs)
+    if raw:  # Triton's check and words, before any count: the mix is what is wrong
+        mixed = next((t.name for t in call.inputs if not _in_shm(t) and _typed_used(t)), None)
+        if mixed is not None:
+            raise InvalidArgument(
+                f"contents field must not be specified when using raw_input_contents for '{mixed}' "
+                f"for model '{model}'"
+            )
     if raw and len(raw) != in_request:
         where = " not in shared memory" if in_request < len(call.inputs) else ""
         raise InvalidArgument(
@@ -241,10 +252,6 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
             else:
                 data = shm.input(f"input '{name}'", ref, nbytes)
         elif raw:
-            if _typed_used(tensor):
-                raise InvalidArgument(
-                    f"input '{name}': data is given both in raw_input_contents and in contents; send one"
-                )
             entry = raw[next_raw]
             next_raw += 1
             data = (

@@ -21,9 +21,18 @@ from mpsd.daemon.core.isolation import contained
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
 from mpsd.daemon.core.residency.manager import Residency
 from mpsd.daemon.core.rollout import ModelEntry, ModelState, Rollout
+from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.placement import BudgetPolicy
-from mpsd.errors import InvalidArgument, LoadError, NotFound, ResourceExhausted, Unavailable
+from mpsd.errors import (
+    InvalidArgument,
+    LoadError,
+    LoadRefused,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    UnknownModel,
+)
 
 log = structlog.get_logger("mpsd.daemon.core.registry")
 
@@ -113,9 +122,10 @@ class Registry:
 
     def route(self, name: str, version: str) -> ModelVersion:
         """The version that answers a request for (name, version); "" means the latest serving one."""
+        number = requested_version(version)  # Triton reads the version first: a bad one, whatever the name
         entry = self.entries.get(name)
         if entry is None:
-            raise NotFound(f"unknown model '{name}'")
+            raise UnknownModel(name, number, unloaded=name in self.unloaded)
         if not entry.versions:
             if entry.error:
                 reason = f": {entry.error}"
@@ -124,19 +134,17 @@ class Registry:
             else:
                 reason = f" ({entry.state.value.lower()})"
             raise Unavailable(f"model '{name}' is not available{reason}")
-        if version == "":
+        if number is None:
             return entry.versions[max(entry.versions)]
-        if not (version.isascii() and version.isdigit()):
-            raise NotFound(f"model '{name}' has no version '{version}' (versions are positive integers)")
-        found = entry.versions.get(int(version))
+        found = entry.versions.get(number)
         if found is None:
-            have = ", ".join(str(v) for v in sorted(entry.versions))
-            raise NotFound(f"model '{name}' has no version {version} (available: {have})")
+            raise UnknownModel(name, number)
         return found
 
     async def acquire(self, name: str, version: str, deadline: float | None) -> ModelVersion:
         """`route`, after loading the model first when it loads on demand and is not running."""
         if self.loads_first(name):
+            requested_version(version)  # a bad version loads nothing
             await self.residency.ensure_loaded(self.entries[name], deadline)
         return self.acquire_running(name, version)
 
@@ -159,7 +167,8 @@ class Registry:
             entry.last_used = time.monotonic()
 
     def known(self, name: str, version: str) -> None:
-        """NotFound unless the model (and version) is known, running or loading on demand."""
+        """UnknownModel unless the model (and version) is known, running or loading on demand."""
+        requested_version(version)
         entry = self.entries.get(name)
         if entry is None or not self.residency.cold(entry):
             self.route(name, version)
@@ -282,13 +291,13 @@ class Registry:
             report.failed[source.name] = exc.message
 
     async def load_model(self, name: str) -> None:
-        """Explicit (re)load of one model from the repository: InvalidArgument, NotFound or LoadError."""
+        """Explicit (re)load of one model from the repository: InvalidArgument, LoadRefused (not in the
+        repository) or LoadError."""
         problem = model_name_problem(name)
         if problem is not None:  # before the name touches the file system: no `..`, `/`, NUL, absolute path
             raise InvalidArgument(f"model name {name!r}: {problem}")
-        model_dir = self.repository / name
-        if not model_dir.is_dir():
-            raise NotFound(f"model '{name}' is not in the repository {self.repository}")
+        if not (self.repository / name).is_dir():
+            raise LoadRefused(name)
         self.unloaded.discard(name)
         entry = self.entries.get(name)
         if entry is not None:
@@ -312,10 +321,12 @@ class Registry:
         An explicit unload (RepositoryModelUnload) sticks: reconciles leave the model alone until it is
         loaded explicitly again.
         """
+        if name not in self.entries:  # nothing to stop: done, as Triton answers (and no lock kept for it)
+            return
         async with self._lock(name):
             entry = self.entries.pop(name, None)
             if entry is None:
-                raise NotFound(f"unknown model '{name}'")
+                return
             if explicit:
                 self.unloaded.add(name)
             log.info("unloading model", model=name)

@@ -17,7 +17,7 @@ from mpsd.daemon.api.grpc.calls import infer_call
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.api.grpc.wire_split import SplitRequest, split_request
-from mpsd.daemon.api.operations import Operations, server_metadata
+from mpsd.daemon.api.operations import Operations
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
 from mpsd.net.tasks import TaskGroup
@@ -76,7 +76,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @status_mapped
     async def ServerMetadata(self, request: Any, context: Any) -> Any:
-        return pb.ServerMetadataResponse(**server_metadata())
+        return pb.ServerMetadataResponse(**self.ops.server_metadata())
 
     @status_mapped
     async def ModelMetadata(self, request: Any, context: Any) -> Any:

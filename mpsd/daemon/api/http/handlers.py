@@ -11,7 +11,7 @@ from aiohttp import web
 
 from mpsd.daemon.api import describe
 from mpsd.daemon.api.device_stats import with_device_compute
-from mpsd.daemon.api.operations import Operations, server_metadata
+from mpsd.daemon.api.operations import Operations
 from mpsd.errors import InvalidArgument
 
 from .body import load_json
@@ -77,7 +77,7 @@ class Handlers:
 
     @rpc("ServerMetadata")
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return json_response(server_metadata())
+        return json_response(self.ops.server_metadata())
 
     @rpc("ModelMetadata")
     async def model_metadata(self, request: web.Request) -> web.Response:
