@@ -3,6 +3,7 @@ every endpoint, JSON and binary tensors of every datatype, and the errors, with 
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from collections.abc import Iterator
@@ -403,9 +404,8 @@ def test_log_settings_read_and_change(client: httpclient.InferenceServerClient) 
 
 
 def test_unimplemented_endpoints_say_so(client: httpclient.InferenceServerClient) -> None:
-    for call in (client.get_trace_settings, lambda: client.register_cuda_shared_memory("r", b"h", 0, 16)):
-        status, message = refused(call)
-        assert status == "501" and "not implemented by mpsd" in message
+    status, message = refused(client.get_trace_settings)
+    assert status == "501" and "not implemented by mpsd" in message
 
 
 def test_cuda_shared_memory_with_none_registered(client: httpclient.InferenceServerClient) -> None:
@@ -416,6 +416,36 @@ def test_cuda_shared_memory_with_none_registered(client: httpclient.InferenceSer
     client.unregister_cuda_shared_memory("never")
     status, message = refused(lambda: client.get_cuda_shared_memory_status("never"))
     assert status == "404" and "unable to find cuda shared memory region: 'never'" in message
+
+
+def test_cuda_shared_memory_register_body(
+    daemon: RunningDaemon, client: httpclient.InferenceServerClient
+) -> None:
+    """The register body is read as Triton's HTTP server reads it ({"raw_handle": {"b64"}, "device_id",
+    "byte_size"}); a handle this host cannot open is refused with the reason (tests/test_infer.py)."""
+    handle = base64.b64encode(bytes(64)).decode()
+
+    def post(body: object) -> tuple[int, str]:
+        path = "/v2/cudasharedmemory/region/r/register"
+        status, reply, _ = http_request(daemon.http_address, "POST", path, json.dumps(body).encode())
+        return status, reply["error"]
+
+    bad_handle = "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"
+    full = {"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": 16}
+    assert post({"device_id": 0, "byte_size": 16}) == (
+        400,
+        "Shared memory register request has no 'raw_handle' field",
+    )
+    for b64 in ("not base64!", f"!{handle}", base64.b64encode(bytes(63)).decode(), 7):
+        assert post({**full, "raw_handle": {"b64": b64}}) == (400, bad_handle)
+    for key in ("device_id", "byte_size"):
+        assert post({k: v for k, v in full.items() if k != key}) == (
+            400,
+            f"the cuda shared memory register request has no '{key}' field",
+        )
+    status, message = refused(lambda: client.register_cuda_shared_memory("r", handle, 0, 16))
+    assert status == "400" and message.startswith("failed to register")
+    assert client.get_cuda_shared_memory_status() == []
 
 
 # ---- HTTP itself -------------------------------------------------------------------------------------------

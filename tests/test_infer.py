@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import queue
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import grpc
@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from mpsd.daemon.supervise.gpus import cuda_gpu_count
 from tests import models
 from tests.conftest import RunningDaemon, serving, wait_for
 
@@ -74,15 +75,19 @@ def test_server_live_ready_and_metadata(daemon: RunningDaemon) -> None:
     assert meta["name"] == "mpsd"
     assert "model_repository" in meta["extensions"]
     assert "system_shared_memory" in meta["extensions"]
-    assert "cuda_shared_memory" not in meta["extensions"]
-    assert set(meta["extensions"]) == {  # docs/api.md lists exactly these
-        "model_repository",
-        "model_configuration",
-        "statistics",
-        "binary_tensor_data",
-        "logging",
-        "system_shared_memory",
-    }
+    cuda = {"cuda_shared_memory"} if cuda_gpu_count(os.environ) else set()  # only where the driver shows GPUs
+    assert (
+        set(meta["extensions"])
+        == {  # docs/api.md lists exactly these
+            "model_repository",
+            "model_configuration",
+            "statistics",
+            "binary_tensor_data",
+            "logging",
+            "system_shared_memory",
+        }
+        | cuda
+    )
 
 
 def test_model_metadata_includes_batch_dimension(daemon: RunningDaemon) -> None:
@@ -291,15 +296,38 @@ def test_cuda_shared_memory_with_none_registered(daemon: RunningDaemon) -> None:
     assert "unable to find cuda shared memory region: 'never'" in err.value.message()
 
 
-def test_unimplemented_rpcs_say_so(daemon: RunningDaemon) -> None:
-    for call in (
-        partial(daemon.client.register_cuda_shared_memory, "r", base64.b64encode(b"handle"), 0, 16),
-        partial(daemon.client.get_trace_settings),
-    ):
+def test_cuda_shared_memory_register_refusals(daemon: RunningDaemon) -> None:
+    """A register request is checked as Triton checks it before CUDA is touched, and a handle this host
+    cannot open is refused with the reason: without a GPU in Triton's words for a server without GPU
+    support, on a GPU host (tests/test_cuda_shm_gpu.py) in Triton's words for a handle no process made."""
+
+    def refused(name: str, handle: bytes, byte_size: int = 16) -> tuple[str, str]:
         with pytest.raises(InferenceServerException) as err:
-            call()
-        assert err.value.status() == "StatusCode.UNIMPLEMENTED"
-        assert "not implemented by mpsd" in err.value.message()
+            daemon.client.register_cuda_shared_memory(name, base64.b64encode(handle), 0, byte_size)
+        return str(err.value.status()), str(err.value.message())
+
+    invalid = "StatusCode.INVALID_ARGUMENT"
+    status, message = refused("", bytes(64))
+    assert (status, message) == (invalid, "'region name' is necessary to register cuda shared memory region")
+    for short in (b"", b"handle", bytes(65)):
+        assert refused("r", short) == (
+            invalid,
+            "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t",
+        )
+    status, message = refused("r", bytes(64))
+    assert status == invalid
+    if cuda_gpu_count(os.environ):
+        assert message.startswith("failed to register shared memory region: invalid args: "), message
+    else:
+        assert message.startswith("failed to register CUDA shared memory region: 'r', GPUs not supported: ")
+    assert daemon.client.get_cuda_shared_memory_status(as_json=True) == {}
+
+
+def test_unimplemented_rpcs_say_so(daemon: RunningDaemon) -> None:
+    with pytest.raises(InferenceServerException) as err:
+        daemon.client.get_trace_settings()
+    assert err.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "not implemented by mpsd" in err.value.message()
 
 
 def test_concurrent_clients(daemon: RunningDaemon) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import threading
@@ -237,6 +238,31 @@ def test_register_refusals(daemon: RunningDaemon, key: Key) -> None:
         assert err.status() == "StatusCode.ALREADY_EXISTS"
     finally:
         client.unregister_system_shared_memory("twice")
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_system_and_cuda_regions_share_one_name_space(daemon: RunningDaemon, key: Key) -> None:
+    """As in Triton: a CUDA region cannot take a system region's name, CUDA status says which kind the name
+    is, and CUDA unregister (named or all) leaves system regions registered."""
+    client = daemon.client
+    k = key("taken")
+    handle = shm.create_shared_memory_region("taken", k, NBYTES)
+    try:
+        client.register_system_shared_memory("taken", k, NBYTES)
+        err = _error(client.register_cuda_shared_memory, "taken", base64.b64encode(bytes(64)), 0, NBYTES)
+        assert err.status() == "StatusCode.ALREADY_EXISTS"
+        assert err.message() == "shared memory region 'taken' already in manager"
+        err = _error(client.get_cuda_shared_memory_status, "taken")
+        assert err.status() == "StatusCode.NOT_FOUND"
+        assert err.message() == (
+            "The region named 'taken' is registered as system shared memory, not CUDA shared memory"
+        )
+        assert client.get_cuda_shared_memory_status(as_json=True) == {}
+        client.unregister_cuda_shared_memory("taken")
+        client.unregister_cuda_shared_memory()
+        assert _regions(client) == {"taken": (k, 0, NBYTES)}
+    finally:
+        client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(handle)
 
 

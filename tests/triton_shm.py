@@ -1,4 +1,5 @@
-"""tritonclient's system shared-memory helpers (`tritonclient.utils.shared_memory`), importable unchanged.
+"""tritonclient's system shared-memory helpers (`tritonclient.utils.shared_memory`), importable unchanged,
+and its CUDA ones (`cuda_shm()`) where cuda-python is installed.
 
 That module finds its C library with `pkg_resources.resource_filename`, which setuptools 81 removed. When
 pkg_resources is missing, that one function is provided from importlib.resources; when it is present, its
@@ -27,4 +28,17 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*pkg_resources.*")
     import tritonclient.utils.shared_memory as shm
 
-__all__ = ["shm"]
+
+def cuda_shm() -> types.ModuleType | None:
+    """`tritonclient.utils.cuda_shared_memory`, or None where it cannot be imported (it needs cuda-python,
+    whose older releases warn on import from the names tritonclient uses)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import tritonclient.utils.cuda_shared_memory as cudashm
+    except (ImportError, RuntimeError):
+        return None
+    return cudashm
+
+
+__all__ = ["cuda_shm", "shm"]

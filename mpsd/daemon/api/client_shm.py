@@ -9,6 +9,9 @@ on shared-memory descriptors, but it also lets an object be sized only once, so 
 mapped and copied to and from. The client owns the name: mpsd
 never unlinks it. A region unregistered while requests still use it stays open until the last of them has
 finished.
+
+CUDA regions (`cuda_shm`) are kept in the same registry and held by the same lease: one name space, and
+one way for a request's tensors to be read and written, whichever kind of memory they are in.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Protocol, TypeVar
 
 from mpsd.daemon.api.call import Params
+from mpsd.daemon.api.cuda_shm import CudaRegion
 from mpsd.daemon.dataplane.request import OutputTensor
 from mpsd.errors import AlreadyExists, InvalidArgument, NotFound
 from mpsd.ipc.shm import PREFIX
@@ -197,11 +202,27 @@ class ShmSlice:
         self.region.write_from(self.what, data, self.position)
 
 
+class Placed(Protocol):
+    """A tensor's place in a region of either kind."""
+
+    def __len__(self) -> int: ...
+
+    def read_into(self, dest: memoryview) -> None: ...
+
+    def write(self, data: bytes | memoryview) -> None: ...
+
+
+Region = ClientRegion | CudaRegion
+R = TypeVar("R", ClientRegion, CudaRegion)
+KIND_NAMES = {ClientRegion: "system", CudaRegion: "CUDA"}
+
+
 class ClientShmRegistry:
-    """The regions registered by name; all use is on the event loop's thread, so no locks."""
+    """The regions registered by name, system and CUDA ones in one name space (as Triton's: a request
+    names a region whatever its kind); all use is on the event loop's thread, so no locks."""
 
     def __init__(self) -> None:
-        self._regions: dict[str, ClientRegion] = {}
+        self._regions: dict[str, Region] = {}
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
@@ -214,23 +235,52 @@ class ClientShmRegistry:
             raise InvalidArgument(f"shared memory region '{name}': byte_size must be positive")
         self._regions[name] = ClientRegion(name, key, offset, byte_size)
 
-    def unregister(self, name: str) -> None:
-        """Forget one region (every region when `name` is empty); an unknown name is not an error."""
+    def check_cuda_name(self, name: str) -> None:
+        """A CUDA region's name must be free in the one name space (Triton's words when it is not)."""
+        if name in self._regions:
+            raise AlreadyExists(f"shared memory region '{name}' already in manager")
+
+    def register_cuda(self, region: CudaRegion) -> None:
+        """Add an opened CUDA region; one of its name registered meanwhile (it was opened off the event
+        loop) refuses it, and it is closed."""
+        try:
+            self.check_cuda_name(region.name)
+        except AlreadyExists:
+            region.close()
+            raise
+        self._regions[region.name] = region
+
+    def unregister(self, name: str, kind: type[Region] = ClientRegion) -> None:
+        """Forget one region of `kind` (every one when `name` is empty); an unknown name, or one of the
+        other kind, is not an error."""
         for region_name in [name] if name else list(self._regions):
-            region = self._regions.pop(region_name, None)
-            if region is not None:
+            region = self._regions.get(region_name)
+            if isinstance(region, kind):
+                del self._regions[region_name]
                 region.retired = True
                 if region.users == 0:
                     region.close()
 
     def status(self, name: str) -> list[ClientRegion]:
-        if not name:
-            return [self._regions[n] for n in sorted(self._regions)]
-        if name not in self._regions:
-            raise NotFound(f"unable to find system shared memory region: '{name}'")
-        return [self._regions[name]]
+        return self._of_kind(name, ClientRegion)
 
-    def acquire(self, name: str, what: str) -> ClientRegion:
+    def cuda_status(self, name: str) -> list[CudaRegion]:
+        return self._of_kind(name, CudaRegion)
+
+    def _of_kind(self, name: str, kind: type[R]) -> list[R]:
+        if not name:
+            return [r for n in sorted(self._regions) if isinstance(r := self._regions[n], kind)]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"unable to find {KIND_NAMES[kind].lower()} shared memory region: '{name}'")
+        if not isinstance(region, kind):
+            raise NotFound(
+                f"The region named '{name}' is registered as {KIND_NAMES[type(region)]} shared memory, "
+                f"not {KIND_NAMES[kind]} shared memory"
+            )
+        return [region]
+
+    def acquire(self, name: str, what: str) -> Region:
         region = self._regions.get(name)
         if region is None:
             raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
@@ -238,7 +288,7 @@ class ClientShmRegistry:
         return region
 
     @staticmethod
-    def release(region: ClientRegion) -> None:
+    def release(region: Region) -> None:
         region.users -= 1
         if region.retired and region.users == 0:
             region.close()
@@ -252,17 +302,17 @@ class ShmLease:
 
     def __init__(self, registry: ClientShmRegistry) -> None:
         self._registry = registry
-        self._held: dict[str, ClientRegion] = {}
-        self.outputs: dict[str, ShmSlice] = {}  # output name -> where its bytes go
+        self._held: dict[str, Region] = {}
+        self.outputs: dict[str, Placed] = {}  # output name -> where its bytes go
 
-    def _region(self, name: str, what: str) -> ClientRegion:
+    def _region(self, name: str, what: str) -> Region:
         region = self._held.get(name)
         if region is None:
             region = self._registry.acquire(name, what)
             self._held[name] = region
         return region
 
-    def input(self, what: str, ref: ShmRef, nbytes: int) -> ShmSlice:
+    def input(self, what: str, ref: ShmRef, nbytes: int) -> Placed:
         """Where the input's bytes are (read later, into the worker's region); the byte size must be
         exactly shape x datatype."""
         if ref.byte_size != nbytes:

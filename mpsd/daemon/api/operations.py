@@ -18,11 +18,13 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.classification import classify, requested
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
+from mpsd.daemon.api.cuda_shm import CudaRegion, open_region
 from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import IndexRow, Registry
 from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
+from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -85,7 +87,10 @@ class Operations:
         return not self.shutting_down() and self.registry.server_ready()
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": self.server_name, "version": mpsd.__version__, "extensions": EXTENSIONS}
+        """Triton's server metadata. `cuda_shared_memory` is listed where the NVIDIA driver shows this
+        daemon a GPU, so a client can tell whether registering CUDA memory can work at all."""
+        cuda = ["cuda_shared_memory"] if daemon_cuda_gpus() else []
+        return {"name": self.server_name, "version": mpsd.__version__, "extensions": EXTENSIONS + cuda}
 
     def model_ready(self, name: str, version: str) -> bool:
         return not self.shutting_down() and self.registry.model_ready(name, version)
@@ -272,27 +277,24 @@ class Operations:
         self.client_shm.unregister(name)
         log.info("shared memory unregistered", region=name or "(all)")
 
-    # ---- CUDA shared memory: registering a region is not implemented, so none is ever registered --------
+    # ---- CUDA shared memory -------------------------------------------------------------------------
 
-    @staticmethod
-    def cuda_shm_status(name: str) -> list[str]:
-        """Every region registered (none), or the one named (never found), as Triton answers for a region
-        that is not registered."""
-        if name:
-            raise NotFound(f"unable to find cuda shared memory region: '{name}'")
-        return []
+    def cuda_shm_status(self, name: str) -> list[CudaRegion]:
+        return self.client_shm.cuda_status(name)
 
-    @staticmethod
-    def cuda_shm_unregister(name: str) -> None:
-        """Nothing to forget: succeeds, as Triton's does for a region that is not registered. Clients call
-        it before they register system shared memory."""
+    async def cuda_shm_register(self, name: str, handle: bytes, device_id: int, byte_size: int) -> None:
+        if not name:
+            raise InvalidArgument("'region name' is necessary to register cuda shared memory region")
+        self.client_shm.check_cuda_name(name)
+        if byte_size == 0:
+            raise InvalidArgument(f"shared memory region '{name}': byte_size must be positive")
+        region = await open_region(name, handle, device_id, byte_size)
+        self.client_shm.register_cuda(region)
+        log.info("cuda shared memory registered", region=name, device_id=device_id, byte_size=byte_size)
 
-    @staticmethod
-    def cuda_shm_register(name: str) -> None:
-        raise Unimplemented(
-            f"CUDA shared memory region '{name}': registering CUDA shared memory is not implemented by mpsd; "
-            "use system shared memory"
-        )
+    def cuda_shm_unregister(self, name: str) -> None:
+        self.client_shm.unregister(name, CudaRegion)
+        log.info("cuda shared memory unregistered", region=name or "(all)")
 
     # ---- settings ------------------------------------------------------------------------------------
 

@@ -307,14 +307,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.ops.shm_unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
+    # ---- CUDA shared memory --------------------------------------------------------------------------
+
     @status_mapped
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        self.ops.cuda_shm_status(request.name)
-        return pb.CudaSharedMemoryStatusResponse()
+        reply = pb.CudaSharedMemoryStatusResponse()
+        for region in self.ops.cuda_shm_status(request.name):
+            reply.regions[region.name].CopyFrom(
+                pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name, device_id=region.device_id, byte_size=region.byte_size
+                )
+            )
+        return reply
 
     @status_mapped
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        self.ops.cuda_shm_register(request.name)
+        await self.ops.cuda_shm_register(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
         return pb.CudaSharedMemoryRegisterResponse()
 
     @status_mapped

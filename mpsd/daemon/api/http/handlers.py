@@ -1,6 +1,6 @@
-"""The HTTP endpoints other than infer: health, metadata, config, statistics, the repository, system shared
-memory and log settings, each a thin translation onto `Operations`, answered as Triton's HTTP server
-answers (status codes, JSON bodies)."""
+"""The HTTP endpoints other than infer: health, metadata, config, statistics, the repository, system and
+CUDA shared memory and log settings, each a thin translation onto `Operations`, answered as Triton's HTTP
+server answers (status codes, JSON bodies)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from mpsd.daemon.api import describe
+from mpsd.daemon.api.cuda_shm import raw_handle
 from mpsd.daemon.api.device_stats import with_device_compute
 from mpsd.daemon.api.operations import Operations
 from mpsd.errors import InvalidArgument
@@ -152,6 +153,35 @@ class Handlers:
         self.ops.shm_unregister(path(request, "region"))
         return empty(200)
 
+    # ---- CUDA shared memory --------------------------------------------------------------------------
+
+    @rpc("CudaSharedMemoryStatus")
+    async def cuda_shm_status(self, request: web.Request) -> web.Response:
+        regions = self.ops.cuda_shm_status(path(request, "region"))
+        return json_response(
+            [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
+        )
+
+    @rpc("CudaSharedMemoryRegister")
+    async def cuda_shm_register(self, request: web.Request) -> web.Response:
+        what = "the cuda shared memory register request"
+        body = await json_object(request, what)
+        handle = body.get("raw_handle")
+        if handle is None:
+            raise InvalidArgument("Shared memory register request has no 'raw_handle' field")
+        if not isinstance(handle, dict):
+            raise InvalidArgument(f"{what}: 'raw_handle' must be an object {{\"b64\": <base64 text>}}")
+        device_id, size = _uint(body, "device_id", what), _uint(body, "byte_size", what)
+        await self.ops.cuda_shm_register(
+            path(request, "region"), raw_handle(handle.get("b64")), device_id, size
+        )
+        return empty(200)
+
+    @rpc("CudaSharedMemoryUnregister")
+    async def cuda_shm_unregister(self, request: web.Request) -> web.Response:
+        self.ops.cuda_shm_unregister(path(request, "region"))
+        return empty(200)
+
     # ---- settings and what mpsd does not implement -----------------------------------------------------
 
     @rpc("LogSettings")
@@ -162,17 +192,3 @@ class Handlers:
     @rpc("TraceSetting")
     async def trace(self, request: web.Request) -> web.Response:
         raise Operations.unimplemented("request tracing (trace settings)")
-
-    @rpc("CudaSharedMemoryStatus")
-    async def cuda_shm_status(self, request: web.Request) -> web.Response:
-        return json_response(self.ops.cuda_shm_status(path(request, "region")))
-
-    @rpc("CudaSharedMemoryRegister")
-    async def cuda_shm_register(self, request: web.Request) -> web.Response:
-        self.ops.cuda_shm_register(path(request, "region"))
-        return empty(200)
-
-    @rpc("CudaSharedMemoryUnregister")
-    async def cuda_shm_unregister(self, request: web.Request) -> web.Response:
-        self.ops.cuda_shm_unregister(path(request, "region"))
-        return empty(200)
