@@ -383,14 +383,16 @@ def test_repository_index_and_load_unload(daemon: RunningDaemon, tmp_path: Path)
     assert err.value.message() == not_polled.format("not_in_repo")
     with pytest.raises(InferenceServerException) as err:
         c.load_model("add_sub", files={"file:1/model.pt": b"\x00"})
-    assert err.value.status() == "StatusCode.INTERNAL"
-    assert str(err.value.message()).startswith(not_polled.format("add_sub") + ": parameter 'file:1/model.pt'")
-    assert "the repository on disk is the source of truth" in str(err.value.message())
-    with pytest.raises(InferenceServerException) as err:  # any other parameter too
+    assert (err.value.status(), err.value.message()) == (  # files need a config, as in Triton
+        "StatusCode.INTERNAL",
+        not_polled.format("add_sub") + ": Load parameter 'config' must be specified for model file override",
+    )
+    with pytest.raises(InferenceServerException) as err:  # a config is validated as in the repository
         c.load_model("add_sub", config='{"max_batch_size": 4}')
     assert (err.value.status(), err.value.message()) == (
         "StatusCode.INTERNAL",
-        not_polled.format("add_sub") + ": parameter 'config' is not supported by RepositoryModelLoad",
+        not_polled.format("add_sub") + ": Invalid config override: field 'input': required field is missing; "
+        "field 'output': required field is missing",
     )
     c.unload_model("not_in_repo")  # nothing to unload: done, as Triton answers
     assert c.is_model_ready("add_sub")

@@ -82,12 +82,27 @@ def test_model_control_none_refuses_load_and_unload(
     constant(repo, 1, 1.0)
     daemon = start_daemon(repo, config=write_config(tmp_path / "mpsd.yaml", model_control="none"))
     daemon.wait_ready()
-    for call in (daemon.client.load_model, daemon.client.unload_model):
+    config = json.dumps(
+        {
+            "platform": "pytorch_libtorch",
+            "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [2]}],
+            "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [2]}],
+        }
+    )
+    model = (repo / "const" / "1" / "model.pt").read_bytes()
+    calls: list[Callable[[], object]] = [
+        lambda: daemon.client.load_model("const"),
+        lambda: daemon.client.unload_model("const"),
+        lambda: daemon.client.load_model("const", config=config),
+        lambda: daemon.client.load_model("sent", config=config, files={"file:1/model.pt": model}),
+    ]
+    for call in calls:
         with pytest.raises(InferenceServerException) as info:
-            call("const")
+            call()
         assert info.value.status() == "StatusCode.FAILED_PRECONDITION"
         assert "model control is 'none'" in info.value.message()
-    assert served(daemon) == 1.0  # still loaded
+    assert served(daemon) == 1.0  # still loaded, as the repository has it
+    assert not daemon.client.is_model_ready("sent")
 
 
 def test_reload_that_does_not_fit_beside_the_old_version_stops_it_first(

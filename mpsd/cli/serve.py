@@ -38,6 +38,12 @@ def check_servable(config: DaemonConfig, event_loop: bool = True) -> None:
         eventloop.check(config.event_loop)
     if not config.model_repository.is_dir():
         raise ConfigError(f"model repository {config.model_repository} is not a directory")
+    uploads = config.model_upload_dir
+    if uploads is not None:
+        if not uploads.is_dir():
+            raise ConfigError(f"model_upload_dir {uploads} is not a directory")
+        if uploads.resolve().is_relative_to(config.model_repository.resolve()):
+            raise ConfigError(f"model_upload_dir {uploads} is inside the model repository; keep it outside")
 
 
 def _load(args: argparse.Namespace, config_path: Path | None) -> DaemonConfig:

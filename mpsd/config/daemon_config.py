@@ -132,6 +132,17 @@ class DaemonConfig(BaseModel):
         "poll_interval_s; explicit: change only on RepositoryModelLoad/Unload, SIGHUP or `mpsd reload`; "
         "none: load at start only (SIGHUP still reconciles).",
     )
+    model_upload_dir: Path | None = Field(
+        None,
+        description="Where model files sent with a load request (`file:` parameters) are kept while their "
+        "model is loaded: the daemon makes a private folder of its own in it, removed at shutdown. Never "
+        "inside the model repository. null: the system's temporary directory (TMPDIR).",
+    )
+    max_model_upload_bytes: Annotated[int, Field(ge=0)] = Field(
+        256 * 1024 * 1024,
+        description="Largest total of the model files one load request may send (`file:` parameters). "
+        "0: loads with files are refused.",
+    )
     reload_quiet_period_s: Annotated[float, Field(ge=0)] = Field(
         1.0, description="A repository change is acted on once files have been quiet this long."
     )
@@ -232,6 +243,8 @@ def load_daemon_config(path: Path | None) -> DaemonConfig:
         raise ConfigError(format_validation_error(path, exc), issues=validation_issues(path, exc)) from None
     if not cfg.model_repository.is_absolute():
         cfg.model_repository = (path.parent / cfg.model_repository).resolve()
+    if cfg.model_upload_dir is not None and not cfg.model_upload_dir.is_absolute():
+        cfg.model_upload_dir = (path.parent / cfg.model_upload_dir).resolve()
     cfg.op_library_dirs = [d if d.is_absolute() else (path.parent / d).resolve() for d in cfg.op_library_dirs]
     if cfg.tls is not None:
         cfg.tls.resolve(path.parent)

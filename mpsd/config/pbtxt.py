@@ -351,6 +351,12 @@ def pbtxt_to_dict(text: str) -> tuple[dict[str, Any], tuple[str, ...]]:
         msg = text_format.Parse(text, mc.ModelConfig())
     except text_format.ParseError as exc:
         raise config_problem(Issue("", (), f"invalid protobuf text: {exc}")) from None
+    return message_to_dict(msg)
+
+
+def message_to_dict(msg: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The config.yaml fields equivalent to a parsed ModelConfig message (from a config.pbtxt or a load
+    request's JSON), and the ignored fields."""
     reader = _Reader()
     return reader.read(msg), tuple(reader.warnings)
 

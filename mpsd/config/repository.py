@@ -141,26 +141,25 @@ def _broken(name: str, model_dir: Path, issue: Issue, config_fingerprint: str = 
     )
 
 
-def load_model_source(
-    model_dir: Path, allow_symlinks: bool = False, op_library_dirs: Sequence[Path] = ()
-) -> ModelSource:
-    """Read one model directory; problems come back in `error` (and `issues`), never as exceptions.
+@dataclass(frozen=True)
+class GivenConfig:
+    """A config that comes with a load request instead of from the model directory's file: already
+    parsed and validated, with the fingerprint that tells it from other configs."""
 
-    Unless `allow_symlinks`, the model directory, its config, version directories and model files must
-    all resolve to inside the repository (the directory holding `model_dir`). Op libraries must resolve to
-    inside the model directory or one of `op_library_dirs`, whatever `allow_symlinks` says.
-    """
-    name = model_dir.name
-    if not MODEL_NAME_RE.match(name):
-        return _broken(name, model_dir, Issue(str(model_dir), (), f"invalid model name '{name}'"))
-    root = model_dir.parent
+    config: ModelConfig
+    warnings: tuple[str, ...]
+    fingerprint: str
+    pbtxt: str | None = None  # the config as written, in Triton's text format (ModelConfig reports it)
+
+
+def _read_config(model_dir: Path, allow_symlinks: bool) -> tuple[Path, GivenConfig] | ModelSource:
+    """The model directory's config file, parsed, or the broken source that says why not."""
+    name, root = model_dir.name, model_dir.parent
     cfg_path, conflict = config_path(model_dir)
     if conflict is not None:
         return _broken(name, model_dir, conflict)
-    if not allow_symlinks:
-        escape = escape_problem(model_dir, root, "the model directory")
-        if escape is None and cfg_path.exists():
-            escape = escape_problem(cfg_path, root, cfg_path.name)
+    if not allow_symlinks and cfg_path.exists():
+        escape = escape_problem(cfg_path, root, cfg_path.name)
         if escape is not None:
             return _broken(name, model_dir, escape)
     try:
@@ -177,6 +176,38 @@ def load_model_source(
     except ValueError as exc:
         issues = exc.issues if isinstance(exc, ModelConfigError) else (Issue(str(cfg_path), (), str(exc)),)
         return ModelSource(name, model_dir, error=str(exc), issues=issues, config_fingerprint=cfg_fp)
+    return cfg_path, GivenConfig(config, warnings, cfg_fp, text if cfg_path.name == PBTXT_FILE else None)
+
+
+def load_model_source(
+    model_dir: Path,
+    allow_symlinks: bool = False,
+    op_library_dirs: Sequence[Path] = (),
+    given: GivenConfig | None = None,
+) -> ModelSource:
+    """Read one model directory; problems come back in `error` (and `issues`), never as exceptions.
+
+    Unless `allow_symlinks`, the model directory, its config, version directories and model files must
+    all resolve to inside the repository (the directory holding `model_dir`). Op libraries must resolve to
+    inside the model directory or one of `op_library_dirs`, whatever `allow_symlinks` says. A `given`
+    config is used in place of the directory's config file, which is then not read.
+    """
+    name = model_dir.name
+    if not MODEL_NAME_RE.match(name):
+        return _broken(name, model_dir, Issue(str(model_dir), (), f"invalid model name '{name}'"))
+    root = model_dir.parent
+    if not allow_symlinks:
+        escape = escape_problem(model_dir, root, "the model directory")
+        if escape is not None:
+            return _broken(name, model_dir, escape)
+    if given is not None:
+        cfg_path = Path("config")  # where a problem of the config is said to be: the request's parameter
+    else:
+        read = _read_config(model_dir, allow_symlinks)
+        if isinstance(read, ModelSource):
+            return read
+        cfg_path, given = read
+    config, warnings, cfg_fp = given.config, given.warnings, given.fingerprint
 
     try:
         available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name)]
@@ -226,7 +257,7 @@ def load_model_source(
         warnings=warnings,
         op_libraries=libraries,
         labels=labels,
-        pbtxt=text if cfg_path.name == PBTXT_FILE else None,
+        pbtxt=given.pbtxt,
     )
 
 

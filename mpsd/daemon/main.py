@@ -101,6 +101,7 @@ class Daemon:
         """What would outlive a daemon ended by its deadline: its shared memory and socket directory."""
         shm.cleanup_own()
         self.ports.remove_socket_dir()
+        self.registry.overrides.store.close()
 
     def _stop_bound(self) -> float:
         config = self.config
@@ -125,6 +126,9 @@ class Daemon:
         stale_dirs = remove_stale_socket_dirs()
         if stale_dirs:
             log.info("removed socket directories of dead daemons", directories=stale_dirs)
+        stale_uploads = self.registry.overrides.store.remove_stale()
+        if stale_uploads:
+            log.info("removed uploaded model files of dead daemons", directories=stale_uploads)
         try:
             return await self._serve()
         except BaseException:  # a start that failed half way ends within the bound too, its ports closed

@@ -7,7 +7,7 @@ the same errors, the same batching, queues and statistics), and neither is a sec
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Collection, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
 from mpsd.daemon.api.cuda_shm import CudaRegion, open_region
 from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request
 from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.overrides import LoadParameters
 from mpsd.daemon.core.registry import IndexRow, Registry
 from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
@@ -29,7 +30,6 @@ from mpsd.errors import (
     FailedPrecondition,
     InvalidArgument,
     LoadError,
-    LoadRefused,
     MpsdError,
     NotFound,
     Unimplemented,
@@ -232,22 +232,12 @@ class Operations:
             raise NotFound(f"unknown repository '{repository}' (mpsd serves one repository)")
         return self.registry.index(ready_only=ready_only)
 
-    async def load(self, repository: str, name: str, parameters: Collection[str], caller: str) -> None:
-        """(Re)load one model; `parameters` are the keys the request set (`caller` names the call). A
-        parameter mpsd does not take is refused as Triton refuses one it cannot use: a load that found
-        nothing to load (LoadRefused), with the reason."""
+    async def load(self, repository: str, name: str, params: LoadParameters | None = None) -> None:
+        """(Re)load one model, from the repository or with the `config` and files the request brought."""
         self._check_repository(repository)
         check_name("model", name)
-        for key in parameters:
-            if key.startswith("file:"):
-                raise LoadRefused(
-                    name,
-                    f"parameter '{key}': uploading model files is refused; the repository on disk is the "
-                    "source of truth (copy files into it instead)",
-                )
-            raise LoadRefused(name, f"parameter '{key}' is not supported by {caller}")
         try:
-            await self.registry.load_model(name)
+            await self.registry.load_model(name, params)
         except LoadError as exc:
             raise MpsdError(f"failed to load '{name}': {exc}") from None
 

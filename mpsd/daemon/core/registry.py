@@ -19,6 +19,7 @@ from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.repository import ModelSource, model_name_problem, scan_repository
 from mpsd.daemon.core.isolation import contained
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
+from mpsd.daemon.core.overrides import LoadParameters, Overrides
 from mpsd.daemon.core.residency.manager import Residency
 from mpsd.daemon.core.rollout import ModelEntry, ModelState, Rollout
 from mpsd.daemon.core.versions import requested_version
@@ -98,9 +99,9 @@ class Registry:
         # repository is empty: the server is not ready then (front processes and gRPC listen earlier).
         self.scanned = False
         self._locks: dict[str, asyncio.Lock] = {}
-        self.residency = Residency(
-            config or DaemonConfig(), self.entries, self.apply, self._lock, lambda: self.drain_timeout_s
-        )
+        config = config or DaemonConfig()
+        self.residency = Residency(config, self.entries, self.apply, self._lock, lambda: self.drain_timeout_s)
+        self.overrides = Overrides(config, repository, self.entries)  # loads with the request's config, files
 
     @property
     def drain_timeout_s(self) -> float:
@@ -207,7 +208,9 @@ class Registry:
             return await self._reconcile(only, wait_quiet)
 
     async def _reconcile(self, only: Collection[str] | None, wait_quiet: bool) -> ReconcileReport:
-        desired = scan_repository(self.repository, self.allow_symlinks, self.op_library_dirs)
+        desired = self.overrides.apply(
+            scan_repository(self.repository, self.allow_symlinks, self.op_library_dirs)
+        )
         report = ReconcileReport()
         names = sorted(set(only) if only is not None else set(desired) | set(self.entries))
         jobs = []
@@ -220,7 +223,8 @@ class Registry:
                     report.unloaded.append(name)
                     jobs.append(self.unload_model(name))
                 continue
-            if wait_quiet and _still_changing(source.path, self.quiet_period_s):
+            overridden = name in self.overrides.by_model  # files written by the daemon, all at once
+            if wait_quiet and not overridden and _still_changing(source.path, self.quiet_period_s):
                 report.deferred.append(name)
                 log.info(
                     "model files still changing: load deferred",
@@ -239,6 +243,7 @@ class Registry:
                 entry.loading = True
                 jobs.append(self._apply_into(source, report, admit=entry))
         await asyncio.gather(*jobs)
+        self.overrides.sweep()
         if only is None:
             self.scanned = True
         if report.changed or report.failed or report.unloaded:
@@ -290,19 +295,27 @@ class Registry:
         except LoadError as exc:
             report.failed[source.name] = exc.message
 
-    async def load_model(self, name: str) -> None:
-        """Explicit (re)load of one model from the repository: InvalidArgument, LoadRefused (not in the
-        repository) or LoadError."""
+    async def load_model(self, name: str, params: LoadParameters | None = None) -> None:
+        """Explicit (re)load of one model from the repository, or with the request's config and files
+        (`overrides.py`): InvalidArgument, LoadRefused (not in the repository, or what the request brought
+        cannot be loaded as given) or LoadError."""
         problem = model_name_problem(name)
         if problem is not None:  # before the name touches the file system: no `..`, `/`, NUL, absolute path
             raise InvalidArgument(f"model name {name!r}: {problem}")
-        if not (self.repository / name).is_dir():
+        model_dir = self.repository / name
+        if not (params is not None and params.files) and not model_dir.is_dir():
             raise LoadRefused(name)
-        self.unloaded.discard(name)
-        entry = self.entries.get(name)
-        if entry is not None:
-            entry.failed_fingerprint = None  # an explicit load retries even an unchanged broken model
-        report = await self.reconcile(only=[name], wait_quiet=False)
+        source, holder = await self.overrides.read(name, params, self.allow_symlinks, self.op_library_dirs)
+        try:
+            async with self.reconcile_lock:
+                self.unloaded.discard(name)
+                entry = self.entries.get(name)
+                if entry is not None:
+                    entry.failed_fingerprint = None  # an explicit load retries even an unchanged broken model
+                self.overrides.choose(name, source, self.allow_symlinks, self.op_library_dirs)
+                report = await self._reconcile([name], wait_quiet=False)
+        finally:
+            self.overrides.sweep(holder)
         if name in report.failed:
             raise LoadError(report.failed[name])
 
@@ -329,8 +342,10 @@ class Registry:
                 return
             if explicit:
                 self.unloaded.add(name)
+            self.overrides.forget(name)
             log.info("unloading model", model=name)
             await asyncio.gather(*(mv.unload(self.drain_timeout_s) for mv in entry.versions.values()))
+            self.overrides.sweep()
 
     async def shutdown(self) -> None:
         """Stop every worker (requests have already drained through the gRPC server's grace period)."""
@@ -342,6 +357,7 @@ class Registry:
             self.rollout.retired(),
             return_exceptions=True,
         )
+        self.overrides.store.close()
 
     def in_flight(self) -> int:
         """Requests the models are answering now, and those waiting for a model to load."""

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 from mpsd.daemon.api import describe
 from mpsd.daemon.api.grpc.calls import infer_call
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
+from mpsd.daemon.api.grpc.load import load_parameters
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.api.grpc.wire_split import SplitRequest, split_request
 from mpsd.daemon.api.operations import Operations
@@ -274,9 +275,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     @status_mapped
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        await self.ops.load(
-            request.repository_name, request.model_name, list(request.parameters), "RepositoryModelLoad"
-        )
+        params = load_parameters(request.parameters)
+        await self.ops.load(request.repository_name, request.model_name, params)
         return pb.RepositoryModelLoadResponse()
 
     @status_mapped

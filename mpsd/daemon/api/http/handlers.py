@@ -4,6 +4,7 @@ server answers (status codes, JSON bodies)."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ from mpsd.daemon.api import describe
 from mpsd.daemon.api.cuda_shm import raw_handle
 from mpsd.daemon.api.device_stats import with_device_compute
 from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.core.overrides import FILE_PREFIX, LoadParameters
 from mpsd.errors import InvalidArgument
 
 from .body import load_json
@@ -54,6 +56,28 @@ def _uint(body: dict[str, Any], key: str, what: str, default: int | None = None)
     if type(value) is not int or value < 0:
         raise InvalidArgument(f"{what}: '{key}' must be a non-negative integer")
     return value
+
+
+def load_parameters(parameters: dict[str, Any]) -> LoadParameters:
+    """A load request's parameters as Triton's HTTP server reads them: `config` a string, each `file:<path>`
+    its contents in base64."""
+    config: str | None = None
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        if key == "config":
+            if not isinstance(value, str):
+                raise InvalidArgument(f"invalid value type for load parameter '{key}', expected a string.")
+            config = value
+        elif key.startswith(FILE_PREFIX):
+            if not isinstance(value, str):
+                raise InvalidArgument(f"invalid value type for load parameter '{key}', expected base64 text.")
+            try:
+                files[key] = base64.b64decode(value, validate=True)
+            except ValueError as exc:
+                raise InvalidArgument(f"load parameter '{key}' is not valid base64: {exc}") from None
+        else:
+            raise InvalidArgument(f"unrecognized load parameter '{key}'.")
+    return LoadParameters(config, files)
 
 
 class Handlers:
@@ -117,9 +141,8 @@ class Handlers:
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict):
             raise InvalidArgument("the load request's 'parameters' must be a JSON object")
-        await self.ops.load(
-            path(request, "repository"), path(request, "model"), list(parameters), "the load request"
-        )
+        params = load_parameters(parameters)
+        await self.ops.load(path(request, "repository"), path(request, "model"), params)
         return empty(200)
 
     @rpc("RepositoryModelUnload")
