@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
+from mpsd.config.ensemble import EnsembleScheduling, graph_problem
 from mpsd.ipc.dtypes import DATATYPES, config_to_wire
 
 # The config spelling of each of mpsd.ipc.dtypes.DATATYPES (a Literal, so that the schema lists them).
@@ -33,7 +34,7 @@ DataType = Literal[
     "TYPE_STRING",
 ]
 Kind = Literal["KIND_AUTO", "KIND_GPU", "KIND_MPS", "KIND_CPU"]
-Backend = Literal["torchscript", "torch_export", "aoti", "python"]
+Backend = Literal["torchscript", "torch_export", "aoti", "python", "ensemble"]
 
 DEFAULT_FILENAMES: dict[str, str] = {
     "torchscript": "model.pt",
@@ -42,12 +43,14 @@ DEFAULT_FILENAMES: dict[str, str] = {
     # both (the exported program and its compiled package) unambiguous.
     "aoti": "model.aoti.pt2",
     "python": "model.py",
+    "ensemble": "",  # no file: its steps' models run its requests
 }
 PLATFORMS: dict[str, str] = {
     "torchscript": "pytorch_libtorch",
     "torch_export": "torch_export",
     "aoti": "torch_aoti",  # Triton has no AOTInductor backend: mpsd's own name, as torch_export is
     "python": "python",
+    "ensemble": "ensemble",
 }
 # Backends whose model torch.compile can compile at load (optimization.compile).
 COMPILABLE = ("torch_export", "python")
@@ -304,11 +307,39 @@ def _check_compile(config: ModelConfig) -> None:
 
 
 _WARMUP = ("model_warmup",)
+_SCHEDULING = ("ensemble_scheduling",)
+
+
+def _check_ensemble(config: ModelConfig) -> None:
+    """An ensemble has steps and a graph that works, and nothing of a model that runs in a worker."""
+    scheduling = config.ensemble_scheduling
+    if config.backend != "ensemble":
+        if scheduling is not None:
+            raise RuleError(_SCHEDULING, "ensemble_scheduling is for ensembles (backend: ensemble)")
+        return
+    if scheduling is None:
+        raise RuleError(_SCHEDULING, "an ensemble needs ensemble_scheduling with at least one step")
+    for field in (
+        "dynamic_batching",
+        "op_libraries",
+        "model_warmup",
+        "max_device_memory_bytes",
+        "max_rss_bytes",
+    ):
+        if getattr(config, field):
+            raise RuleError(
+                (field,), f"{field} is for models that run in workers; an ensemble runs its steps' models"
+            )
+    if config.optimization != Optimization():
+        raise RuleError(("optimization",), "optimization is for the steps' models, not an ensemble")
+    problem = graph_problem([t.name for t in config.input], [t.name for t in config.output], scheduling.step)
+    if problem is not None:
+        raise RuleError(_SCHEDULING, problem)
 
 
 def _check_strings(config: ModelConfig) -> None:
     """Strings reach only python models (as numpy arrays of bytes): torch has no tensor of strings."""
-    if config.backend == "python":
+    if config.backend in ("python", "ensemble"):  # an ensemble's steps' models are checked themselves
         return
     for field in ("input", "output"):
         for i, t in enumerate(getattr(config, field)):
@@ -368,6 +399,8 @@ class ModelConfig(_Strict):
     optimization: Optimization = Optimization()
     residency: Residency = Residency()
     model_transaction_policy: TransactionPolicy = TransactionPolicy()
+    # The steps of an ensemble (backend: ensemble), Triton's `ensemble_scheduling`.
+    ensemble_scheduling: EnsembleScheduling | None = None
     # Shared objects (torch.ops.load_library) and Python files or packages (imported) that register custom
     # ops, loaded by each worker before the model; paths inside the model's folder (mpsd/config/op_libraries)
     op_libraries: list[Annotated[str, Field(min_length=1)]] = []
@@ -397,8 +430,9 @@ class ModelConfig(_Strict):
             )
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise RuleError(("dynamic_batching",), "dynamic_batching needs max_batch_size > 0")
+        _check_ensemble(self)
         if self.model_transaction_policy.decoupled:
-            if self.backend != "python":
+            if self.backend not in ("python", "ensemble"):
                 raise RuleError(
                     ("model_transaction_policy", "decoupled"),
                     "decoupled models are python models whose infer yields its responses (backend: python)",

@@ -62,7 +62,6 @@ _TRITON_PYTORCH_OPTIONS = frozenset(
 # or a different protocol, so the load fails with the reason.
 _FATAL = {
     "sequence_batching": "stateful sequence batching is not supported by mpsd",
-    "ensemble_scheduling": "ensembles are not supported by mpsd; chain the models in the client",
     "batch_input": "batch inputs (tensors built by the batcher) are not supported by mpsd",
     "batch_output": "batch outputs (tensors split by the batcher) are not supported by mpsd",
     "model_repository_agents": "repository agents (which rewrite model files) are not run by mpsd",
@@ -109,6 +108,8 @@ class _Reader:
                 out["op_libraries"] = list(value.op_library_filename)
             elif field == "model_transaction_policy":
                 out[field] = {"decoupled": value.decoupled}
+            elif field == "ensemble_scheduling":
+                out[field] = {"step": [self.step(i, step) for i, step in enumerate(value.step)]}
             elif field != "parameters":
                 self.ignore(field)
         backend = _backend(msg.platform, msg.backend)
@@ -142,6 +143,16 @@ class _Reader:
             else:
                 self.ignore(f"{path}.{key}")
         return out
+
+    def step(self, i: int, step: Any) -> dict[str, Any]:
+        if step.model_namespace:
+            self.ignore(f"ensemble_scheduling.step.{i}.model_namespace", "mpsd serves one namespace")
+        return {
+            "model_name": step.model_name,
+            "model_version": step.model_version or -1,  # left out (0): the latest, as -1
+            "input_map": dict(step.input_map),
+            "output_map": dict(step.output_map),
+        }
 
     def instance_group(self, i: int, g: Any) -> dict[str, Any]:
         path = f"instance_group.{i}"
@@ -252,7 +263,9 @@ def _set_fields(msg: Any) -> list[tuple[str, Any]]:
 def _backend(platform: str, backend: str) -> str | None:
     """mpsd's backend for Triton's platform/backend pair; anything but PyTorch fails naming the field."""
     if platform == "ensemble":
-        _fail(("platform",), _FATAL["ensemble_scheduling"])
+        if backend:
+            _fail(("backend",), f"backend '{backend}' contradicts platform 'ensemble'")
+        return "ensemble"
     chosen: set[str] = set()
     for field, value, known in (("platform", platform, _PLATFORMS), ("backend", backend, _BACKENDS)):
         if not value:
@@ -388,6 +401,9 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
         msg.name = name if name is not None else str(config.name)
     if config.backend == "torchscript":
         msg.platform, msg.backend = "pytorch_libtorch", "pytorch"
+    elif config.backend == "ensemble":
+        msg.platform = "ensemble"
+        write_ensemble(config, msg)
     else:
         msg.backend = config.backend
     msg.max_batch_size = config.max_batch_size
@@ -437,6 +453,18 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
             else:
                 entry.zero_data = True
     return str(text_format.MessageToString(msg))
+
+
+def write_ensemble(config: ModelConfig, msg: Any) -> None:
+    """An ensemble's steps into `ensemble_scheduling`."""
+    if config.ensemble_scheduling is None:
+        return
+    for step in config.ensemble_scheduling.step:
+        written = msg.ensemble_scheduling.step.add(
+            model_name=step.model_name, model_version=step.model_version
+        )
+        written.input_map.update(step.input_map)
+        written.output_map.update(step.output_map)
 
 
 def write_tensor(t: TensorConfig, msg: Any) -> None:

@@ -218,7 +218,10 @@ def load_model_source(
         problem = f"no version directory matches the version policy (found {sorted(available) or 'none'})"
         return _broken(name, model_dir, Issue(str(model_dir), (), problem), cfg_fp)
     filename = config.model_filename
-    if filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename:
+    ensemble = config.backend == "ensemble"  # no file of its own: only its version folders
+    if not ensemble and (
+        filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename
+    ):
         problem = f"'{filename}' must be a plain file name inside the version directory"
         return _broken(name, model_dir, Issue(str(cfg_path), ("default_model_filename",), problem), cfg_fp)
     try:
@@ -235,7 +238,7 @@ def load_model_source(
             )
             if escape is not None:
                 return _broken(name, model_dir, escape, cfg_fp)
-        if not model_file.is_file():
+        if not ensemble and not model_file.is_file():
             return _broken(name, model_dir, Issue(str(model_file), (), "model file is missing"), cfg_fp)
         libraries[v], refused = resolve_op_libraries(
             model_dir, v, config.op_libraries, op_library_dirs, cfg_path

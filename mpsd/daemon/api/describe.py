@@ -10,7 +10,7 @@ from google.protobuf import text_format  # type: ignore[import-untyped]
 from google.protobuf.descriptor import FieldDescriptor
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.pbtxt import write_cuda_graphs, write_libraries_and_autocast, write_tensor
+from mpsd.config.pbtxt import write_cuda_graphs, write_ensemble, write_libraries_and_autocast, write_tensor
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.dataplane.stats import Duration
 from mpsd.proto import grpc_service_pb2 as pb
@@ -34,6 +34,10 @@ def group_devices(mv: ModelVersion) -> dict[int, list[Mapping[str, object]]]:
         if worker is not None and worker.ready is not None:
             found.setdefault(group_of.get(instance.launch.instance, 0), []).append(worker.ready.device)
     return found
+
+
+# Triton's backend names where they differ from mpsd's (an ensemble has a platform and no backend).
+_BACKEND_NAMES = {"torchscript": "pytorch", "ensemble": ""}
 
 
 def effective_config(name: str, mv: ModelVersion) -> Any:
@@ -80,14 +84,16 @@ def model_config_proto(
     msg = mc.ModelConfig(
         name=name,
         platform=config.platform,
-        backend="pytorch" if config.backend == "torchscript" else config.backend,
+        backend=_BACKEND_NAMES.get(config.backend, config.backend),
         max_batch_size=config.max_batch_size,
         default_model_filename=config.model_filename,
     )
     for src, dst in ((config.input, msg.input), (config.output, msg.output)):
         for t in src:
             write_tensor(t, dst.add())
-    for i, group in enumerate(config.instance_group):
+    write_ensemble(config, msg)
+    groups = config.instance_group if config.backend != "ensemble" else []  # no workers of its own
+    for i, group in enumerate(groups):
         g = msg.instance_group.add(
             name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count
         )

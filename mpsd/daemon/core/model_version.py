@@ -42,6 +42,7 @@ class ModelVersion:
         settings: SupervisorSettings,
         labels: Labels | None = None,
         pbtxt: str | None = None,
+        plane: VersionPlane | None = None,
     ) -> None:
         self.name = name
         self.labels: Labels = labels or {}  # classification labels per output
@@ -51,7 +52,8 @@ class ModelVersion:
         self.fingerprint = fingerprint
         self.placements = placements
         self.settings = settings
-        self.plane = VersionPlane(name, version, config)
+        # An ensemble's plane runs its steps' models instead of lanes of its own.
+        self.plane = plane if plane is not None else VersionPlane(name, version, config)
         self.stats = self.plane.stats
         self.state = VersionState.LOADING
         self.reason = ""

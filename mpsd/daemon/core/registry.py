@@ -94,7 +94,7 @@ class Registry:
         self.unloaded: set[str] = set()
         self.reconcile_lock = asyncio.Lock()
         self.entries: dict[str, ModelEntry] = {}
-        self.rollout = Rollout(self.entries, settings, drain_timeout_s, budget_policy)
+        self.rollout = Rollout(self.entries, settings, drain_timeout_s, budget_policy, models=self)
         # Until the first full scan, `entries` is empty because nothing was read yet, not because the
         # repository is empty: the server is not ready then (front processes and gRPC listen earlier).
         self.scanned = False

@@ -17,6 +17,7 @@ import structlog
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.config.repository import ModelSource
+from mpsd.daemon.core.ensemble import EnsemblePlane, StepModels
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.launch import plan_version
@@ -81,8 +82,10 @@ class Rollout:
         settings: SupervisorSettings,
         drain_timeout_s: float,
         budget_policy: BudgetPolicy,
+        models: StepModels | None = None,
     ) -> None:
         self._entries = entries
+        self.models = models  # what ensembles run their steps on (the registry)
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.budget_policy = budget_policy
@@ -134,6 +137,7 @@ class Rollout:
                     self.settings,
                     labels=source.labels,
                     pbtxt=source.pbtxt,
+                    plane=self._ensemble_plane(source, v),
                 )
             )
         retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]
@@ -211,6 +215,12 @@ class Rollout:
             log.warning("memory budget exceeded", model=name, problem=message)
         during = {**after, **{mv.label: mv.placements for mv in retiring}}
         return not check_memory_budget(during) or self.budget_policy == "warn"
+
+    def _ensemble_plane(self, source: ModelSource, version: int) -> EnsemblePlane | None:
+        config = source.config
+        if config is None or config.backend != "ensemble" or self.models is None:
+            return None
+        return EnsemblePlane(source.name, version, config, self.models)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         self._background.spawn(coro)

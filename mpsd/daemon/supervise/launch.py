@@ -75,6 +75,8 @@ def plan_version(source: ModelSource, version: int) -> tuple[list[InstancePlacem
     """Placements (for the memory budget) and one launch per instance (spec, device, environment)."""
     config = source.config
     assert config is not None
+    if config.backend == "ensemble":  # its steps' models run its requests, in their own workers
+        return [], []
     spec = model_spec(source, version)
     base = worker_base_env()
     placements = plan_instances(config, cuda_gpus=daemon_cuda_gpus())

@@ -1,0 +1,259 @@
+"""Ensembles through the real daemon with the stock tritonclient: a Triton config.pbtxt ensemble of three
+models (python, TorchScript, python) answers what the three models answer called one after the other;
+independent branches run at the same time (the models log when they run); ensemble requests batch in a
+step model with its other traffic; a step model that loads on demand is loaded by the ensemble's request;
+a failing step is named; a decoupled last step streams the ensemble's responses."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from mpsd.config.model_file import validate_model_config
+from tests import models
+from tests.conftest import RunningDaemon
+
+F4 = {"data_type": "TYPE_FP32", "dims": [4]}
+
+PIPELINE = """
+name: "pipeline"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "RAW", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "TOTAL", data_type: TYPE_FP32, dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "pre", model_version: -1,
+      input_map { key: "x" value: "RAW" }, output_map { key: "y" value: "scaled" } },
+    { model_name: "net", model_version: 1,
+      input_map { key: "x" value: "scaled" }, output_map { key: "y" value: "shifted" } },
+    { model_name: "post",
+      input_map { key: "x" value: "shifted" }, output_map { key: "total" value: "TOTAL" } }
+  ]
+}
+"""
+# Two branches from one input, joined by a third step: each branch's model logs when it runs.
+BRANCHES = {
+    "backend": "ensemble",
+    "max_batch_size": 0,
+    "input": [{"name": "X", **F4}],
+    "output": [{"name": "JOINED", **F4}],
+    "ensemble_scheduling": {
+        "step": [
+            {"model_name": "slow_a", "input_map": {"x": "X"}, "output_map": {"y": "a"}},
+            {"model_name": "slow_b", "input_map": {"x": "X"}, "output_map": {"y": "b"}},
+            {"model_name": "join", "input_map": {"a": "a", "b": "b"}, "output_map": {"y": "JOINED"}},
+        ]
+    },
+}
+SLOW = """
+start = time.time()
+time.sleep(0.4)
+with open(self.config['parameters']['log'], 'a') as log:
+    log.write(json.dumps([self.config['name'], start, time.time()]) + '\\n')
+return {'y': inputs['x'] * float(self.config['parameters']['factor'])}
+"""
+
+
+def _python(
+    repo: Path, name: str, body: str, batch: int, inputs: list[str], outputs: dict[str, Any], **extra: Any
+) -> None:
+    models.python_model(
+        repo,
+        name,
+        "import json\n" + body,
+        config={
+            "backend": "python",
+            "max_batch_size": batch,
+            "input": [{"name": n, **F4} for n in inputs],
+            "output": [{"name": n, **spec} for n, spec in outputs.items()],
+            **extra,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    tmp = tmp_path_factory.mktemp("ensemble")
+    repo = tmp / "repo"
+    log = tmp / "runs.log"
+    _python(repo, "pre", "return {'y': inputs['x'] * 2}", 8, ["x"], {"y": F4})
+    model_dir = repo / "net"
+    models.write_config(
+        model_dir,
+        {
+            "backend": "torchscript",
+            "max_batch_size": 8,
+            "dynamic_batching": {"max_queue_delay_microseconds": 100_000},
+            "input": [{"name": "x", **F4}],
+            "output": [{"name": "y", **F4}],
+        },
+    )
+    models.save_torchscript(models.Constant(1.0), model_dir / "1" / "model.pt")
+    _python(
+        repo,
+        "post",
+        "return {'total': inputs['x'].sum(dim=1, keepdim=True)}",
+        8,
+        ["x"],
+        {"total": {"data_type": "TYPE_FP32", "dims": [1]}},
+        residency={"load": "on_demand"},
+    )
+    (repo / "pipeline" / "1").mkdir(parents=True)
+    (repo / "pipeline" / "config.pbtxt").write_text(PIPELINE)
+    for name, factor in (("slow_a", 2), ("slow_b", 3)):
+        _python(repo, name, SLOW, 0, ["x"], {"y": F4}, parameters={"log": str(log), "factor": factor})
+    _python(repo, "join", "return {'y': inputs['a'] + inputs['b']}", 0, ["a", "b"], {"y": F4})
+    models.write_config(repo / "branches", BRANCHES)
+    (repo / "branches" / "1").mkdir()
+    failing = dict(
+        BRANCHES,
+        ensemble_scheduling={
+            "step": [{"model_name": "boom", "input_map": {"x": "X"}, "output_map": {"y": "JOINED"}}]
+        },
+    )
+    models.write_config(repo / "failing", failing)
+    (repo / "failing" / "1").mkdir()
+    boom = "if float(inputs['x'].sum()) > 0:\n    raise ValueError('the step model broke')\n"
+    _python(repo, "boom", boom + "return {'y': inputs['x']}", 0, ["x"], {"y": F4})  # zeros pass warm-up
+    daemon = RunningDaemon(repo, tmp / "daemon.log")
+    try:
+        daemon.wait_models_settled(timeout=300)  # seven workers start
+        index = daemon.client.get_model_repository_index(as_json=True)["models"]
+        assert {m["name"]: m["state"] for m in index if m["name"] != "post"} == dict.fromkeys(
+            ("boom", "branches", "failing", "join", "net", "pipeline", "pre", "slow_a", "slow_b"), "READY"
+        ), index
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+
+
+def _client(daemon: RunningDaemon) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(daemon.address)
+
+
+def _infer(client: Any, module: Any, model: str, name: str, value: np.ndarray, output: str) -> np.ndarray:
+    tensor = module.InferInput(name, list(value.shape), "FP32")
+    tensor.set_data_from_numpy(value)
+    return client.infer(model, [tensor]).as_numpy(output)  # type: ignore[no-any-return]
+
+
+def test_triton_ensemble_answers_as_its_steps_called_one_after_the_other(daemon: RunningDaemon) -> None:
+    raw = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for module, client in (
+        (grpcclient, _client(daemon)),
+        (httpclient, httpclient.InferenceServerClient(daemon.http_address)),
+    ):
+        chained = _infer(client, module, "pre", "x", raw, "y")
+        chained = _infer(client, module, "net", "x", chained, "y")
+        chained = _infer(client, module, "post", "x", chained, "total")
+        got = _infer(client, module, "pipeline", "RAW", raw, "TOTAL")
+        np.testing.assert_array_equal(got, chained)
+        np.testing.assert_array_equal(got, (raw * 2 + 1).sum(axis=1, keepdims=True))
+
+
+def test_ensemble_metadata_and_config(daemon: RunningDaemon) -> None:
+    client = _client(daemon)
+    meta = client.get_model_metadata("pipeline", as_json=True)
+    assert meta["platform"] == "ensemble"
+    assert [(i["name"], i["shape"]) for i in meta["inputs"]] == [("RAW", ["-1", "4"])]
+    config = client.get_model_config("pipeline", as_json=True)["config"]
+    steps = config["ensemble_scheduling"]["step"]
+    assert [s["model_name"] for s in steps] == ["pre", "net", "post"]
+    assert steps[1]["input_map"] == {"x": "scaled"} and steps[1]["model_version"] == "1"
+    assert "instance_group" not in config or not config["instance_group"]
+    assert client.is_model_ready("pipeline")
+
+
+def test_independent_branches_run_at_the_same_time(daemon: RunningDaemon) -> None:
+    x = np.ones((4,), dtype=np.float32)
+    got = _infer(_client(daemon), grpcclient, "branches", "X", x, "JOINED")
+    np.testing.assert_array_equal(got, x * 2 + x * 3)
+    runs = [json.loads(line) for line in (Path(daemon.repo).parent / "runs.log").read_text().splitlines()]
+    (a_start, a_end), (b_start, b_end) = ([r[1], r[2]] for r in sorted(runs[-2:]))
+    assert a_start < b_end and b_start < a_end, runs  # the two runs overlap in time
+
+
+def test_ensemble_requests_batch_in_a_step_model_with_its_other_traffic(daemon: RunningDaemon) -> None:
+    client = _client(daemon)
+    raw = np.ones((1, 4), dtype=np.float32)
+    before = client.get_inference_statistics("net", as_json=True)["model_stats"][0]
+
+    def one(i: int) -> np.ndarray:
+        fresh = grpcclient.InferenceServerClient(daemon.address)
+        if i % 2:
+            return _infer(fresh, grpcclient, "net", "x", raw * 4, "y")  # the step model's own traffic
+        return _infer(fresh, grpcclient, "pipeline", "RAW", raw * i, "TOTAL")
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    for i, got in enumerate(results):
+        expected = raw * 4 + 1 if i % 2 else (raw * i * 2 + 1).sum(axis=1, keepdims=True)
+        np.testing.assert_array_equal(got, expected)
+    after = client.get_inference_statistics("net", as_json=True)["model_stats"][0]
+    inferences = int(after["inference_count"]) - int(before.get("inference_count", 0))
+    executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
+    assert inferences == 8 and executions < 8, (inferences, executions)
+
+
+def test_a_failing_step_fails_the_request_with_the_step_named(daemon: RunningDaemon) -> None:
+    with pytest.raises(InferenceServerException) as info:
+        _infer(_client(daemon), grpcclient, "failing", "X", np.ones(4, dtype=np.float32), "JOINED")
+    message = info.value.message()
+    assert message.startswith("ensemble 'failing' step 0 (model 'boom'): "), message
+    assert "the step model broke" in message
+
+
+def test_a_step_model_that_loads_on_demand_is_loaded_by_the_ensemble(daemon: RunningDaemon) -> None:
+    """`post` loads on demand: the pipeline's first request (above or here) loaded it."""
+    client = _client(daemon)
+    _infer(client, grpcclient, "pipeline", "RAW", np.ones((1, 4), dtype=np.float32), "TOTAL")
+    index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
+    assert index["post"]["state"] == "READY"
+
+
+def test_ensemble_graphs_that_cannot_run_are_refused_naming_the_problem(tmp_path: Path) -> None:
+    def refused(steps: list[dict[str, Any]], outputs: tuple[str, ...] = ("Y",)) -> str:
+        config = {
+            "backend": "ensemble",
+            "input": [{"name": "X", **F4}],
+            "output": [{"name": o, **F4} for o in outputs],
+            "ensemble_scheduling": {"step": steps},
+        }
+        with pytest.raises(ValueError) as info:
+            validate_model_config(tmp_path / "config.yaml", config)
+        return str(info.value)
+
+    step = {"model_name": "m", "input_map": {"x": "X"}, "output_map": {"y": "Y"}}
+    assert "ensemble tensor 'Y' is made twice" in refused([step, step])
+    assert "reads ensemble tensor 'nope', which no input or step makes" in refused(
+        [{**step, "input_map": {"x": "nope"}}]
+    )
+    assert "ensemble output 'Z' is not made by any step" in refused([step], ("Y", "Z"))
+    cycle = [
+        {"model_name": "a", "input_map": {"x": "q"}, "output_map": {"y": "p"}},
+        {"model_name": "b", "input_map": {"x": "p"}, "output_map": {"y": "q"}},
+        {"model_name": "c", "input_map": {"x": "q"}, "output_map": {"y": "Y"}},
+    ]
+    assert "the steps form a cycle" in refused(cycle)
+    batching = {
+        "backend": "ensemble",
+        "max_batch_size": 4,
+        "dynamic_batching": {},
+        "input": [{"name": "X", **F4}],
+        "output": [{"name": "Y", **F4}],
+        "ensemble_scheduling": {"step": [step]},
+    }
+    with pytest.raises(ValueError) as info:
+        validate_model_config(tmp_path / "c.yaml", batching)
+    assert "dynamic_batching is for models that run in workers" in str(info.value)
