@@ -145,6 +145,25 @@ def test_a_config_override_serves_until_a_load_without_one(daemon: RunningDaemon
     assert tree_hash(daemon.repo) == before
 
 
+def test_a_partial_override_is_completed_from_the_repository_config(daemon: RunningDaemon) -> None:
+    """Triton's model-control example sends `{"max_batch_size": "16"}` alone; the fields it leaves out keep
+    the repository config's values (Triton completes them from the model)."""
+    client = daemon.client
+    repository = client.get_model_config("const").config
+    adds = served(daemon)
+    try:
+        client.load_model("const", config='{"max_batch_size": "16"}', headers=ADMIN)
+        config = client.get_model_config("const").config
+        assert config.max_batch_size == 16
+        assert [(i.name, list(i.dims)) for i in config.input] == [
+            (i.name, list(i.dims)) for i in repository.input
+        ]
+        assert served(daemon) == adds  # the same model, asked with a batch dimension now
+    finally:
+        client.load_model("const", headers=ADMIN)
+    assert client.get_model_config("const").config.max_batch_size == repository.max_batch_size
+
+
 def test_a_change_in_the_repository_ends_the_override(daemon: RunningDaemon, tmp_path: Path) -> None:
     token = tmp_path / "admin.token"
     token.write_text(ADMIN_TOKEN)
@@ -242,9 +261,11 @@ def test_what_cannot_be_loaded_as_given_is_refused_with_tritons_answers(daemon: 
     status, message = refusal(lambda: client.load_model("const", config=bad_json, headers=ADMIN))
     assert status == "StatusCode.INTERNAL"  # Triton's code, its message, and the reason it only logs
     assert message.startswith(prefix + "Invalid config override: invalid JSON: ")
-    # validated as a repository config is, naming the field
+    # validated as a repository config is, naming the field (with files, nothing completes it)
     status, message = refusal(
-        lambda: client.load_model("const", config='{"max_batch_size": 4}', headers=ADMIN)
+        lambda: client.load_model(
+            "const", config='{"max_batch_size": 4}', files={"file:1/model.pt": b"x"}, headers=ADMIN
+        )
     )
     assert message == prefix + (
         "Invalid config override: field 'input': required field is missing; "

@@ -807,9 +807,9 @@ def test_grpc_image_client(daemon: RunningDaemon, streaming: bool) -> None:
         assert [[c.decode() for c in row] for row in classes] == _top(image[None], 2)
 
 
-# `simple`'s config as a load's `config` override, its batch size raised to 16. Triton's examples send
-# `{"max_batch_size": "16"}` alone, which Triton completes from the model file (an ONNX model there); mpsd
-# completes no config, so the override names the inputs and outputs too.
+# `simple`'s whole config as a load's `config` override, its batch size raised to 16. Triton's examples send
+# `{"max_batch_size": "16"}` alone, which Triton completes from the model file and mpsd from the model's
+# repository config: the test sends both.
 OVERRIDE = json.dumps(
     {
         "platform": "pytorch_libtorch",
@@ -843,6 +843,8 @@ def test_model_control(daemon: RunningDaemon, protocol: str) -> None:
             client.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
         assert "failed to load" in info.value.message()
         client.load_model("simple", config=OVERRIDE)
+        assert max_batch_size() == 16
+        client.load_model("simple", config=json.dumps({"max_batch_size": "16"}))  # the example's own
         assert max_batch_size() == 16
         client.unload_model("simple")
         assert not client.is_model_ready("simple")

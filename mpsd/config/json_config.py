@@ -75,11 +75,16 @@ def json_to_dict(text: str) -> tuple[dict[str, Any], tuple[str, ...], str]:
     return fields, warnings, str(text_format.MessageToString(msg))
 
 
-def parse_json_config(text: str, model: str) -> tuple[ModelConfig, tuple[str, ...], str]:
+def parse_json_config(
+    text: str, model: str, base: ModelConfig | None = None
+) -> tuple[ModelConfig, tuple[str, ...], str]:
     """Parse and validate a JSON ModelConfig for model `model`: the config, the ignored fields and the
-    config.pbtxt it stands for. The ModelConfigError (a ValueError) names each field, its issues without a
-    file (`Issue.file` is "")."""
+    config.pbtxt it stands for. With `base` (the model's repository config), the fields the JSON leaves out
+    keep their values there, as Triton completes a partial config from the model. The ModelConfigError (a
+    ValueError) names each field, its issues without a file (`Issue.file` is "")."""
     raw, warnings, written = json_to_dict(text)
+    if base is not None:
+        raw = {**base.model_dump(exclude_defaults=True), **raw}
     try:
         config = validate_model_config(LABEL, raw)
     except ModelConfigError as exc:

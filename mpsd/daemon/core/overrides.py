@@ -79,8 +79,10 @@ class Overrides:
         # generated protobuf code (whose names clash with tritonclient's): only where a config comes
         from mpsd.config.json_config import parse_json_config
 
+        # Without files, the repository's model: its config completes a partial override.
+        base = None if params.files else load_model_source(self.store.repository / model).config
         try:
-            config, warnings, written = parse_json_config(params.config, model)
+            config, warnings, written = parse_json_config(params.config, model, base)
         except ModelConfigError as exc:
             raise refused(model, f"Invalid config override: {exc.message}") from None
         if not params.files:
