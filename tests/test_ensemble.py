@@ -125,17 +125,119 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     (repo / "failing" / "1").mkdir()
     boom = "if float(inputs['x'].sum()) > 0:\n    raise ValueError('the step model broke')\n"
     _python(repo, "boom", boom + "return {'y': inputs['x']}", 0, ["x"], {"y": F4})  # zeros pass warm-up
+    _image_ensemble(repo)
     daemon = RunningDaemon(repo, tmp / "daemon.log")
     try:
         daemon.wait_models_settled(timeout=300)  # seven workers start
         index = daemon.client.get_model_repository_index(as_json=True)["models"]
         assert {m["name"]: m["state"] for m in index if m["name"] != "post"} == dict.fromkeys(
-            ("boom", "branches", "failing", "join", "net", "pipeline", "pre", "slow_a", "slow_b"), "READY"
+            (
+                *IMAGE_MODELS,
+                "boom",
+                "branches",
+                "failing",
+                "join",
+                "net",
+                "pipeline",
+                "pre",
+                "slow_a",
+                "slow_b",
+            ),
+            "READY",
         ), index
         yield daemon
     finally:
         daemon.stop()
         daemon.kill_group()
+
+
+# Triton's ensemble_image_client: image files' bytes (BYTES [batch, 1]) in, an ensemble of a python
+# preprocess (here: decoding binary PPM files with numpy) and a classifier, top classes with labels out.
+IMAGE_MODELS = ("decode", "classify", "image_ensemble")
+LABELS = ["red", "green", "blue"]
+DECODE = """
+images = []
+for row in inputs['IMAGE'].reshape(-1):
+    if not row:  # warm-up's empty strings
+        images.append(np.zeros(3))
+        continue
+    header, pixels = row.split(b'\\n', 3)[:3], row.split(b'\\n', 3)[3]
+    width, height = map(int, header[1].split())
+    images.append(np.frombuffer(pixels, np.uint8).reshape(height, width, 3).mean(axis=(0, 1)) / 255)
+return {'PIXELS': torch.tensor(np.stack(images), dtype=torch.float32)}
+"""
+
+
+def _ppm(rgb: tuple[int, int, int]) -> bytes:
+    return b"P6\n2 2\n255\n" + bytes(rgb) * 4
+
+
+def _image_ensemble(repo: Path) -> None:
+    three = {"data_type": "TYPE_FP32", "dims": [3]}
+    models.python_model(
+        repo,
+        "decode",
+        "import numpy as np\n" + DECODE,
+        config={
+            "backend": "python",
+            "max_batch_size": 4,
+            "input": [{"name": "IMAGE", "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": "PIXELS", **three}],
+        },
+    )
+    classify = repo / "classify"
+    models.write_config(
+        classify,
+        {
+            "backend": "torchscript",
+            "max_batch_size": 4,
+            "input": [{"name": "x", **three}],
+            "output": [{"name": "y", **three}],
+        },
+    )
+    models.save_torchscript(models.Identity(), classify / "1" / "model.pt")
+    ensemble = repo / "image_ensemble"
+    models.write_config(
+        ensemble,
+        {
+            "backend": "ensemble",
+            "max_batch_size": 4,
+            "input": [{"name": "INPUT", "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": "SCORES", **three, "label_filename": "labels.txt"}],
+            "ensemble_scheduling": {
+                "step": [
+                    {
+                        "model_name": "decode",
+                        "input_map": {"IMAGE": "INPUT"},
+                        "output_map": {"PIXELS": "pixels"},
+                    },
+                    {"model_name": "classify", "input_map": {"x": "pixels"}, "output_map": {"y": "SCORES"}},
+                ]
+            },
+        },
+    )
+    (ensemble / "1").mkdir()
+    (ensemble / "labels.txt").write_text("\n".join(LABELS) + "\n")
+
+
+def test_ensemble_image_client_flow(daemon: RunningDaemon) -> None:
+    """The steps of Triton's ensemble_image_client: files' bytes as BYTES [batch, 1], the top classes of the
+    ensemble's output with its labels."""
+    files = np.array([[_ppm((250, 10, 0))], [_ppm((0, 20, 240))]], dtype=np.object_)
+    for module, client in (
+        (grpcclient, _client(daemon)),
+        (httpclient, httpclient.InferenceServerClient(daemon.http_address)),
+    ):
+        image = module.InferInput("INPUT", list(files.shape), "BYTES")
+        image.set_data_from_numpy(files)
+        result = client.infer(
+            "image_ensemble", [image], outputs=[module.InferRequestedOutput("SCORES", class_count=2)]
+        )
+        top = [[c.decode() if isinstance(c, bytes) else c for c in row] for row in result.as_numpy("SCORES")]
+        assert top == [
+            [f"{250 / 255:f}:0:red", f"{10 / 255:f}:1:green"],
+            [f"{240 / 255:f}:2:blue", f"{20 / 255:f}:1:green"],
+        ]
 
 
 def _client(daemon: RunningDaemon) -> grpcclient.InferenceServerClient:
