@@ -198,7 +198,7 @@ def test_validate_shows_the_daemons_own_findings_whole_and_at_their_field(tmp_pa
     assert dup["problem"] == "input names must be unique; repeated: INPUT0"
     assert dup["hint"].startswith("a list of")
     assert onnx["field"] == "platform" and onnx["problem"].endswith(
-        'platform "pytorch_libtorch" or backend "pytorch"'
+        'platform "pytorch_libtorch", backend "pytorch" or backend "python"'
     )
     fallback = found["fallback"]
     assert (fallback["field"], fallback["problem"]) == (

@@ -449,8 +449,9 @@ output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
 @pytest.mark.parametrize(
     ("pbtxt", "field"),
     [
-        ('platform: "ensemble"\n' + BASE.replace('backend: "pytorch"', ""), "platform"),
-        ('backend: "python"\n' + BASE.replace('backend: "pytorch"', ""), "backend"),
+        ('platform: "onnxruntime_onnx"\n' + BASE.replace('backend: "pytorch"', ""), "platform"),
+        ('backend: "tensorrt"\n' + BASE.replace('backend: "pytorch"', ""), "backend"),
+        ('platform: "ensemble"\n' + BASE.replace('backend: "pytorch"', ""), "ensemble_scheduling"),
         (BASE + "model_transaction_policy { decoupled: true }", "model_transaction_policy.decoupled"),
         (BASE.replace("REST", ", reshape: { shape: [ 2, 2 ] }"), "input.0.reshape"),
         (BASE + "instance_group [ { kind: KIND_MODEL } ]", "instance_group.0.kind"),

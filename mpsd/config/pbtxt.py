@@ -32,7 +32,7 @@ from mpsd.proto import model_config_pb2 as mc
 # Triton's platform and backend names that mean a model mpsd serves, and which of its backends that is.
 # Triton has no AOTInductor backend: "aoti" (backend) and "torch_aoti" (platform) are mpsd's own names.
 _PLATFORMS = {"pytorch_libtorch": "torchscript", "torch_export": "torch_export", "torch_aoti": "aoti"}
-_BACKENDS = {"pytorch": "torchscript", "torch_export": "torch_export", "aoti": "aoti"}
+_BACKENDS = {"pytorch": "torchscript", "torch_export": "torch_export", "aoti": "aoti", "python": "python"}
 COMPILE_FIELDS = ("mode", "dynamic")  # mpsd.compile.<field>: optimization.compile (no Triton field)
 MPS_ACCELERATOR = "mps"
 MPSD_PREFIX = "mpsd."
@@ -271,11 +271,10 @@ def _backend(platform: str, backend: str) -> str | None:
         if not value:
             continue
         if value not in known:
-            note = " (Triton's Python models have a different interface)" if value == "python" else ""
             _fail(
                 (field,),
-                f"'{value}' is not served by mpsd{note}; it serves PyTorch models: "
-                'platform "pytorch_libtorch" or backend "pytorch"',
+                f"'{value}' is not served by mpsd; it serves PyTorch and python models: "
+                'platform "pytorch_libtorch", backend "pytorch" or backend "python"',
             )
         chosen.add(known[value])
     if len(chosen) > 1:
@@ -391,11 +390,6 @@ def parse_pbtxt_config(path: Path, text: str, dir_name: str | None) -> tuple[Mod
 
 def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
     """The config.pbtxt equivalent to a validated config; mpsd-only settings become `mpsd.*` parameters."""
-    if config.backend == "python":
-        raise ValueError(
-            "backend 'python': mpsd's Python models have no config.pbtxt form (Triton's Python backend has "
-            "a different interface); keep config.yaml"
-        )
     msg = mc.ModelConfig()
     if name is not None or config.name is not None:
         msg.name = name if name is not None else str(config.name)

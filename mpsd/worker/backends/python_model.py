@@ -4,6 +4,7 @@ generator).
 
 Inputs are torch tensors, and numpy arrays of bytes for strings (TYPE_STRING); outputs may be torch
 tensors or numpy arrays, and strings as numpy arrays or lists of bytes or str (mpsd.worker.strings).
+A Triton python-backend model (`class TritonPythonModel`) runs through `triton_python.TritonModel`.
 
 This runs the repository's own code in the worker: the repository is trusted code.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import inspect
+import sys
 from collections.abc import Generator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -22,7 +24,11 @@ import torch
 
 from mpsd.ipc.protocol import ModelSpec
 from mpsd.ipc.strings import DATATYPE as STRINGS
+from mpsd.worker import triton_utils
+from mpsd.worker.backends.triton_python import TritonModel
 from mpsd.worker.strings import Value, as_strings
+
+TRITON_UTILS = "triton_python_backend_utils"
 
 
 class PythonBackend:
@@ -35,11 +41,16 @@ class PythonBackend:
         if loader_spec is None or loader_spec.loader is None:
             raise ImportError(f"cannot import {spec.model_path}")
         module = importlib.util.module_from_spec(loader_spec)
+        sys.modules.setdefault(TRITON_UTILS, triton_utils)  # what a Triton python model imports
         loader_spec.loader.exec_module(module)
         model_cls = getattr(module, "Model", None)
-        if model_cls is None:
-            raise AttributeError(f"{spec.model_path} defines no class Model")
-        self._model = model_cls(asdict(spec), device)
+        triton_cls = getattr(module, "TritonPythonModel", None)
+        if model_cls is not None:
+            self._model = model_cls(asdict(spec), device)
+        elif triton_cls is not None:
+            self._model = TritonModel(triton_cls(), spec, device)
+        else:
+            raise AttributeError(f"{spec.model_path} defines no class Model (nor Triton's TritonPythonModel)")
 
     def compile(self, mode: str, dynamic: bool | None) -> None:
         """torch.compile the model's `infer` (optimization.compile); it compiles on its first calls."""

@@ -1,0 +1,250 @@
+"""A Triton repository with Triton python-backend models (`TritonPythonModel`, `triton_python_backend_utils`)
+served unchanged: an ensemble of a python preprocess, a TorchScript network and a python postprocess
+answers what the three answer called one after the other; a decoupled python model streams from a thread
+of its own through its response sender; an error response reaches the client."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests import models
+from tests.conftest import RunningDaemon, wait_for
+
+PREPROCESS = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        out = pb_utils.get_output_config_by_name(self.model_config, "SCALED")
+        self.dtype = pb_utils.triton_string_to_numpy(out["data_type"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            raw = pb_utils.get_input_tensor_by_name(request, "RAW").as_numpy()
+            scaled = pb_utils.Tensor("SCALED", (raw * 2).astype(self.dtype))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[scaled]))
+        return responses
+
+    def finalize(self):
+        pass
+"""
+POSTPROCESS = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.prefix = config["parameters"]["prefix"]["string_value"]
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "SHIFTED").as_numpy()
+            if (x < 0).any():
+                error = pb_utils.TritonError("negative values cannot be summed here")
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                continue
+            total = x.sum(axis=1, keepdims=True).astype(np.float32)
+            text = np.array([[f"{self.prefix}{t:.1f}".encode()] for t in total[:, 0]], dtype=np.object_)
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[pb_utils.Tensor("TOTAL", total), pb_utils.Tensor("TEXT", text)]
+                )
+            )
+        return responses
+"""
+REPEAT = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+
+            def send(n=n, sender=sender):
+                for i in range(n):
+                    out = pb_utils.Tensor("I", np.array([i], dtype=np.int32))
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+            threading.Thread(target=send).start()
+        return None
+"""
+
+
+def _pbtxt(name: str, body: str) -> str:
+    return f'name: "{name}"\n' + textwrap.dedent(body)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    tmp = tmp_path_factory.mktemp("triton_python")
+    repo = tmp / "repo"
+    for name, source, body in (
+        (
+            "preprocess",
+            PREPROCESS,
+            """
+            backend: "python"
+            max_batch_size: 8
+            input [ { name: "RAW", data_type: TYPE_FP32, dims: [ 4 ] } ]
+            output [ { name: "SCALED", data_type: TYPE_FP32, dims: [ 4 ] } ]
+            """,
+        ),
+        (
+            "postprocess",
+            POSTPROCESS,
+            """
+            backend: "python"
+            max_batch_size: 8
+            input [ { name: "SHIFTED", data_type: TYPE_FP32, dims: [ 4 ] } ]
+            output [
+              { name: "TOTAL", data_type: TYPE_FP32, dims: [ 1 ] },
+              { name: "TEXT", data_type: TYPE_STRING, dims: [ 1 ] }
+            ]
+            parameters { key: "prefix" value: { string_value: "sum=" } }
+            """,
+        ),
+        (
+            "repeat",
+            REPEAT,
+            """
+            backend: "python"
+            max_batch_size: 0
+            model_transaction_policy { decoupled: true }
+            input [ { name: "N", data_type: TYPE_INT32, dims: [ 1 ] } ]
+            output [ { name: "I", data_type: TYPE_INT32, dims: [ 1 ] } ]
+            """,
+        ),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(source)
+        (repo / name / "config.pbtxt").write_text(_pbtxt(name, body))
+    (repo / "network" / "1").mkdir(parents=True)
+    models.save_torchscript(models.Constant(1.0), repo / "network" / "1" / "model.pt")
+    (repo / "network" / "config.pbtxt").write_text(
+        _pbtxt(
+            "network",
+            """
+            platform: "pytorch_libtorch"
+            max_batch_size: 8
+            input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+            output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+            """,
+        )
+    )
+    (repo / "pipeline" / "1").mkdir(parents=True)
+    (repo / "pipeline" / "config.pbtxt").write_text(
+        _pbtxt(
+            "pipeline",
+            """
+            platform: "ensemble"
+            max_batch_size: 8
+            input [ { name: "IMAGE", data_type: TYPE_FP32, dims: [ 4 ] } ]
+            output [
+              { name: "SUM", data_type: TYPE_FP32, dims: [ 1 ] },
+              { name: "CAPTION", data_type: TYPE_STRING, dims: [ 1 ] }
+            ]
+            ensemble_scheduling {
+              step [
+                { model_name: "preprocess" model_version: -1
+                  input_map { key: "RAW" value: "IMAGE" } output_map { key: "SCALED" value: "scaled" } },
+                { model_name: "network" model_version: -1
+                  input_map { key: "INPUT__0" value: "scaled" }
+                  output_map { key: "OUTPUT__0" value: "shifted" } },
+                { model_name: "postprocess" model_version: -1
+                  input_map { key: "SHIFTED" value: "shifted" }
+                  output_map [ { key: "TOTAL" value: "SUM" }, { key: "TEXT" value: "CAPTION" } ] }
+              ]
+            }
+            """,
+        )
+    )
+    daemon = RunningDaemon(repo, tmp / "daemon.log")
+    try:
+        daemon.wait_models_settled(timeout=300)
+        index = daemon.client.get_model_repository_index(as_json=True)["models"]
+        assert {m["name"]: m["state"] for m in index} == dict.fromkeys(
+            ("network", "pipeline", "postprocess", "preprocess", "repeat"), "READY"
+        ), index
+        yield daemon
+    finally:
+        daemon.stop()
+        daemon.kill_group()
+
+
+def _infer(
+    client: Any, module: Any, model: str, name: str, value: np.ndarray, outputs: list[str]
+) -> list[Any]:
+    tensor = module.InferInput(name, list(value.shape), "FP32")
+    tensor.set_data_from_numpy(value)
+    result = client.infer(model, [tensor])
+    return [result.as_numpy(o) for o in outputs]
+
+
+def test_triton_python_ensemble_answers_as_its_steps_one_after_the_other(daemon: RunningDaemon) -> None:
+    image = np.arange(8, dtype=np.float32).reshape(2, 4)
+    for module, client in (
+        (grpcclient, grpcclient.InferenceServerClient(daemon.address)),
+        (httpclient, httpclient.InferenceServerClient(daemon.http_address)),
+    ):
+        (scaled,) = _infer(client, module, "preprocess", "RAW", image, ["SCALED"])
+        (shifted,) = _infer(client, module, "network", "INPUT__0", scaled, ["OUTPUT__0"])
+        total, text = _infer(client, module, "postprocess", "SHIFTED", shifted, ["TOTAL", "TEXT"])
+        got_total, got_text = _infer(client, module, "pipeline", "IMAGE", image, ["SUM", "CAPTION"])
+        np.testing.assert_array_equal(got_total, total)
+        assert got_text.tolist() == text.tolist() == [[b"sum=16.0"], [b"sum=48.0"]]
+
+
+def test_an_error_response_reaches_the_client(daemon: RunningDaemon) -> None:
+    client = grpcclient.InferenceServerClient(daemon.address)
+    with pytest.raises(InferenceServerException) as info:
+        _infer(client, grpcclient, "postprocess", "SHIFTED", -np.ones((1, 4), dtype=np.float32), ["TOTAL"])
+    assert "negative values cannot be summed here" in info.value.message()
+
+
+def test_a_decoupled_model_streams_from_its_own_thread(daemon: RunningDaemon) -> None:
+    client = grpcclient.InferenceServerClient(daemon.address)
+    responses: list[Any] = []
+    client.start_stream(callback=lambda result, error: responses.append(error or result))
+    try:
+        n = grpcclient.InferInput("N", [1], "INT32")
+        n.set_data_from_numpy(np.array([4], dtype=np.int32))
+        client.async_stream_infer("repeat", [n])
+        wait_for(lambda: len(responses) >= 4, 30, "four responses")
+    finally:
+        client.stop_stream()
+    assert [int(r.as_numpy("I")[0]) for r in responses] == [0, 1, 2, 3]
+
+
+def test_model_config_names_the_python_backend(daemon: RunningDaemon) -> None:
+    config = grpcclient.InferenceServerClient(daemon.address).get_model_config("postprocess", as_json=True)[
+        "config"
+    ]
+    assert (config["backend"], config["parameters"]["prefix"]["string_value"]) == ("python", "sum=")
+
+
+def test_pipeline_folder_is_a_triton_repository(daemon: RunningDaemon) -> None:
+    files = sorted(str(p.relative_to(daemon.repo)) for p in Path(daemon.repo).rglob("*") if p.is_file())
+    assert all(f.endswith(("config.pbtxt", "model.py", "model.pt")) for f in files), files
