@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from mpsd.config.model_file import validate_model_config
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, wait_for
 
 F4 = {"data_type": "TYPE_FP32", "dims": [4]}
 
@@ -57,7 +57,12 @@ BRANCHES = {
 }
 SLOW = """
 start = time.time()
+with open(self.config['parameters']['log'] + '.started', 'a') as started:
+    started.write(self.config['name'] + '\\n')
 time.sleep(0.4)
+release = self.config['parameters']['log'] + '.release'
+while inputs['x'].sum() >= 100 and not os.path.exists(release) and time.time() < start + 60:
+    time.sleep(0.02)  # a call held until the test releases it
 with open(self.config['parameters']['log'], 'a') as log:
     log.write(json.dumps([self.config['name'], start, time.time()]) + '\\n')
 return {'y': inputs['x'] * float(self.config['parameters']['factor'])}
@@ -284,6 +289,28 @@ def test_independent_branches_run_at_the_same_time(daemon: RunningDaemon) -> Non
     runs = [json.loads(line) for line in (Path(daemon.repo).parent / "runs.log").read_text().splitlines()]
     (a_start, a_end), (b_start, b_end) = ([r[1], r[2]] for r in sorted(runs[-2:]))
     assert a_start < b_end and b_start < a_end, runs  # the two runs overlap in time
+
+
+def test_a_reload_of_a_step_model_does_not_drop_an_ensemble_request_in_flight(daemon: RunningDaemon) -> None:
+    """The request is in slow_a (held there until released) when slow_a is reloaded with a new file: the
+    reload completes, the new version serves, and the old one still finishes the request."""
+    client = _client(daemon)
+    started = Path(daemon.repo).parent / "runs.log.started"
+    before = started.read_text().count("slow_a")
+    x = np.full((4,), 100.0, dtype=np.float32)  # slow_a holds it until released
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            _infer, grpcclient.InferenceServerClient(daemon.address), grpcclient, "branches", "X", x, "JOINED"
+        )
+        wait_for(lambda: started.read_text().count("slow_a") > before, 30, "slow_a running the request")
+        model_file = Path(daemon.repo) / "slow_a" / "1" / "model.py"
+        model_file.write_text(model_file.read_text() + "\n# a new version of the file\n")
+        readies = daemon.log().count('"model": "slow_a", "versions": [1], "event": "model ready"')
+        client.load_model("slow_a")  # returns once the new version serves
+        assert not answer.done()
+        (Path(daemon.repo).parent / "runs.log.release").touch()
+        np.testing.assert_array_equal(answer.result(timeout=60), x * 2 + x * 3)
+    assert daemon.log().count('"model": "slow_a", "versions": [1], "event": "model ready"') == readies + 1
 
 
 def test_ensemble_requests_batch_in_a_step_model_with_its_other_traffic(daemon: RunningDaemon) -> None:
