@@ -341,31 +341,29 @@ def test_unsigned_typed_contents(daemon: RunningDaemon) -> None:
     assert "out of range for UINT16" in str(info.value.details())
 
 
-def test_decoupled_model_streams_strings(grpc_client: grpcclient.InferenceServerClient) -> None:
+def _stream_words(client: grpcclient.InferenceServerClient, text: bytes, count: int) -> list[Any]:
+    """The first `count` responses (results or errors) of `words` to one request."""
     responses: list[Any] = []
-    grpc_client.start_stream(callback=lambda result, error: responses.append(error or result))
+    client.start_stream(callback=lambda result, error: responses.append(error or result))
     try:
-        text = grpcclient.InferInput("TEXT", [1], "BYTES")
-        text.set_data_from_numpy(np.array([b"one two three"], dtype=np.object_))
-        grpc_client.async_stream_infer("words", [text], request_id="w")
-        wait_for(lambda: len(responses) >= 3, 30, "three streamed words")
+        tensor = grpcclient.InferInput("TEXT", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([text], dtype=np.object_))
+        client.async_stream_infer("words", [tensor])
+        wait_for(lambda: len(responses) >= count, 30, f"{count} streamed responses")
     finally:
-        grpc_client.stop_stream()
+        client.stop_stream()
+    return responses
+
+
+def test_decoupled_model_streams_strings(grpc_client: grpcclient.InferenceServerClient) -> None:
+    responses = _stream_words(grpc_client, b"one two three", 3)
     assert [r.as_numpy("WORD").tolist() for r in responses] == [[b"one"], [b"two"], [b"three"]]
 
 
 def test_a_model_returning_numbers_for_strings_fails_with_the_reason(
     grpc_client: grpcclient.InferenceServerClient,
 ) -> None:
-    responses: list[Any] = []
-    grpc_client.start_stream(callback=lambda result, error: responses.append(error or result))
-    try:
-        text = grpcclient.InferInput("TEXT", [1], "BYTES")
-        text.set_data_from_numpy(np.array([b"ok bad"], dtype=np.object_))
-        grpc_client.async_stream_infer("words", [text], request_id="b")
-        wait_for(lambda: len(responses) >= 2, 30, "a word and an error")
-    finally:
-        grpc_client.stop_stream()
+    responses = _stream_words(grpc_client, b"ok bad", 2)
     assert responses[0].as_numpy("WORD").tolist() == [b"ok"]
     assert isinstance(responses[1], InferenceServerException)
     assert "a string output holds a int; expected bytes or str" in str(responses[1].message())
