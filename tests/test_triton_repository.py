@@ -52,7 +52,7 @@ model_warmup [
   }
 ]
 """
-IGNORED = {"optimization.input_pinned_memory", "response_cache"}
+IGNORED = {"optimization.input_pinned_memory"}
 
 # Output dims are fixed at 3 while the input is variable: the default warm-up (variable dims as 1) fails the
 # output check, so this model loads only if its configured warm-up sample is the one that runs.

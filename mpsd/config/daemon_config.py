@@ -61,6 +61,11 @@ class DaemonConfig(BaseModel):
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',
     )
+    response_cache_bytes: Annotated[int, Field(ge=0)] = Field(
+        64 * 1024 * 1024,
+        description="Size of the response cache shared by the models that enable it (`response_cache`), "
+        "least recently used entries dropped first; 0 turns it off.",
+    )
     server_name: Annotated[str, Field(min_length=1, max_length=256)] = Field(
         "mpsd",
         description="The name ServerMetadata (gRPC) and GET /v2 (HTTP) report; `triton` for clients that "

@@ -220,6 +220,12 @@ class TransactionPolicy(_Strict):
     decoupled: bool = False
 
 
+class ResponseCacheConfig(_Strict):
+    """Triton's `response_cache`: answer a request identical to an earlier one from the daemon's cache."""
+
+    enable: bool = False
+
+
 class Residency(_Strict):
     """When the model is in memory. Unset fields take the daemon's `residency` defaults."""
 
@@ -399,6 +405,7 @@ class ModelConfig(_Strict):
     optimization: Optimization = Optimization()
     residency: Residency = Residency()
     model_transaction_policy: TransactionPolicy = TransactionPolicy()
+    response_cache: ResponseCacheConfig = ResponseCacheConfig()
     # The steps of an ensemble (backend: ensemble), Triton's `ensemble_scheduling`.
     ensemble_scheduling: EnsembleScheduling | None = None
     # Shared objects (torch.ops.load_library) and Python files or packages (imported) that register custom
@@ -431,6 +438,11 @@ class ModelConfig(_Strict):
         if self.dynamic_batching is not None and self.max_batch_size == 0:
             raise RuleError(("dynamic_batching",), "dynamic_batching needs max_batch_size > 0")
         _check_ensemble(self)
+        if self.model_transaction_policy.decoupled and self.response_cache.enable:
+            raise RuleError(
+                ("response_cache", "enable"),
+                "a decoupled model's responses are a stream, which the response cache does not keep",
+            )
         if self.model_transaction_policy.decoupled:
             if self.backend not in ("python", "ensemble"):
                 raise RuleError(

@@ -108,6 +108,8 @@ class _Reader:
                 out["op_libraries"] = list(value.op_library_filename)
             elif field == "model_transaction_policy":
                 out[field] = {"decoupled": value.decoupled}
+            elif field == "response_cache":
+                out[field] = {"enable": value.enable}
             elif field == "ensemble_scheduling":
                 out[field] = {"step": [self.step(i, step) for i, step in enumerate(value.step)]}
             elif field != "parameters":
@@ -407,6 +409,8 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
     _write_version_policy(config.version_policy, msg)
     if config.model_transaction_policy.decoupled:
         msg.model_transaction_policy.decoupled = True
+    if config.response_cache.enable:
+        msg.response_cache.enable = True
     if config.instance_group != [InstanceGroup()]:
         _write_instance_groups(config.instance_group, msg)
     if config.default_model_filename:

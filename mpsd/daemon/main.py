@@ -22,6 +22,7 @@ from mpsd.daemon.api.grpc.health import HealthService, registry_status
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.api.response_cache import ResponseCache
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
@@ -93,6 +94,9 @@ class Daemon:
             config.model_control,
             refusing=lambda: self.refusing,
             server_name=config.server_name,
+            response_cache=ResponseCache(config.response_cache_bytes)
+            if config.response_cache_bytes
+            else None,
         )
         self.servicer = InferenceServicer(self.ops)
         self.ports = Ports(config, self.ops, self.servicer, self.health, self.admin, self.metrics)

@@ -117,6 +117,8 @@ def model_config_proto(
         msg.parameters[key].string_value = value
     if config.model_transaction_policy.decoupled:
         msg.model_transaction_policy.decoupled = True
+    if config.response_cache.enable:
+        msg.response_cache.enable = True
     if config.dynamic_batching is not None:
         db = config.dynamic_batching
         msg.dynamic_batching.max_queue_delay_microseconds = db.max_queue_delay_microseconds
@@ -184,6 +186,8 @@ def version_statistics(mv: ModelVersion) -> Any:
     _duration(st.compute_input, s.compute_input)
     _duration(st.compute_infer, s.compute_infer)
     _duration(st.compute_output, s.compute_output)
+    _duration(st.cache_hit, s.cache_hit)
+    _duration(st.cache_miss, s.cache_miss)
     for usage in memory_usage(mv):
         msg.memory_usage.add(**usage)
     for size in sorted(s.batches):

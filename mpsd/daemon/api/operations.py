@@ -7,6 +7,7 @@ the same errors, the same batching, queues and statistics), and neither is a sec
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from mpsd.daemon.api.classification import classify, requested
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
 from mpsd.daemon.api.cuda_shm import CudaRegion, open_region
 from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request
+from mpsd.daemon.api.response_cache import ResponseCache, request_key
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.overrides import LoadParameters
 from mpsd.daemon.core.registry import IndexRow, Registry
@@ -68,8 +70,10 @@ class Operations:
         client_shm: ClientShmRegistry | None = None,
         refusing: Callable[[], bool] | None = None,
         server_name: str = SERVER_NAME,
+        response_cache: ResponseCache | None = None,
     ) -> None:
         self.registry = registry
+        self.response_cache = response_cache  # None: off
         self.server_name = server_name  # what ServerMetadata says the server is
         self.shutting_down = shutting_down  # health and readiness say no from the stop signal on
         # new calls are refused once the shutdown grace is over (at once, when not told)
@@ -155,9 +159,12 @@ class Operations:
         try:
             with self.client_shm.lease() as shm:  # regions the request names stay open until answered
                 parsed = parse_infer_request(call, mv.config, shm)
-                if learn is not None:
-                    learn(parsed, mv.config)
-                result = await mv.plane.infer(parsed, deadline)
+                if mv.config.response_cache.enable and self.response_cache is not None and not shm.outputs:
+                    result = await self._cached(mv, parsed, deadline)
+                else:
+                    if learn is not None:  # never for a cached model: the known-header path skips the cache
+                        learn(parsed, mv.config)
+                    result = await mv.plane.infer(parsed, deadline)
                 wanted = requested(call)
                 if wanted:
                     result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
@@ -165,6 +172,27 @@ class Operations:
                 return Answered(result, frozenset(shm.outputs))
         finally:
             self.registry.touch(call.model)
+
+    async def _cached(self, mv: ModelVersion, request: InferRequest, deadline: float | None) -> InferResult:
+        """The request's result from the response cache, or from the model and then kept there."""
+        cache = self.response_cache
+        assert cache is not None
+        start = time.perf_counter_ns()
+        cache.seen(mv.label, mv.fingerprint)
+        key = request_key(mv.fingerprint, request)
+        if key is None:  # inputs in shared memory
+            return await mv.plane.infer(request, deadline)
+        hit = cache.get(key)
+        if hit is not None:
+            now = time.perf_counter_ns()
+            mv.stats.record_cache_hit(now - start, now - start)
+            return InferResult(mv.name, mv.version, hit)
+        looked_up = time.perf_counter_ns() - start
+        result = await mv.plane.infer(request, deadline)
+        t0 = time.perf_counter_ns()
+        cache.put(mv.label, key, result.outputs)
+        mv.stats.cache_miss.add(looked_up + time.perf_counter_ns() - t0)
+        return result
 
     async def infer_checked(
         self,

@@ -69,6 +69,9 @@ class VersionStats:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     device_compute: DeviceTime = field(default_factory=DeviceTime)
+    # Response cache lookups (Triton's cache_hit / cache_miss): a hit is a success without an inference.
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStats] = field(default_factory=dict)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
 
@@ -77,6 +80,14 @@ class VersionStats:
         self.success.add(total_ns)
         self.inference_count += batch_size
         self.responses += responses
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def record_cache_hit(self, lookup_ns: int, total_ns: int) -> None:
+        """A request answered from the response cache: a success, not an inference or an execution (as
+        Triton counts it)."""
+        self.cache_hit.add(lookup_ns)
+        self.success.add(total_ns)
+        self.responses += 1
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_failure(self, total_ns: int, reason: str) -> None:
