@@ -7,6 +7,7 @@ the same errors, the same batching, queues and statistics), and neither is a sec
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from mpsd.errors import (
 
 log = structlog.get_logger("mpsd.daemon.api")
 
+# Inputs of at least this many bytes are hashed for the response cache on a thread of their own.
+HASH_INLINE_BYTES = 64 * 1024
 SERVER_NAME = "mpsd"  # the daemon config's `server_name` by default
 EXTENSIONS = [
     "model_repository",
@@ -179,7 +182,10 @@ class Operations:
         assert cache is not None
         start = time.perf_counter_ns()
         cache.seen(mv.label, mv.fingerprint)
-        key = request_key(mv.fingerprint, request)
+        if sum(len(t.data) for t in request.inputs) < HASH_INLINE_BYTES:
+            key = request_key(mv.fingerprint, request)
+        else:  # hashing releases the GIL: large inputs are hashed beside the event loop, not on it
+            key = await asyncio.to_thread(request_key, mv.fingerprint, request)
         if key is None:  # inputs in shared memory
             return await mv.plane.infer(request, deadline)
         hit = cache.get(key)
