@@ -109,6 +109,27 @@ def test_counters_move_with_requests(daemon: RunningDaemon) -> None:
     )
     assert value(after, "mpsd_inference_pending_request_count", **model) == 0
     assert value(after, "mpsd_models_ready") == 2
+    # The same requests in the latency histogram: its count and sum are the success counter's.
+    assert moved("mpsd_inference_request_duration_seconds_count") == 3
+    assert moved("mpsd_inference_request_duration_seconds_sum") * 1e6 == pytest.approx(
+        moved("mpsd_inference_request_duration_us_total")
+    )
+    buckets = sorted(
+        (float(dict(labels)["le"]), n)
+        for (name, labels), n in after.items()
+        if name == "mpsd_inference_request_duration_seconds_bucket" and ("model", "add_sub") in labels
+    )
+    assert buckets[-1] == (
+        float("inf"),
+        value(after, "mpsd_inference_request_duration_seconds_count", **model),
+    )
+    assert [n for _, n in buckets] == sorted(n for _, n in buckets)  # cumulative
+    batch = {**model, "batch_size": "2"}
+    assert (
+        value(after, "mpsd_inference_batch_executions_total", **batch)
+        - value(before, "mpsd_inference_batch_executions_total", **batch)
+        == 3
+    )
 
 
 def test_no_device_time_on_the_cpu(daemon: RunningDaemon) -> None:

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from mpsd.daemon.api.residency_metrics import ResidencyCollector
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import ModelState, Registry
+from mpsd.daemon.dataplane.stats import LATENCY_BUCKETS_S, cumulative_buckets
 from mpsd.daemon.supervise.fronts.pool import FrontPool
 
 log = structlog.get_logger("mpsd.daemon.api.metrics")
@@ -97,6 +98,16 @@ class RegistryCollector(Collector):
             "The device's own compute time per execution (timing events on CUDA and MPS; none on the CPU).",
             labels=VERSION_LABELS,
         )
+        latency = HistogramMetricFamily(
+            "mpsd_inference_request_duration_seconds",
+            "End-to-end time of successful requests (the same requests as request_duration_us).",
+            labels=VERSION_LABELS,
+        )
+        batches = CounterMetricFamily(
+            "mpsd_inference_batch_executions",
+            "Model executions by the batch size they ran (rows of every request in the batch).",
+            labels=[*VERSION_LABELS, "batch_size"],
+        )
         load = GaugeMetricFamily(
             "mpsd_model_load_duration_secs",
             "How long loading and warming up the version took.",
@@ -118,6 +129,11 @@ class RegistryCollector(Collector):
             output_us.add_metric(labels, _us(s.compute_output.ns))
             if s.device_compute.count:
                 device.add_metric(labels, s.device_compute.cumulative(), s.device_compute.ns / 1e9)
+            latency.add_metric(
+                labels, cumulative_buckets(LATENCY_BUCKETS_S, s.latency_buckets), s.success.ns / 1e9
+            )
+            for size, b in sorted(s.batches.items()):
+                batches.add_metric([*labels, str(size)], b.compute_infer.count)
             pending.add_metric(labels, mv.inflight)
             ready.add_metric(labels, 1 if mv.ready else 0)
             if mv.load_duration_s is not None:
@@ -134,6 +150,8 @@ class RegistryCollector(Collector):
             infer_us,
             output_us,
             device,
+            latency,
+            batches,
         )
         yield from (pending, ready, load)
 

@@ -10,6 +10,24 @@ from dataclasses import dataclass, field
 DEVICE_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+# Upper bounds, in seconds, of the buckets of successful requests' end-to-end time (1-2-5 steps); +Inf
+# follows. Their quantiles (p50, p99) are estimated within a bucket, as Prometheus' histogram_quantile does.
+LATENCY_BUCKETS_S = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+    10.0, 20.0, 60.0,
+)  # fmt: skip
+# The same bounds in nanoseconds: a request's time is placed with one bisect of integers, no division.
+_LATENCY_BOUNDS_NS = tuple(round(b * 1e9) for b in LATENCY_BUCKETS_S)
+
+
+def cumulative_buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, int]]:
+    """Prometheus' buckets from per-bucket counts: (upper bound, observations at or below it), ending with
+    +Inf."""
+    out, total = [], 0
+    for bound, n in zip((*map(str, bounds), "+Inf"), counts, strict=True):
+        total += n
+        out.append((bound, total))
+    return out
 
 
 @dataclass
@@ -39,11 +57,7 @@ class DeviceTime:
 
     def cumulative(self) -> list[tuple[str, int]]:
         """Prometheus' buckets: (upper bound, executions at or below it), ending with +Inf."""
-        out, total = [], 0
-        for bound, n in zip((*map(str, DEVICE_BUCKETS_S), "+Inf"), self.buckets, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
+        return cumulative_buckets(DEVICE_BUCKETS_S, self.buckets)
 
 
 @dataclass
@@ -63,6 +77,9 @@ class VersionStats:
     responses: int = 0  # responses sent: one per request, or each of a decoupled model's
     last_inference_ms: int = 0
     success: Duration = field(default_factory=Duration)
+    # successful requests by end-to-end time, in the buckets of LATENCY_BUCKETS_S (the last: above them);
+    # their count and sum are `success`'s
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
     compute_input: Duration = field(default_factory=Duration)
@@ -78,6 +95,7 @@ class VersionStats:
     def record_success(self, total_ns: int, batch_size: int, responses: int = 1) -> None:
         """A request answered in full: with one response, or a decoupled model's `responses`."""
         self.success.add(total_ns)
+        self.latency_buckets[bisect.bisect_left(_LATENCY_BOUNDS_NS, total_ns)] += 1
         self.inference_count += batch_size
         self.responses += responses
         self.last_inference_ms = int(time.time() * 1000)
