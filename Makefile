@@ -6,7 +6,7 @@ STAMP := .stamps
 PROTOS := $(wildcard proto/mpsd/proto/*.proto)
 GENERATED := $(PROTOS:proto/%.proto=%_pb2.py)
 EXAMPLE_REPO := config/models
-SYSTEM_TOOLS := plistutil h2load haproxy
+SYSTEM_TOOLS := plistutil h2load haproxy chromium chromedriver
 
 .PHONY: install run test lint bench proto models clean system-tools
 
@@ -25,14 +25,15 @@ mpsd/proto/%_pb2.py: proto/mpsd/proto/%.proto $(STAMP)/venv
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
 	@touch mpsd/proto/__init__.py
 
-# Tools some tests use as independent checks (plist parser, HTTP/2 load generator) and the load balancer
-# the scale-out tests put in front of several daemons.
+# Tools some tests use as independent checks (plist parser, HTTP/2 load generator), the load balancer
+# the scale-out tests put in front of several daemons, and the browser (Debian's Chromium and its
+# WebDriver) that loads the status page.
 system-tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing$$missing"; \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libplist-utils nghttp2-client haproxy >/dev/null) \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libplist-utils nghttp2-client haproxy chromium chromium-driver >/dev/null) \
 	      || echo "could not install$$missing; tests that need them will skip"; \
 	  else echo "not installed:$$missing (tests that need them will skip)"; fi; \
 	fi

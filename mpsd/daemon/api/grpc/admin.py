@@ -47,12 +47,7 @@ def event_message(event: Event, dropped: int = 0, replayed: bool = False) -> Any
 def residency_message(registry: Registry, entry: ModelEntry, now: float) -> Any:
     residency = registry.residency
     policy = residency.policy(entry)
-    if entry.versions:
-        fp = residency.entry_footprint(entry)
-    elif entry.source is not None and entry.source.ok and entry.error is None:  # a failed one is not placed
-        fp = residency.source_footprint(entry.source)
-    else:
-        fp = None
+    fp = residency.shown_footprint(entry)
     msg = pb.Residency(
         model=entry.name,
         resident=bool(entry.versions),

@@ -33,12 +33,14 @@ READINESS = frozenset({"ServerReady", "ModelReady"})  # the RPCs that say no fro
 log = structlog.get_logger("mpsd.daemon.http")
 
 KSERVE = "/inference.GRPCInferenceService/"
-RPC_KEY = "mpsd_rpc"  # a route handler's attribute: the KServe RPC it stands for
+RPC_KEY = "mpsd_rpc"  # a route handler's attribute: the RPC it stands for (a KServe name, or a full one)
 
 
 def rpc_of(handler: Any) -> str | None:
     name = getattr(handler, RPC_KEY, None)
-    return f"{KSERVE}{name}" if name is not None else None
+    if name is None:
+        return None
+    return name if name.startswith("/") else f"{KSERVE}{name}"
 
 
 class Admission:

@@ -11,12 +11,14 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.api.status_view import StatusView
 from mpsd.net.auth import AccessPolicy
 
 from .generate import GenerateHandler
 from .handlers import Handlers
 from .infer import InferHandler
 from .middleware import Admission
+from .status import add_status_routes
 
 MODEL = "/v2/models/{model}"
 VERSION = "/v2/models/{model}/versions/{version:[0-9]+}"
@@ -69,9 +71,13 @@ def add_routes(app: web.Application, ops: Operations, limit: int, admission: Adm
     post("/v2/logging", h.log_settings)
 
 
-def build_app(ops: Operations, policy: AccessPolicy, limit: int) -> tuple[web.Application, Admission]:
-    """The application serving `ops`; bodies over `limit` bytes are refused (413)."""
+def build_app(
+    ops: Operations, policy: AccessPolicy, limit: int, view: StatusView
+) -> tuple[web.Application, Admission]:
+    """The application serving `ops` and the status page of `view`; bodies over `limit` bytes are refused
+    (413)."""
     admission = Admission(policy, ops.shutting_down, limit, ops.refusing)
     app = web.Application(middlewares=[admission], client_max_size=limit)
     add_routes(app, ops, limit, admission)
+    add_status_routes(app, view, admission)
     return app, admission

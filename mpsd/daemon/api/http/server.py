@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.api.status_view import StatusView
 from mpsd.errors import ConfigError
 from mpsd.net.auth import AccessPolicy
 from mpsd.net.certificates import SslContexts, TlsMaterial
@@ -40,7 +41,8 @@ class HttpEndpoint:
         tls: TlsMaterial | None = None,
     ) -> None:
         self.address = address
-        self.app, self.admission = build_app(ops, policy, limit)
+        self.status = StatusView(ops.registry, ops.server_name)
+        self.app, self.admission = build_app(ops, policy, limit, self.status)
         self.tls = SslContexts(tls) if tls is not None else None
         self._runner: web.AppRunner | None = None
         self._hurry = asyncio.Event()
@@ -66,6 +68,7 @@ class HttpEndpoint:
             log.error("http endpoint not started", address=self.address.text, reason=reason)
             return
         self._runner = runner
+        self.status.recent.start()
         log.info("http endpoint listening", url=self.url)
 
     async def _listen(self, runner: web.AppRunner, context: object) -> None:
@@ -97,6 +100,7 @@ class HttpEndpoint:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        await self.status.recent.stop()
         idle = asyncio.ensure_future(self.admission.idle())
         hurry = asyncio.ensure_future(self._hurry.wait())
         try:

@@ -108,6 +108,15 @@ class Residency:
             parts.append(footprint(source.config, placements, self.sizes, self._measured.get(key)))
         return _sum(parts)
 
+    def shown_footprint(self, entry: ModelEntry) -> Footprint | None:
+        """What the model holds, or would take once loaded, as status reports it; None for a model whose
+        source failed (it is not placed)."""
+        if entry.versions:
+            return self.entry_footprint(entry)
+        if entry.source is not None and entry.source.ok and entry.error is None:
+            return self.source_footprint(entry.source)
+        return None
+
     def budgets(self) -> dict[str, int | None]:
         devices = {"cpu"} | set(self.config.memory_budget_bytes)
         for entry in self._entries.values():
