@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.daemon.api.device_stats import DEVICE_COMPUTE_KEY
 from mpsd.daemon.api.metrics import MetricsEndpoint, parse_address
+from mpsd.daemon.dataplane.stats import LATENCY_BUCKETS_S, VersionStats, cumulative_buckets
 from tests import models
 from tests.conftest import RunningDaemon, free_port, http_request, serving, wait_for
 
@@ -130,6 +131,18 @@ def test_counters_move_with_requests(daemon: RunningDaemon) -> None:
         - value(before, "mpsd_inference_batch_executions_total", **batch)
         == 3
     )
+
+
+def test_every_success_is_in_the_latency_histogram() -> None:
+    """Answered by the model or from the response cache, each success counts in one latency bucket, so the
+    histogram's count is the success counter's."""
+    stats = VersionStats()
+    stats.record_success(3_000_000, 2)
+    stats.record_cache_hit(1_000, 40_000)
+    stats.record_failure(1_000, "INTERNAL")
+    assert sum(stats.latency_buckets) == stats.success.count == 2
+    cumulative = dict(cumulative_buckets(LATENCY_BUCKETS_S, stats.latency_buckets))
+    assert cumulative["5e-05"] == 1 and cumulative["0.002"] == 1 and cumulative["0.005"] == 2
 
 
 def test_no_device_time_on_the_cpu(daemon: RunningDaemon) -> None:

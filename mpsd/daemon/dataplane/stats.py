@@ -78,7 +78,7 @@ class VersionStats:
     last_inference_ms: int = 0
     success: Duration = field(default_factory=Duration)
     # successful requests by end-to-end time, in the buckets of LATENCY_BUCKETS_S (the last: above them);
-    # their count and sum are `success`'s
+    # their count and sum are `success`'s: whatever adds to `success` counts a bucket too
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
@@ -105,6 +105,7 @@ class VersionStats:
         Triton counts it)."""
         self.cache_hit.add(lookup_ns)
         self.success.add(total_ns)
+        self.latency_buckets[bisect.bisect_left(_LATENCY_BOUNDS_NS, total_ns)] += 1
         self.responses += 1
         self.last_inference_ms = int(time.time() * 1000)
 
