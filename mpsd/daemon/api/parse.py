@@ -14,21 +14,27 @@ from typing import Any
 
 import numpy as np
 
-from mpsd.config.model_config import ModelConfig, TensorConfig
+from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import TYPED_CONTENTS, InferCall, InputCall, OutputCall, Params, RawEntry
 from mpsd.daemon.api.classification import PARAM as CLASSIFICATION
 from mpsd.daemon.api.classification import class_count
 from mpsd.daemon.api.client_shm import ShmLease, shm_ref
 from mpsd.daemon.api.values import Values, typed_bytes
+from mpsd.daemon.core.inputs import (
+    check_all_given,
+    check_bytes,
+    check_input,
+    check_output,
+    check_strings,
+    unknown_input,
+)
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES
 
 MAX_NAME = 256
-MAX_DIMS = 16
 MAX_ID = 4096
-MAX_TENSOR_BYTES = 2**63 - 1  # what a signed 64-bit byte count (numpy, torch, the IPC) can hold
 # Typed `contents` field and numpy dtype per datatype; FP16/BF16 have no typed field in the protocol.
 TYPED_FIELDS: dict[str, tuple[str, Any]] = {
     name: (d.contents, np.dtype(d.numpy).type)
@@ -53,10 +59,6 @@ REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
 }
 INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}
 OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {CLASSIFICATION}
-
-
-def _fmt(shape: Any) -> str:
-    return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
 def check_name(kind: str, name: str) -> None:
@@ -114,36 +116,6 @@ def _typed_used(tensor: InputCall) -> list[str]:
     return [f for f in TYPED_CONTENTS if len(tensor.contents.get(f, ()))]
 
 
-def _check_shape(model: str, cfg: TensorConfig, shape: Sequence[int], max_batch: int) -> None:
-    name = cfg.name
-    if len(shape) > MAX_DIMS:
-        raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions; the limit is {MAX_DIMS}")
-    for d in shape:
-        if d < 0:
-            raise InvalidArgument(f"input '{name}': shape {_fmt(shape)} has a negative dimension")
-    elements = 1
-    for d in shape:  # zero-sized dims count as 1: the shape must still be representable downstream
-        elements *= max(d, 1)
-    # A string element takes at least its 4-byte length.
-    if elements * (cfg.itemsize or strings.LENGTH_BYTES) > MAX_TENSOR_BYTES:
-        raise InvalidArgument(
-            f"input '{name}': shape {_fmt(shape)} is too large: its byte size overflows 64 bits"
-        )
-    expected = ([-1] if max_batch > 0 else []) + list(cfg.dims)
-    if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape, strict=True)):
-        where = f" plus the batch dimension (max_batch_size {max_batch})" if max_batch > 0 else ""
-        raise InvalidArgument(
-            f"input '{name}': shape {_fmt(shape)} does not match the model's dims {_fmt(cfg.dims)}{where}"
-        )
-    if max_batch > 0:
-        if shape[0] > max_batch:
-            raise InvalidArgument(
-                f"input '{name}': batch size {shape[0]} exceeds max_batch_size {max_batch} of model '{model}'"
-            )
-        if shape[0] == 0:
-            raise InvalidArgument(f"input '{name}': batch size 0 is not allowed")
-
-
 def _typed_bytes(name: str, datatype: str, tensor: InputCall, count: int) -> bytes:
     """Convert typed `contents` to raw bytes (strings serialized), checking the field and the element
     count."""
@@ -169,14 +141,6 @@ def _typed_bytes(name: str, datatype: str, tensor: InputCall, count: int) -> byt
     if len(values) != count:
         raise InvalidArgument(f"input '{name}': contents has {len(values)} elements, expected {count}")
     return typed_bytes(f"input '{name}'", datatype, values, np_type)
-
-
-def _check_strings(name: str, data: bytes | bytearray | memoryview, count: int) -> None:
-    """Serialized strings: exactly `count` elements, each whole."""
-    try:
-        strings.element_ends(data, count)
-    except strings.MalformedStrings as exc:
-        raise InvalidArgument(f"input '{name}': BYTES data {exc}") from None
 
 
 def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | None = None) -> InferRequest:
@@ -216,21 +180,15 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
             raise InvalidArgument(f"duplicate input '{name}'")
         cfg = configured.get(name)
         if cfg is None:
-            raise InvalidArgument(
-                f"unknown input '{name}' for model '{model}' (expected: {', '.join(configured)})"
-            )
+            raise unknown_input(model, name, configured)
         ref = None
         if tensor.parameters:
             _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
             ref = shm_ref(f"input '{name}'", tensor.parameters)
         if ref is not None and shm is None:
             raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
-        if tensor.datatype != cfg.wire_datatype:
-            raise InvalidArgument(
-                f"input '{name}': expected datatype {cfg.wire_datatype}, got '{tensor.datatype[:32]}'"
-            )
         shape = tensor.shape
-        _check_shape(model, cfg, shape, max_batch)
+        check_input(model, cfg, tensor.datatype, shape, max_batch)
         if max_batch > 0:
             if batch is not None and shape[0] != batch:
                 raise InvalidArgument(
@@ -248,7 +206,7 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
                 place = shm.input(f"input '{name}'", ref, ref.byte_size)
                 data = memoryview(bytearray(len(place)))
                 place.read_into(data)
-                _check_strings(name, data, count)
+                check_strings(name, data, count)
             else:
                 data = shm.input(f"input '{name}'", ref, nbytes)
         elif raw:
@@ -260,20 +218,13 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
                 else entry
             )
             if nbytes is None:
-                _check_strings(name, data, count)
-            elif len(data) != nbytes:
-                raise InvalidArgument(
-                    f"input '{name}': raw content has {len(data)} bytes, expected {nbytes} "
-                    f"for shape {_fmt(shape)} of {cfg.wire_datatype}"
-                )
+                check_strings(name, data, count)
+            else:
+                check_bytes(name, cfg.wire_datatype, shape, itemsize, len(data))
         else:
             data = _typed_bytes(name, cfg.wire_datatype, tensor, count)
         seen[name] = InputTensor(name, cfg.wire_datatype, tuple(shape), data)
-    missing = [n for n, c in configured.items() if n not in seen and not c.optional]
-    if missing:
-        raise InvalidArgument(f"missing input(s) {', '.join(missing)} for model '{model}'")
-    if any(c.optional and n not in seen for n, c in configured.items()):
-        raise Unimplemented(f"model '{model}': omitting optional inputs is not supported by this backend")
+    check_all_given(model, configured, seen)
     outputs = _requested_outputs(call, config, shm)
     return InferRequest(
         model=model,
@@ -290,12 +241,7 @@ def _requested_outputs(call: InferCall, config: ModelConfig, shm: ShmLease | Non
     names: list[str] = []
     for out in call.outputs:
         check_name("output", out.name)
-        if out.name not in known:
-            raise InvalidArgument(
-                f"unknown output '{out.name}' for model '{call.model}' (expected: {', '.join(known)})"
-            )
-        if out.name in names:
-            raise InvalidArgument(f"output '{out.name}' is requested twice")
+        check_output(call.model, out.name, known, names)
         if out.parameters:
             _check_output_parameters(out, shm)
         names.append(out.name)

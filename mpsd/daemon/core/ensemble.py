@@ -17,6 +17,7 @@ from typing import Protocol
 
 from mpsd.config.ensemble import EnsembleStep, step_label
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core.inputs import check_input
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InferResult, InputTensor, OutputTensor
@@ -228,23 +229,10 @@ class EnsemblePlane(VersionPlane):
             if source is None:
                 raise InvalidArgument(f"the model's input '{name}' is not in the step's input_map")
             t = tensors[source]
-            if t.datatype != cfg.wire_datatype:
-                raise InvalidArgument(
-                    f"input '{name}' is {cfg.wire_datatype}; ensemble tensor '{source}' is {t.datatype}"
-                )
-            expected = ([-1] if batched else []) + list(cfg.dims)
-            if len(t.shape) != len(expected) or any(
-                e != -1 and e != s for e, s in zip(expected, t.shape, strict=True)
-            ):
-                raise InvalidArgument(
-                    f"input '{name}' has dims {cfg.dims}"
-                    + (" plus the batch dimension" if batched else "")
-                    + f"; ensemble tensor '{source}' has shape {list(t.shape)}"
-                )
-            if batched and t.shape[0] > config.max_batch_size:
-                raise InvalidArgument(
-                    f"batch size {t.shape[0]} exceeds max_batch_size {config.max_batch_size} of the model"
-                )
+            try:  # a client's checks, in its words
+                check_input(mv.name, cfg, t.datatype, t.shape, config.max_batch_size)
+            except MpsdError as exc:
+                raise MpsdError(f"{exc.message} (ensemble tensor '{source}')", exc.code) from None
             inputs.append(InputTensor(name, t.datatype, t.shape, t.data))
         batch = inputs[0].shape[0] if batched and inputs and inputs[0].shape else 1
         return InferRequest(
