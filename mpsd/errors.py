@@ -94,6 +94,12 @@ class DeadlineExceeded(MpsdError):
     code = ErrorCode.DEADLINE_EXCEEDED
 
 
+class Cancelled(MpsdError):
+    """Nobody waits for the answer any more (the request that needed it went away)."""
+
+    code = ErrorCode.CANCELLED
+
+
 class PermissionDenied(MpsdError):
     """Authenticated, but the token's categories do not include the RPC's (or the RPC is switched off)."""
 

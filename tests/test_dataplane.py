@@ -47,6 +47,7 @@ class FakeChannel:
         waiting: Sequence[asyncio.Future[Any]] = (),
         deadline: float | None = None,
         on_part: Callable[[Any], Awaitable[bool]] | None = None,
+        chain: frozenset[tuple[str, int]] = frozenset(),
     ) -> list[tuple[Any, ...]]:
         region = bytearray(tensors.lay_out())
         tensors.write(memoryview(region), None)

@@ -581,6 +581,7 @@ class RecordingWorker:
         waiting: Sequence[asyncio.Future[Any]],
         deadline: float | None,
         on_part: object,
+        chain: object = frozenset(),
     ) -> list[tuple[()]]:
         self.deadlines.append(deadline)
         return [()] * len(waiting)

@@ -2,7 +2,7 @@
 
 Messages are small dataclasses from `mpsd.ipc.protocol`; both ends are processes of the same installation,
 so the per-request ones have a fixed binary layout and the rest are pickled (`mpsd.ipc.wire_codec`). Tensor
-bytes never travel this way.
+bytes travel this way only in a python model's calls to other models (`protocol.Call`).
 """
 
 from __future__ import annotations
@@ -142,6 +142,13 @@ class FrameReader:
         if not self._fill(socket.MSG_DONTWAIT) or not self._whole():
             return None
         return self.recv()
+
+    def take(self) -> object | None:
+        """The next message if any of it has arrived (its rest, on its way, is waited for), else None at
+        once: what an event loop's reader callback reads, large messages included."""
+        if self._start == self._end and not self._fill(socket.MSG_DONTWAIT):
+            return None
+        return self.recv_wait()
 
     def recv_wait(self) -> object:
         """The next message, however long it takes."""

@@ -1,7 +1,8 @@
 """Messages exchanged between the daemon and one worker over that worker's private socket.
 
 Only small control messages travel here; tensor bytes live in shared memory regions owned by the daemon
-and are described by `TensorRef` (offset and length inside a region).
+and are described by `TensorRef` (offset and length inside a region). The one exception are the tensors of
+a python model's calls to other models (`Call`), which travel inline.
 """
 
 from __future__ import annotations
@@ -306,7 +307,86 @@ class ProfileDone:
     notes: tuple[str, ...] = ()  # what the client should know (MPS: how to see the signposts)
 
 
-ToWorker = Init | Infer | OutputRegion | StreamAck | Shutdown | StartProfile | StopProfile
+# A python model's calls to other models (mpsd.worker.calls): the worker sends Call from inside an execution,
+# the daemon runs it as a request of the target model and answers CallDone (or CallFailed); a stream's
+# responses come as CallPart, each acknowledged with CallAck before the next is sent, and end with CallDone.
+# Tensors travel inline, in the frame: a call's inputs, or one answer's outputs, stay below MAX_CALL_BYTES.
+
+MAX_CALL_BYTES = 60 * 1024 * 1024  # under the frame limit (framing.MAX_MESSAGE), with room for the rest
+
+
+@dataclass(frozen=True)
+class CallTensor:
+    """A tensor of a call, its bytes inline: numbers in the datatype's little-endian layout, strings
+    serialized (each a 4-byte length, then its bytes)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Call:
+    """Infer `model` (version "" for the latest ready one) for the execution `req_id` in progress (0 while
+    the worker loads: refused); `stream`: the responses of a decoupled model, one CallPart each."""
+
+    call_id: int
+    req_id: int
+    model: str
+    version: str
+    inputs: tuple[CallTensor, ...]
+    outputs: tuple[str, ...] = ()  # none: every output of the model
+    stream: bool = False
+    timeout_us: int = 0  # the call's own limit (microseconds from now), within the execution's deadline
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class CallAck:
+    """The model took the call's latest part: the daemon may send the next; `stop`: it wants no more."""
+
+    call_id: int
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class CallPart:
+    """One response of a streamed call."""
+
+    call_id: int
+    outputs: tuple[CallTensor, ...]
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """The call's answer (for a stream: its end, with no outputs)."""
+
+    call_id: int
+    outputs: tuple[CallTensor, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallFailed:
+    """The call failed with the status and message a client would have got."""
+
+    call_id: int
+    code: str
+    message: str
+
+
+ToWorker = (
+    Init
+    | Infer
+    | OutputRegion
+    | StreamAck
+    | Shutdown
+    | StartProfile
+    | StopProfile
+    | CallPart
+    | CallDone
+    | CallFailed
+)
 FromWorker = (
     Ready
     | LoadFailed
@@ -319,4 +399,6 @@ FromWorker = (
     | ProfileFailed
     | ProfileChunk
     | ProfileDone
+    | Call
+    | CallAck
 )

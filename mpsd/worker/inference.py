@@ -107,19 +107,23 @@ def sample_tensor(t: WarmupTensor, device: torch.device) -> torch.Tensor:
     return values.to(dtype).to(device)
 
 
-def _warmup_runs(spec: ModelSpec, device: torch.device) -> Iterator[tuple[str, list[Value]]]:
-    if not spec.warmup:
+def _warmup_runs(
+    spec: ModelSpec, device: torch.device, default: bool = True
+) -> Iterator[tuple[str, list[Value]]]:
+    if not spec.warmup and default:
         yield "warm-up", warmup_inputs(spec, device)
     for sample in spec.warmup:
         for _ in range(sample.count):
             yield f"warm-up '{sample.name}'", [sample_value(t, device) for t in sample.inputs]
 
 
-def warmup_mismatch(spec: ModelSpec, backend: Backend, device: torch.device) -> WarmupMismatch | None:
-    """Run the configured samples (else one request of zeros), checking every output against the config
-    (dims, datatype); the first sample whose outputs do not match, or None."""
+def warmup_mismatch(
+    spec: ModelSpec, backend: Backend, device: torch.device, default: bool = True
+) -> WarmupMismatch | None:
+    """Run the configured samples (else, with `default`, one request of zeros), checking every output
+    against the config (dims, datatype); the first sample whose outputs do not match, or None."""
     stream = getattr(backend, "stream", None) if spec.decoupled else None
-    for label, inputs in _warmup_runs(spec, device):
+    for label, inputs in _warmup_runs(spec, device, default):
         with torch.inference_mode():
             # A decoupled model's every response is checked; it may also answer with none.
             responses = list(stream(inputs)) if stream is not None else [backend(inputs)]
@@ -135,10 +139,10 @@ def warmup_mismatch(spec: ModelSpec, backend: Backend, device: torch.device) -> 
     return None
 
 
-def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> None:
-    """Warm the model up before READY; ValueError (`label: output ...; output ...`) when an output does
-    not match the config."""
-    mismatch = warmup_mismatch(spec, backend, device)
+def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device, default: bool = True) -> None:
+    """Warm the model up before READY (`default`: with a request of zeros when no sample is configured);
+    ValueError (`label: output ...; output ...`) when an output does not match the config."""
+    mismatch = warmup_mismatch(spec, backend, device, default)
     if mismatch is not None:
         raise ValueError(str(mismatch))
 

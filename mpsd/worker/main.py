@@ -19,9 +19,10 @@ from setproctitle import setproctitle
 
 from mpsd.ipc import protocol as p
 from mpsd.ipc.dtypes import wire_to_config
-from mpsd.ipc.framing import ConnectionClosed, recv_blocking, send_blocking
+from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
 from mpsd.ipc.heap import keep_large_buffers_in_heap
 from mpsd.worker.heartbeat import start_heartbeat
+from mpsd.worker.inbox import Inbox
 from mpsd.worker.parentwatch import watch_parent
 from mpsd.worker.regions import Arenas
 
@@ -31,11 +32,12 @@ if TYPE_CHECKING:
     from mpsd.worker.inference import Runner
 
 
-def _load(sock: socket.socket, init: p.Init) -> tuple[Runner, Arenas]:
+def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Arenas]:
     """Select the device, load and warm up the model; report Ready or LoadFailed."""
     import torch
 
     from mpsd.worker.autocast import AutocastBackend, check_autocast
+    from mpsd.worker.calls import Models, install
     from mpsd.worker.compiled import compile_backend, compile_warmup
     from mpsd.worker.device import DeviceUnavailable, limit_host_threads, select_device
     from mpsd.worker.inference import run_warmup
@@ -50,14 +52,18 @@ def _load(sock: socket.socket, init: p.Init) -> tuple[Runner, Arenas]:
         limit_host_threads(device)
         torch.set_grad_enabled(False)
         check_autocast(spec, device)
+        install(Models(inbox, device))  # what a python model that calls other models gets
         backend = load_model(spec, device)
+        # Zeros would reach the models it calls, which cannot be called before it serves: only configured
+        # warm-up samples run (and fail, naming the call, if they call)
+        calls = bool(getattr(backend, "calls_models", False))
         if spec.compile_mode is not None:
             compile_backend(backend, spec)
         if spec.autocast is not None:
             backend = AutocastBackend(backend, spec, device)
         t1 = time.perf_counter()
         compile_ms = compile_warmup(spec, backend, device) if spec.compile_mode is not None else None
-        run_warmup(spec, backend, device)
+        run_warmup(spec, backend, device, default=not calls)
         t2 = time.perf_counter()
         recorded: tuple[int, ...] = ()
         if spec.cuda_graph_batch_sizes and device.type == "cuda":
@@ -112,6 +118,7 @@ def _fail_load(sock: socket.socket, reason: str) -> None:
 
 
 SMALL_MACHINE_CPUS = 4
+SNAPSHOT_INTERVAL_S = 5.0  # memory counters to the daemon at least this often
 
 
 def _usable_cpus() -> int:
@@ -162,11 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     # Named in ps and Activity Monitor by role and model (the device is added once it is chosen).
     setproctitle(f"mpsd: worker {init.model.name}/{init.model.version}#{init.instance}")
     start_heartbeat(beats, init.heartbeat_interval_s)
+    inbox = Inbox(sock, FrameReader(sock, SNAPSHOT_INTERVAL_S / 5))
     try:
-        runner, arenas = _load(sock, init)
+        runner, arenas = _load(sock, init, inbox)
         from mpsd.worker.serve import Serving
 
-        Serving(sock, runner, after_request=init.snapshot_after_request, arenas=arenas).run()
+        Serving(
+            sock,
+            runner,
+            SNAPSHOT_INTERVAL_S,
+            after_request=init.snapshot_after_request,
+            arenas=arenas,
+            inbox=inbox,
+        ).run()
     except Exception:
         traceback.print_exc()
         return 1

@@ -18,6 +18,7 @@ from mpsd.errors import ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, send_blocking
 from mpsd.ipc.shm import Region
+from mpsd.worker.inbox import Inbox
 from mpsd.worker.regions import Arenas, RegionCache
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Serving:
         snapshot_interval_s: float = 5.0,
         after_request: bool = False,
         arenas: Arenas | None = None,
+        inbox: Inbox | None = None,
     ) -> None:
         from mpsd.worker.device import host_pinner
         from mpsd.worker.profiling import Profiler
@@ -59,8 +61,9 @@ class Serving:
         self.after_request = after_request
         self.regions = RegionCache(host_pinner(runner.device))
         self.arenas = arenas if arenas is not None else Arenas(())
-        self.reader = FrameReader(sock, snapshot_interval_s / 5)
-        self.early: deque[object] = deque()
+        # Read through the inbox: a python model's calls to other models get their answers as they come.
+        self.inbox = inbox if inbox is not None else Inbox(sock, FrameReader(sock, snapshot_interval_s / 5))
+        self.early: deque[object] = self.inbox.early
         self.last_snapshot = 0.0
         self.profiler: Profiler = Profiler(runner.device, lambda m: send_blocking(sock, m))
         self.running: tuple[p.Infer, Launch] | None = None  # launched, not answered yet
@@ -83,7 +86,7 @@ class Serving:
         elif self.running is not None:
             msg = self._next_or_done(self.running[1])
         else:
-            msg = self.reader.recv()
+            msg = self.inbox.recv()
         if msg is None:  # the execution on the device is done (or, idle, the reader's timeout)
             self._finish_running()
         elif isinstance(msg, p.Infer):
@@ -153,6 +156,7 @@ class Serving:
         """Queue one execution's work on the device (on the CPU: run it), from its slot's input region."""
         waited_ns = _waited_ns(msg)
         inputs = self._claim(msg)
+        self.inbox.req_id = msg.req_id  # the model's calls are made from this execution
         views = self.regions.views(_INPUT_ROLES[msg.slot])
         launch = self.runner.launch(inputs, msg.inputs, views, msg.pieces, self.arenas)
         launch.waited_ns = waited_ns
@@ -197,7 +201,9 @@ class Serving:
         the device meanwhile."""
         if self.runner.spec.decoupled:
             waited_ns = _waited_ns(msg)
-            return self._stream(msg, self._claim(msg), waited_ns)
+            inputs = self._claim(msg)
+            self.inbox.req_id = msg.req_id
+            return self._stream(msg, inputs, waited_ns)
         return self._answer(msg, self._launch(msg))
 
     def _next_or_done(self, launch: Launch) -> object | None:
@@ -208,7 +214,7 @@ class Serving:
         done = launch.done
         assert done is not None
         while not done.query():
-            message = self.reader.poll()
+            message = self.inbox.poll()
             if message is not None:
                 return message
         return None
@@ -218,7 +224,7 @@ class Serving:
         if needed <= current.size:
             return current
         send_blocking(self.sock, p.NeedOutput(msg.req_id, needed))
-        while not isinstance(reply := self.reader.recv_wait(), p.OutputRegion):
+        while not isinstance(reply := self.inbox.recv_wait(), p.OutputRegion):
             self.early.append(reply)
         return reply.region
 
@@ -242,7 +248,7 @@ class Serving:
                 refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
                 send_blocking(self.sock, p.StreamPart(msg.req_id, index, refs))
                 while not (
-                    isinstance(ack := self.reader.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id
+                    isinstance(ack := self.inbox.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id
                 ):
                     self.early.append(ack)
                 index += 1

@@ -242,6 +242,7 @@ class EnsemblePlane(VersionPlane):
             inputs=tuple(inputs),
             outputs=tuple(step.output_map),
             batch_size=batch,
+            chain=request.chain | {(self.name, self.version)},  # a step's model may not call the ensemble
         )
 
 

@@ -1,6 +1,6 @@
 """Checking a request's tensors against the model's config, in the words a client gets: a client's request
-(`api.parse`) and an ensemble's step (`core.ensemble`) are checked by the same code and answered with the
-same messages."""
+(`api.parse`), an ensemble's step (`core.ensemble`) and a model's call to another model (`core.calls`)
+are checked by the same code and answered with the same messages."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from mpsd.config.model_config import InputConfig, TensorConfig
+from mpsd.config.model_config import InputConfig, ModelConfig, TensorConfig
+from mpsd.daemon.dataplane.request import InputTensor
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc import strings
 
@@ -91,3 +92,36 @@ def check_strings(name: str, data: bytes | bytearray | memoryview, count: int) -
         strings.element_ends(data, count)
     except strings.MalformedStrings as exc:
         raise InvalidArgument(f"input '{name}': BYTES data {exc}") from None
+
+
+def named_inputs(
+    model: str, config: ModelConfig, tensors: Sequence[InputTensor]
+) -> tuple[tuple[InputTensor, ...], int]:
+    """Tensors given by name (a model's call), checked as a client's: names, datatypes, shapes, one batch
+    size, their bytes; in config order, with the batch size."""
+    configured = config.input_by_name()
+    max_batch = config.max_batch_size
+    seen: dict[str, InputTensor] = {}
+    batch: int | None = None
+    for t in tensors:
+        cfg = configured.get(t.name)
+        if cfg is None:
+            raise unknown_input(model, t.name, configured)
+        if t.name in seen:
+            raise InvalidArgument(f"duplicate input '{t.name}'")
+        check_input(model, cfg, t.datatype, t.shape, max_batch)
+        if max_batch > 0:
+            if batch is not None and t.shape[0] != batch:
+                raise InvalidArgument(
+                    f"input '{t.name}': batch size {t.shape[0]} differs from the other inputs' batch size "
+                    f"{batch}"
+                )
+            batch = t.shape[0]
+        assert isinstance(t.data, (bytes, memoryview))
+        if cfg.itemsize is None:
+            check_strings(t.name, t.data, math.prod(t.shape))
+        else:
+            check_bytes(t.name, cfg.wire_datatype, t.shape, cfg.itemsize, len(t.data))
+        seen[t.name] = t
+    check_all_given(model, configured, seen)
+    return tuple(seen[n] for n in configured), batch or 1

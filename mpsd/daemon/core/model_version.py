@@ -11,6 +11,7 @@ import structlog
 
 from mpsd.config.labels import Labels
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.dataplane.calls import CallHandler
 from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.placement import InstancePlacement
@@ -43,8 +44,10 @@ class ModelVersion:
         labels: Labels | None = None,
         pbtxt: str | None = None,
         plane: VersionPlane | None = None,
+        calls: CallHandler | None = None,
     ) -> None:
         self.name = name
+        self.calls = calls  # what runs its workers' calls to other models (a python model's)
         self.labels: Labels = labels or {}  # classification labels per output
         self.pbtxt = pbtxt  # the config.pbtxt as written, when it is one
         self.version = version
@@ -84,7 +87,8 @@ class ModelVersion:
         self.plane.lanes = [i.lane for i in instances]
 
     def _new_worker(self, launch: WorkerLaunch) -> WorkerProcess:
-        return WorkerProcess(launch, self.settings.request_timeout_s, self.settings.heartbeat_timeout_s)
+        settings = self.settings
+        return WorkerProcess(launch, settings.request_timeout_s, settings.heartbeat_timeout_s, self.calls)
 
     @property
     def label(self) -> str:

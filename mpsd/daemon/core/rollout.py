@@ -17,6 +17,7 @@ import structlog
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.config.repository import ModelSource
+from mpsd.daemon.core.calls import ModelCalls
 from mpsd.daemon.core.ensemble import EnsemblePlane, StepModels
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
 from mpsd.daemon.supervise.instance import SupervisorSettings
@@ -86,6 +87,7 @@ class Rollout:
     ) -> None:
         self._entries = entries
         self.models = models  # what ensembles run their steps on (the registry)
+        self.calls = ModelCalls(models) if models is not None else None  # and python models' calls
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.budget_policy = budget_policy
@@ -138,6 +140,7 @@ class Rollout:
                     labels=source.labels,
                     pbtxt=source.pbtxt,
                     plane=self._ensemble_plane(source, v),
+                    calls=self.calls,
                 )
             )
         retiring = [mv for v, mv in entry.versions.items() if keep.get(v) is not mv]

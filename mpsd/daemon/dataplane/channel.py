@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from mpsd.daemon.dataplane.arenas import WorkerArenas
+from mpsd.daemon.dataplane.calls import CallHandler, CallRouter, Chain
 from mpsd.daemon.dataplane.profiling import ProfileRun
 from mpsd.daemon.dataplane.slot_regions import SlotRegions
 from mpsd.daemon.dataplane.slot_regions import ref as region_ref
@@ -62,6 +63,7 @@ class Channel:
         request_timeout_s: float,
         hung: Callable[[str], None],
         label: str = "",
+        calls: CallHandler | None = None,
     ) -> None:
         self.model = model
         self.label = label  # the worker's, for the log
@@ -85,6 +87,7 @@ class Channel:
         self.profile: ProfileRun | None = None  # the one profile of this worker under way
         self._profile_ids = itertools.count(1)
         self.arenas = WorkerArenas(self._forget_arena)  # the fronts' arenas the worker has mapped
+        self.calls = CallRouter(calls if model.backend == "python" else None)  # a python model's calls
 
     def _forget_arena(self, arena_id: int) -> None:
         if self._transport is not None and not self.refusing:
@@ -104,7 +107,7 @@ class Channel:
         transport, _ = await loop.create_unix_connection(
             lambda: FrameProtocol(self._on_message, self._on_closed), sock=sock
         )
-        self._transport = transport
+        self._transport = self.calls.transport = transport
 
     @property
     def connected(self) -> bool:
@@ -133,6 +136,7 @@ class Channel:
                 parts.put_nowait(msg)
         elif isinstance(msg, (p.InferDone, p.InferFailed)):
             entry = self._inflight.pop(msg.req_id, None)
+            self.calls.answered(msg.req_id)
             if entry is None:
                 return
             if msg.req_id in self._abandoned:
@@ -140,6 +144,8 @@ class Channel:
                 self._give_slot(entry[1])
             elif not entry[0].done():
                 entry[0].set_result(msg)
+        elif isinstance(msg, (p.Call, p.CallAck)):
+            self.calls.received(msg)
         elif isinstance(msg, (p.ProfileStarted, p.ProfileChunk, p.ProfileDone, p.ProfileFailed)):
             current = self.profile is not None and msg.profile_id == self.profile.profile_id
             if isinstance(msg, (p.ProfileDone, p.ProfileFailed)) and (current or self.profile is None):
@@ -157,6 +163,7 @@ class Channel:
         sent."""
         self.refusing = True
         self.arenas.close()
+        self.calls.close(WorkerDied(message))
         if self.profile is not None:
             self.profile.fail(WorkerDied(message.replace("while running the request", "while profiling")))
         inflight = list(self._inflight.items())
@@ -228,6 +235,7 @@ class Channel:
         waiting: Sequence[asyncio.Future[Any]] = (),
         deadline: float | None = None,
         on_part: Callable[[T], Awaitable[bool]] | None = None,
+        chain: Chain = frozenset(),
     ) -> T:
         """Run one execution: `tensors` writes its inputs straight into the slot's shared memory and reads
         its results out of it; `timings` gets the phases (the daemon's own writing and reading included).
@@ -239,7 +247,7 @@ class Channel:
         slot = await self._take_slot()
         kept = False  # the worker still uses the slot after this call ends: it is freed when it answers
         try:
-            return await self._run_in_slot(slot, tensors, timings, waiting, deadline, on_part)
+            return await self._run_in_slot(slot, tensors, timings, waiting, deadline, on_part, chain)
         except _Abandoned as abandoned:
             kept = True
             raise abandoned.cause from None
@@ -255,6 +263,7 @@ class Channel:
         waiting: Sequence[asyncio.Future[Any]],
         deadline: float | None,
         on_part: Callable[[T], Awaitable[bool]] | None = None,
+        chain: Chain = frozenset(),
     ) -> T:
         model = self.model
         if self.refusing or self._transport is None:
@@ -280,6 +289,7 @@ class Channel:
         # Settled by the answer, the worker's death, or (past the deadline, not started) DeadlineExceeded.
         pending: asyncio.Future[object] = loop.create_future()
         self._inflight[req_id] = (pending, slot)
+        self.calls.begin(req_id, model, chain, deadline, waiting)
         self._transport.write(encode(msg))
 
         def expire() -> None:

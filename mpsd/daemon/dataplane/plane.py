@@ -187,7 +187,10 @@ class VersionPlane:
             latest = None if None in deadlines else max(d for d in deadlines if d is not None)
             waiting = [item.future for item in batch]
             tensors = BatchTensors([item.request for item in batch], waiting)
-            outputs = await channel.infer_batch(tensors, timings, waiting, latest, self._sink(batch))
+            chain = batch[0].request.chain
+            if len(batch) > 1:  # a call from this execution may not reach any of the batch's chains
+                chain = chain.union(*(item.request.chain for item in batch))
+            outputs = await channel.infer_batch(tensors, timings, waiting, latest, self._sink(batch), chain)
         except MpsdError as exc:
             fail_all(batch, exc)
             skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited

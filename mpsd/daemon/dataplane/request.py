@@ -33,6 +33,9 @@ class InferRequest:
     inputs: tuple[InputTensor, ...]  # in config order
     outputs: tuple[str, ...]  # requested outputs, never empty
     batch_size: int = 1
+    # The model versions (name, version) a request made by a model's call came through: a call may not
+    # come back to one of them (it would wait for itself). Empty for a client's request.
+    chain: frozenset[tuple[str, int]] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Python models: `<version>/model.py` defines `class Model(config, device)` with `infer(inputs) -> outputs`,
-or, for a decoupled model, an `infer` that yields its outputs one response at a time (a generator or an async
-generator).
+"""Python models: `<version>/model.py` defines `class Model(config, device)` with `infer(inputs) -> outputs`
+(a function or an `async def`), or, for a decoupled model, an `infer` that yields its outputs one response at
+a time (a generator or an async generator). A `Model.__init__` that also takes `models` gets the calls to
+the repository's other models (mpsd.worker.calls).
 
 Inputs are torch tensors, and numpy arrays of bytes for strings (TYPE_STRING); outputs may be torch
 tensors or numpy arrays, and strings as numpy arrays or lists of bytes or str (mpsd.worker.strings).
@@ -26,6 +27,7 @@ from mpsd.ipc.protocol import ModelSpec
 from mpsd.ipc.strings import DATATYPE as STRINGS
 from mpsd.worker import triton_utils
 from mpsd.worker.backends.triton_python import TritonModel
+from mpsd.worker.calls import current
 from mpsd.worker.strings import Value, as_strings
 
 TRITON_UTILS = "triton_python_backend_utils"
@@ -45,19 +47,32 @@ class PythonBackend:
         loader_spec.loader.exec_module(module)
         model_cls = getattr(module, "Model", None)
         triton_cls = getattr(module, "TritonPythonModel", None)
+        self.calls_models = False  # a model that calls others gets no default warm-up (see worker.main)
         if model_cls is not None:
-            self._model = model_cls(asdict(spec), device)
+            self.calls_models = _takes_models(model_cls)
+            extra = {"models": current()} if self.calls_models else {}
+            self._model = model_cls(asdict(spec), device, **extra)
         elif triton_cls is not None:
             self._model = TritonModel(triton_cls(), spec, device)
         else:
             raise AttributeError(f"{spec.model_path} defines no class Model (nor Triton's TritonPythonModel)")
+        self._loop: asyncio.AbstractEventLoop | None = None  # runs an `async def infer`
 
     def compile(self, mode: str, dynamic: bool | None) -> None:
         """torch.compile the model's `infer` (optimization.compile); it compiles on its first calls."""
         self._model.infer = torch.compile(self._model.infer, mode=mode, dynamic=dynamic)
 
-    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
+    def _infer(self, inputs: Sequence[Value]) -> Any:
+        """The model's infer; an `async def` one run to its end on this backend's event loop."""
         result = self._model.infer(dict(zip(self._input_names, inputs, strict=True)))
+        if inspect.iscoroutine(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            result = self._loop.run_until_complete(result)
+        return result
+
+    def __call__(self, inputs: Sequence[Value]) -> dict[str, Value]:
+        result = self._infer(inputs)
         if inspect.isgenerator(result) or inspect.isasyncgen(result):
             _responses(result).close()
             raise ValueError("Model.infer yields responses: set model_transaction_policy.decoupled")
@@ -66,7 +81,7 @@ class PythonBackend:
     def stream(self, inputs: Sequence[Value]) -> Generator[dict[str, Value], None, None]:
         """A decoupled model's responses, as it yields them; closing this closes the model's generator (its
         `finally` runs). A model whose infer returns a dict answers once."""
-        result = self._model.infer(dict(zip(self._input_names, inputs, strict=True)))
+        result = self._infer(inputs)
         if not (inspect.isgenerator(result) or inspect.isasyncgen(result)):
             yield self._named(result)
             return
@@ -101,6 +116,13 @@ class PythonBackend:
         raise ValueError(
             f"output '{name}' is {_kind(value)}; return a torch tensor or a numpy array of numbers"
         )
+
+
+def _takes_models(model_cls: type) -> bool:
+    try:
+        return "models" in inspect.signature(model_cls).parameters
+    except (TypeError, ValueError):  # no signature to read: the model takes (config, device)
+        return False
 
 
 def _kind(value: object) -> str:

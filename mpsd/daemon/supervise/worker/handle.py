@@ -10,6 +10,7 @@ import dataclasses
 
 import structlog
 
+from mpsd.daemon.dataplane.calls import CallHandler
 from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.supervise.worker.liveness import Liveness
 from mpsd.daemon.supervise.worker.process import Process, WorkerLaunch, describe_exit
@@ -23,7 +24,11 @@ class WorkerProcess:
     """One worker, from exec to reaping; `died` is set once it has ended and its requests have failed."""
 
     def __init__(
-        self, launch: WorkerLaunch, request_timeout_s: float = 0.0, heartbeat_timeout_s: float = 10.0
+        self,
+        launch: WorkerLaunch,
+        request_timeout_s: float = 0.0,
+        heartbeat_timeout_s: float = 10.0,
+        calls: CallHandler | None = None,
     ) -> None:
         self.launch = launch
         self.kill_reason = ""
@@ -31,7 +36,9 @@ class WorkerProcess:
         self.died = asyncio.Event()
         self.process = Process(launch)
         self.liveness = Liveness(launch, heartbeat_timeout_s, self._hung)
-        self.channel = Channel(launch.model, self.liveness, request_timeout_s, self._hung, launch.label)
+        self.channel = Channel(
+            launch.model, self.liveness, request_timeout_s, self._hung, launch.label, calls=calls
+        )
         self.over_ceiling = self.liveness.over_ceiling
         self._stopping = False
         self._after: asyncio.Task[None] | None = None
