@@ -3,11 +3,12 @@ client: two calls in flight at once (the called models log when they run), a dec
 as a stream, the calling request's deadline and cancellation reaching its calls (the called model logs
 that it was stopped, the caller that its next call failed at once), a model calling itself and a cycle of
 calls refused instead of waiting for ever, and the called model's errors surfacing with a client's status
-and message."""
+and message; a decoupled model streams the responses of a decoupled model it calls."""
 
 from __future__ import annotations
 
 import json
+import queue
 import textwrap
 import time
 from collections.abc import Iterator
@@ -118,6 +119,16 @@ class Model:
             raise
         return {'total': torch.tensor([total]), 'count': torch.tensor([float(count)])}
 """
+# Decoupled too: each of counter's responses, doubled, as it comes (an async generator, awaiting the stream).
+FORWARD = """
+class Model:
+    def __init__(self, config, device, models):
+        self.models = models
+
+    async def infer(self, inputs):
+        async for response in self.models.stream('counter', {'x': inputs['x']}):
+            yield {'y': response['y'] * 2}
+"""
 # Calls the model its `target` parameter names (itself, or the other of a pair).
 BOUNCE = """
 class Model:
@@ -182,6 +193,16 @@ def daemon(log: Path) -> Iterator[RunningDaemon]:
             "parameters": {"log": str(log)},
         },
     )
+    _model(
+        repo,
+        "forward",
+        FORWARD,
+        {
+            "input": [{"name": "x", **TWO}],
+            "output": [{"name": "y", **ONE}],
+            "model_transaction_policy": {"decoupled": True},
+        },
+    )
     for name, target in (("selfish", "selfish"), ("ping", "pong"), ("pong", "ping")):
         _model(repo, name, BOUNCE, {**io, "parameters": {"target": target}})
     relay_inputs = [{"name": "x", **F}, {"name": "TARGET", "data_type": "TYPE_STRING", "dims": [1]}]
@@ -226,6 +247,24 @@ def test_stream_from_a_decoupled_model(daemon: RunningDaemon, log: Path) -> None
     assert result.as_numpy("count").tolist() == [6.0]
     assert result.as_numpy("total").tolist() == [15.0]  # 0 + 1 + ... + 5
     assert [e[2:-1] for e in _entries(log, "counter") if e[1] == 1] == [["started"], ["finished", 6]]
+
+
+def test_a_decoupled_model_streams_the_stream_it_calls(daemon: RunningDaemon, log: Path) -> None:
+    """Streaming through a pipeline: a decoupled python model yields each response of the decoupled model
+    it calls, to its own client's stream."""
+    responses: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(daemon.address)
+    client.start_stream(callback=lambda result, error: responses.put(error or result))
+    try:
+        client.async_stream_infer("forward", [_x(5, 4)], enable_empty_final_response=True)
+        got = []
+        while (response := responses.get(timeout=30)).as_numpy("y") is not None:
+            got.append(response.as_numpy("y").tolist())
+    finally:
+        client.stop_stream(cancel_requests=True)  # without waiting for a stream that does not end
+        client.close()
+    assert got == [[0.0], [2.0], [4.0], [6.0], [8.0]]
+    assert [e[2:-1] for e in _entries(log, "counter") if e[1] == 4] == [["started"], ["finished", 5]]
 
 
 def _failure(call: Any) -> InferenceServerException:
