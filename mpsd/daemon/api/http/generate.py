@@ -21,13 +21,13 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall, InputCall, RawEntry
 from mpsd.daemon.api.operations import Answered, Operations
 from mpsd.daemon.api.parse import check_name
+from mpsd.daemon.api.web import read_body
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES, config_to_wire
 
 from .body import json_param, load_json
 from .handlers import path, rpc
-from .infer import read_body
 from .responses import dumps, json_response, json_values
 
 RESERVED = ("id", "parameters")

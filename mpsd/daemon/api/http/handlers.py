@@ -14,24 +14,21 @@ from mpsd.daemon.api import describe
 from mpsd.daemon.api.cuda_shm import raw_handle
 from mpsd.daemon.api.device_stats import with_device_compute
 from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.api.web import method
 from mpsd.daemon.core.overrides import FILE_PREFIX, LoadParameters
 from mpsd.errors import InvalidArgument
 
 from .body import load_json
-from .middleware import RPC_KEY
+from .middleware import KSERVE
 from .responses import empty, error_response, json_response, proto_dict
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def rpc(name: str) -> Callable[[F], F]:
-    """Mark a handler with the KServe RPC it stands for: its access category is that RPC's."""
-
-    def mark(handler: F) -> F:
-        setattr(handler, RPC_KEY, name)
-        return handler
-
-    return mark
+    """Mark a handler with the RPC it stands for (a KServe name, or a full one): its access category is
+    that RPC's."""
+    return method(name if name.startswith("/") else KSERVE + name)
 
 
 def path(request: web.Request, key: str) -> str:

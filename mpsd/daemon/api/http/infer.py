@@ -8,35 +8,11 @@ from aiohttp import web
 
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.parse import check_name
+from mpsd.daemon.api.web import read_body
 
 from .body import HEADER_LENGTH, parse_infer_body
 from .handlers import path, rpc
 from .responses import infer_response
-
-
-def too_large(declared: int | None, limit: int) -> web.HTTPRequestEntityTooLarge:
-    """413 with a message that names the limit, sent before the body is read."""
-    size = f"{declared} bytes" if declared is not None else "more than that"
-    text = f"the request body is {size}; the limit is {limit} bytes (max_message_bytes)"
-    return web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared or limit + 1, text=text)
-
-
-async def read_body(request: web.Request, limit: int) -> memoryview:
-    """The whole body in one buffer; a body over `limit` is refused as soon as its declared length, or the
-    part read so far, says so. Nothing is allocated from the declared length (a client may declare the
-    limit and send nothing), and the count is of the bytes as the handler sees them, so a compressed body
-    (Content-Encoding: gzip or deflate, which aiohttp inflates) is held to the limit once inflated."""
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise too_large(declared, limit)
-    chunks: list[bytes] = []
-    received = 0
-    while chunk := await request.content.readany():
-        received += len(chunk)
-        if received > limit:
-            raise too_large(None, limit)
-        chunks.append(chunk)
-    return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
 class InferHandler:

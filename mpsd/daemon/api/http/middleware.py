@@ -8,19 +8,20 @@
   Bearer` header, exactly as on gRPC: the request is refused before its body is read, and before a client
   that sent `Expect: 100-continue` is told to send it.
 - An MpsdError becomes its HTTP status (`net.status`, the one table) with Triton's `{"error": "..."}` body;
-  aiohttp's own refusals (404, 405, 413) get the same body; anything else is a logged 500.
+  aiohttp's own refusals (404, 405, 413) get the same body; anything else is a logged 500. Under the
+  prefix of another adapter mounted on the server (`api.web.Mount`), that adapter words the error.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from mpsd.daemon.api.web import ErrorWriter, Mount, method_of
 from mpsd.errors import MpsdError, Unauthenticated, Unavailable
 from mpsd.net.auth import AccessPolicy
 from mpsd.net.status import http_status
@@ -28,19 +29,19 @@ from mpsd.net.status import http_status
 from .responses import error_response
 
 LIVE = "/v2/health/live"
-READINESS = frozenset({"ServerReady", "ModelReady"})  # the RPCs that say no from the stop signal on
 
 log = structlog.get_logger("mpsd.daemon.http")
 
 KSERVE = "/inference.GRPCInferenceService/"
-RPC_KEY = "mpsd_rpc"  # a route handler's attribute: the RPC it stands for (a KServe name, or a full one)
+# The RPCs that say no from the stop signal on
+READINESS = frozenset({KSERVE + "ServerReady", KSERVE + "ModelReady"})
 
 
-def rpc_of(handler: Any) -> str | None:
-    name = getattr(handler, RPC_KEY, None)
-    if name is None:
-        return None
-    return name if name.startswith("/") else f"{KSERVE}{name}"
+def triton_error(
+    status: int, message: str, error: MpsdError | None, headers: Mapping[str, str] | None
+) -> web.Response:
+    """Triton's error body, whatever the error."""
+    return error_response(status, message, headers)
 
 
 class Admission:
@@ -55,8 +56,10 @@ class Admission:
         shutting_down: Callable[[], bool],
         limit: int,
         refusing: Callable[[], bool] | None = None,
+        mounts: Sequence[Mount] = (),
     ) -> None:
         self.policy = policy
+        self.mounts = tuple(mounts)
         self.limit = limit  # the largest body accepted, in bytes
         self.shutting_down = shutting_down
         self.refusing = refusing if refusing is not None else shutting_down
@@ -80,12 +83,11 @@ class Admission:
 
     def _admit(self, request: web.Request) -> None:
         """Raise what refuses the request before anything of its body is read: the drain, access."""
-        handler = request.match_info.handler
-        readiness = getattr(handler, RPC_KEY, None) in READINESS
+        method = method_of(request.match_info.handler)
+        readiness = method in READINESS
         # live stays true while in-flight work ends; readiness says no from the signal, the rest after grace
         if request.path != LIVE and (self.refusing() or (readiness and self.shutting_down())):
             raise Unavailable("the daemon is shutting down")
-        method = rpc_of(handler)
         if method is not None:
             credentials = [("authorization", v) for v in request.headers.getall("Authorization", ())]
             refused = self.policy.check(method, credentials)
@@ -97,43 +99,53 @@ class Admission:
         """`Expect: 100-continue`: the client waits for a go-ahead before it sends the body, so the request
         is admitted (and its declared size checked) first; a refusal is the final answer, and the body is
         never sent. aiohttp runs this before the middleware, and would otherwise always say continue."""
+        errors = self.errors(request)
         try:
             self._admit(request)
         except MpsdError as exc:
-            return _error(exc)
+            return _error(errors, exc)
         declared = request.content_length
         if declared is not None and declared > self.limit:
             limit = f"the limit is {self.limit} bytes (max_message_bytes)"
-            return error_response(413, f"the request body is {declared} bytes; {limit}")
+            return errors(413, f"the request body is {declared} bytes; {limit}", None, None)
         expect = request.headers.get("Expect", "")
         if expect.lower() != "100-continue":
-            return error_response(417, f"unknown Expect: {expect[:100]!a} (only 100-continue is understood)")
+            unknown = f"unknown Expect: {expect[:100]!a} (only 100-continue is understood)"
+            return errors(417, unknown, None, None)
         if request.version >= (1, 1):
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.writer.output_size = 0  # what was written is no part of the response
         return None
+
+    def errors(self, request: web.Request) -> ErrorWriter:
+        """Who words an error for this path: the adapter mounted there, else Triton's body."""
+        path = request.path
+        for mount in self.mounts:
+            if path.startswith(mount.prefix):
+                return mount.errors
+        return triton_error
 
     async def _handle(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             self._admit(request)
             return await handler(request)
         except MpsdError as exc:
-            return _error(exc)
+            return _error(self.errors(request), exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
             message = exc.text if exc.status == 413 and exc.text else exc.reason
-            return error_response(exc.status, message or "", _allow(exc))
+            return self.errors(request)(exc.status, message or "", None, _allow(exc))
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception as exc:
             log.exception("unexpected error", path=request.path)
-            return error_response(500, f"{type(exc).__name__}: {exc}")
+            return self.errors(request)(500, f"{type(exc).__name__}: {exc}", None, None)
 
 
-def _error(exc: MpsdError) -> web.Response:
+def _error(errors: ErrorWriter, exc: MpsdError) -> web.Response:
     extra = {"WWW-Authenticate": "Bearer"} if isinstance(exc, Unauthenticated) else None
-    return error_response(http_status(exc), exc.message, extra)
+    return errors(http_status(exc), exc.message, exc, extra)
 
 
 def _allow(exc: web.HTTPException) -> dict[str, str] | None:

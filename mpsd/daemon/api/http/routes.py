@@ -7,11 +7,15 @@ Triton's JSON error body.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.status_view import StatusView
+from mpsd.daemon.api.web import Mount
 from mpsd.net.auth import AccessPolicy
 
 from .generate import GenerateHandler
@@ -72,12 +76,24 @@ def add_routes(app: web.Application, ops: Operations, limit: int, admission: Adm
 
 
 def build_app(
-    ops: Operations, policy: AccessPolicy, limit: int, view: StatusView
+    ops: Operations,
+    policy: AccessPolicy,
+    limit: int,
+    view: StatusView | None,
+    mounts: Sequence[Mount] = (),
+    kserve: bool = True,
 ) -> tuple[web.Application, Admission]:
-    """The application serving `ops` and the status page of `view`; bodies over `limit` bytes are refused
-    (413)."""
-    admission = Admission(policy, ops.shutting_down, limit, ops.refusing)
+    """The application serving `ops` with KServe's routes and the status page of `view` (unless `kserve`
+    is false: then the mounted adapters own every path, their errors included) and those of the adapters
+    mounted beside them; bodies over `limit` bytes are refused (413)."""
+    if not kserve:
+        mounts = [replace(m, prefix="/") for m in mounts]
+    admission = Admission(policy, ops.shutting_down, limit, ops.refusing, mounts)
     app = web.Application(middlewares=[admission], client_max_size=limit)
-    add_routes(app, ops, limit, admission)
-    add_status_routes(app, view, admission)
+    if kserve:
+        add_routes(app, ops, limit, admission)
+    if view is not None:
+        add_status_routes(app, view, admission)
+    for mount in mounts:
+        mount.add_routes(app, admission.expect)
     return app, admission

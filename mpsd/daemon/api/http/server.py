@@ -1,5 +1,7 @@
 """The HTTP/REST server's lifecycle on the daemon's own event loop (aiohttp's AppRunner and one site): TCP
-or a Unix socket (mode 0600), in the clear or over (mutual) TLS, with the gRPC port's tokens.
+or a Unix socket (mode 0600), in the clear or over (mutual) TLS, with the gRPC port's tokens. It serves
+KServe's routes, other adapters' mounted beside them (`api.web.Mount`), or those alone on a port of their
+own.
 
 A port that cannot be listened on is logged, not fatal: gRPC, which clients of earlier versions use,
 keeps serving. At shutdown the port stays open until the requests in progress have finished (or the
@@ -11,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Sequence
 
 import structlog
 from aiohttp import web
 
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.status_view import StatusView
+from mpsd.daemon.api.web import Mount
 from mpsd.errors import ConfigError
 from mpsd.net.auth import AccessPolicy
 from mpsd.net.certificates import SslContexts, TlsMaterial
@@ -39,10 +43,15 @@ class HttpEndpoint:
         policy: AccessPolicy,
         limit: int,
         tls: TlsMaterial | None = None,
+        mounts: Sequence[Mount] = (),
+        kserve: bool = True,
+        name: str = "http",
     ) -> None:
         self.address = address
-        self.status = StatusView(ops.registry, ops.server_name)
-        self.app, self.admission = build_app(ops, policy, limit, self.status)
+        self.name = name  # in its log lines: `http`, or the API it serves alone
+        # the status page, with KServe's routes
+        self.status = StatusView(ops.registry, ops.server_name) if kserve else None
+        self.app, self.admission = build_app(ops, policy, limit, self.status, mounts, kserve)
         self.tls = SslContexts(tls) if tls is not None else None
         self._runner: web.AppRunner | None = None
         self._hurry = asyncio.Event()
@@ -65,11 +74,12 @@ class HttpEndpoint:
         except (OSError, ConfigError) as exc:
             await runner.cleanup()
             reason = exc.message if isinstance(exc, ConfigError) else str(exc)
-            log.error("http endpoint not started", address=self.address.text, reason=reason)
+            log.error(f"{self.name} endpoint not started", address=self.address.text, reason=reason)
             return
         self._runner = runner
-        self.status.recent.start()
-        log.info("http endpoint listening", url=self.url)
+        if self.status is not None:
+            self.status.recent.start()
+        log.info(f"{self.name} endpoint listening", url=self.url)
 
     async def _listen(self, runner: web.AppRunner, context: object) -> None:
         path = self.address.unix_path
@@ -77,7 +87,7 @@ class HttpEndpoint:
             host = self.address.host or None
             await web.TCPSite(runner, host, self.address.port, ssl_context=context).start()  # type: ignore[arg-type]
             return
-        prepare_socket_path(self.address, "http_address")
+        prepare_socket_path(self.address, f"{self.name}_address")
         old_umask = os.umask(0o177)  # covers the moment between bind() and chmod()
         try:
             await web.UnixSite(runner, str(path), ssl_context=context).start()  # type: ignore[arg-type]
@@ -100,7 +110,8 @@ class HttpEndpoint:
         runner, self._runner = self._runner, None
         if runner is None:
             return
-        await self.status.recent.stop()
+        if self.status is not None:
+            await self.status.recent.stop()
         idle = asyncio.ensure_future(self.admission.idle())
         hurry = asyncio.ensure_future(self._hurry.wait())
         try:
@@ -110,7 +121,8 @@ class HttpEndpoint:
             hurry.cancel()
         if self.admission.in_flight:
             log.warning(
-                "http requests still in progress at the end of the drain", requests=self.admission.in_flight
+                f"{self.name} requests still in progress at the end of the drain",
+                requests=self.admission.in_flight,
             )
         await runner.cleanup()
         if self.address.unix_path is not None:
