@@ -62,6 +62,15 @@ class InvalidArgument(MpsdError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class InvalidField(InvalidArgument):
+    """A field of a request that cannot be used, named in `param` for protocols whose errors name it
+    (OpenAI's)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class NotFound(MpsdError):
     code = ErrorCode.NOT_FOUND
 

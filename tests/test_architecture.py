@@ -149,7 +149,7 @@ def walk_problems(stops: list[str], graph: grimp.ImportGraph) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("heading", ["gRPC ModelInfer", "HTTP infer"])
+@pytest.mark.parametrize("heading", ["gRPC ModelInfer", "HTTP infer", "OpenAI embeddings"])
 def test_a_walk_stops_in_at_most_ten_files_through_three_rooms_in_order(heading: str) -> None:
     stops = walk(heading)
     assert len(stops) >= 3, stops

@@ -29,11 +29,16 @@ def check_servable(config: DaemonConfig, event_loop: bool = True) -> None:
     from mpsd.net import eventloop
 
     front_plan(config)  # fronts the addresses cannot serve are a configuration error
-    from mpsd.net.listen import http_address, parse_address, same_port
+    from mpsd.net.listen import http_address, openai_address, parse_address, same_port
 
+    grpc = parse_address(config.grpc_address)
     http = http_address(config.http_address)
-    if http is not None and same_port(http, parse_address(config.grpc_address)):
+    if http is not None and same_port(http, grpc):
         raise ConfigError(f"http_address {http.text} and grpc_address {config.grpc_address} collide")
+    openai = openai_address(config.openai_address)
+    for setting, other in (("grpc_address", grpc), ("http_address", http)):
+        if openai is not None and other is not None and same_port(openai, other):
+            raise ConfigError(f"openai_address {openai.text} and {setting} {other.text} collide")
     if event_loop:
         eventloop.check(config.event_loop)
     if not config.model_repository.is_dir():

@@ -57,6 +57,12 @@ class DaemonConfig(BaseModel):
         'unix:///path/mpsd-http.sock for a Unix socket only the daemon\'s user can open (mode 0600); "", '
         '"off" or null disable it. Same TLS and tokens as gRPC.',
     )
+    openai_address: str = Field(
+        "http",
+        description="Where OpenAI's API is served (docs/openai.md): `http` on http_address, beside the "
+        'KServe routes; host:port or unix:///path on a port of its own (same TLS and tokens); "" or "off": '
+        "not served.",
+    )
     metrics_address: str | None = Field(
         "127.0.0.1:8002",
         description='host:port of the Prometheus endpoint (Triton\'s port); "", "off" or null disable it.',

@@ -235,6 +235,34 @@ class Residency(_Strict):
     footprint_bytes: Annotated[int, Field(gt=0)] | None = None
 
 
+OpenAITask = Literal["embeddings", "chat", "completions", "transcription"]
+# The data types an embeddings output may have: floats, sent to clients as float32.
+EMBEDDING_TYPES = ("TYPE_FP16", "TYPE_BF16", "TYPE_FP32", "TYPE_FP64")
+USAGE_TYPES = ("TYPE_INT32", "TYPE_INT64", "TYPE_UINT32", "TYPE_UINT64")
+
+
+class OpenAIConfig(_Strict):
+    """The model serves an endpoint of OpenAI's API (docs/openai.md): which one, and which of its inputs and
+    outputs carry what."""
+
+    task: OpenAITask
+    # TYPE_STRING: each text (embeddings), the messages as JSON (chat), the prompt (completions), the
+    # audio file's bytes (transcription)
+    input: Annotated[str, Field(min_length=1)]
+    # the embeddings (floats, one row per text), or the text (TYPE_STRING; each response's piece)
+    output: Annotated[str, Field(min_length=1)]
+    # TYPE_STRING: the request's other fields (sampling, language, ...) as one JSON object
+    parameters_input: Annotated[str, Field(min_length=1)] | None = None
+    # TYPE_STRING: why generation ended (`stop`, `length`, ...), "" while it goes on
+    finish_reason_output: Annotated[str, Field(min_length=1)] | None = None
+    # integers: tokens of each text (embeddings), or [prompt, completion] tokens so far (chat, completions)
+    usage_output: Annotated[str, Field(min_length=1)] | None = None
+    # embeddings: `dimensions` may ask for fewer: the first N values, scaled back to unit length
+    truncate_dimensions: bool = False
+    # embeddings: `input` may be token arrays, each reaching openai.input as its JSON text (`[101, 7592]`)
+    tokens: bool = False
+
+
 class WarmupInput(_Strict):
     """One input of a warm-up sample: type, shape without the batch dimension, and what fills it."""
 
@@ -357,6 +385,76 @@ def _check_strings(config: ModelConfig) -> None:
                 )
 
 
+def _check_openai(config: ModelConfig) -> None:
+    """The inputs and outputs the `openai` section names exist, with types its endpoint can fill or read,
+    and the daemon can send every input the model needs."""
+    section = config.openai
+    if section is None:
+        return
+    inputs, outputs = config.input_by_name(), config.output_by_name()
+    text_out = section.task != "embeddings"
+    named: list[tuple[str, str | None, dict[str, Any], tuple[str, ...]]] = [
+        ("input", section.input, inputs, ("TYPE_STRING",)),
+        ("parameters_input", section.parameters_input, inputs, ("TYPE_STRING",)),
+        ("output", section.output, outputs, ("TYPE_STRING",) if text_out else EMBEDDING_TYPES),
+        ("finish_reason_output", section.finish_reason_output, outputs, ("TYPE_STRING",)),
+        ("usage_output", section.usage_output, outputs, USAGE_TYPES),
+    ]
+    for field, name, tensors, types in named:
+        if name is None:
+            continue
+        loc = ("openai", field)
+        tensor = tensors.get(name)
+        if tensor is None:
+            kind = "input" if tensors is inputs else "output"
+            raise RuleError(
+                loc, f"openai.{field}: the model has no {kind} '{name}' (its: {', '.join(tensors)})"
+            )
+        if tensor.data_type not in types:
+            raise RuleError(
+                loc, f"openai.{field}: '{name}' is {tensor.data_type}; it must be {' or '.join(types)}"
+            )
+    if section.parameters_input is not None and section.parameters_input == section.input:
+        raise RuleError(
+            ("openai", "parameters_input"), "openai.parameters_input and openai.input are one input"
+        )
+    generates = section.task in ("chat", "completions")
+    if section.finish_reason_output is not None and not generates:
+        raise RuleError(
+            ("openai", "finish_reason_output"), "openai.finish_reason_output is for chat and completions"
+        )
+    if section.usage_output is not None and section.task == "transcription":
+        raise RuleError(
+            ("openai", "usage_output"), "openai.usage_output is for embeddings, chat and completions"
+        )
+    for field in ("truncate_dimensions", "tokens"):
+        if getattr(section, field) and section.task != "embeddings":
+            raise RuleError(("openai", field), f"openai.{field} is for embeddings")
+    given = {section.input, section.parameters_input}
+    others = [t.name for t in config.input if t.name not in given]
+    if others:
+        raise RuleError(
+            ("openai",),
+            "openai: a request through OpenAI's API gives the model openai.input and openai.parameters_input "
+            f"only; the model has more inputs: {', '.join(others)}",
+        )
+    if section.task == "embeddings" and config.model_transaction_policy.decoupled:
+        raise RuleError(
+            ("openai", "task"), "openai.task embeddings takes one response: the model is decoupled"
+        )
+    batched = config.max_batch_size > 0
+    for field in ("input", "parameters_input"):
+        name = getattr(section, field)
+        dims = inputs[name].dims if name is not None else [1]
+        if dims != [1] and (batched or section.task != "embeddings" or field != "input" or dims != [-1]):
+            rows = (
+                "[1], or [-1] without batching"
+                if field == "input" and section.task == "embeddings"
+                else "[1]"
+            )
+            raise RuleError(("openai", field), f"openai.{field} '{name}' dims must be {rows}, not {dims}")
+
+
 def _check_warmup(config: ModelConfig) -> None:
     """Every sample feeds every required input with a shape and type the model accepts."""
     configured = config.input_by_name()
@@ -411,6 +509,8 @@ class ModelConfig(_Strict):
     # Shared objects (torch.ops.load_library) and Python files or packages (imported) that register custom
     # ops, loaded by each worker before the model; paths inside the model's folder (mpsd/config/op_libraries)
     op_libraries: list[Annotated[str, Field(min_length=1)]] = []
+    # Served through OpenAI's API too (docs/openai.md)
+    openai: OpenAIConfig | None = None
 
     @field_validator("parameters", mode="before")
     @classmethod
@@ -455,6 +555,7 @@ class ModelConfig(_Strict):
                     "a decoupled model runs each request on its own: remove dynamic_batching",
                 )
         _check_strings(self)
+        _check_openai(self)
         _check_warmup(self)
         _check_graphs(self)
         _check_compile(self)

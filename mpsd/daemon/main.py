@@ -147,13 +147,13 @@ class Daemon:
 
     async def _serve(self) -> int:
         self.ports.build()
-        fronts, http = self.ports.fronts, self.ports.http
+        fronts = self.ports.fronts
         for server in self.ports.servers:
             await server.start()
         if fronts is not None:
             await fronts.start()
-        if http is not None:
-            await http.start()
+        for endpoint in self.ports.http_endpoints:
+            await endpoint.start()
         await self.metrics.start()
         front_ports = list(fronts.ports) if fronts is not None else []
         log.info(
@@ -294,8 +294,8 @@ class Daemon:
                 return
             if self.ports.fronts is not None:
                 self.ports.fronts.hurry()
-            if self.ports.http is not None:
-                self.ports.http.hurry()
+            for endpoint in self.ports.http_endpoints:
+                endpoint.hurry()
             if self.ports.servers:
                 self._hurry = asyncio.ensure_future(self.ports.stop_servers(0))
             return
@@ -330,15 +330,14 @@ class Daemon:
         drain = self.config.drain_timeout_s
         drained = asyncio.ensure_future(self._drained(drain))
         ports = self.ports
-        http = asyncio.ensure_future(ports.http.stop(drain)) if ports.http is not None else None
+        http = asyncio.gather(*(endpoint.stop(drain) for endpoint in ports.http_endpoints))
         # The public port drains beside the fronts; the private server (last) after them: it serves them.
         private = ports.servers[-1:] if ports.fronts is not None else []
         public = asyncio.gather(*(server.stop(drain) for server in ports.servers if server not in private))
         if ports.fronts is not None:
             await ports.fronts.stop(drain)
         await asyncio.gather(public, *(server.stop(drain) for server in private))
-        if http is not None:
-            await http
+        await http
         clean = await drained
         await self.metrics.stop()
         await ending

@@ -1,6 +1,6 @@
 """Every way into the daemon: the public gRPC server (or the front processes sharing its port, and the
-daemon's private server on a Unix socket that they relay to) and HTTP/REST, built from the daemon config, with
-the one access policy they all enforce, which SIGHUP may replace.
+daemon's private server on a Unix socket that they relay to), HTTP/REST and OpenAI's API, built from the
+daemon config, with the one access policy they all enforce, which SIGHUP may replace.
 
 An address the daemon cannot listen on is a ConfigError (`mpsd serve` exits 78 with one line), found before
 gRPC tries it.
@@ -25,6 +25,8 @@ from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.grpc.server import grpc_server, services
 from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.metrics import MetricsEndpoint
+from mpsd.daemon.api.openai.routes import openai_mount
+from mpsd.daemon.api.openai.stats import OpenAIStats
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.supervise.fronts.policy import check_port_free, front_address, front_plan
 from mpsd.daemon.supervise.fronts.pool import FrontPool
@@ -32,7 +34,15 @@ from mpsd.daemon.supervise.fronts.sockets import make_socket_dir
 from mpsd.errors import ConfigError
 from mpsd.net.auth import AccessPolicy, build_policy
 from mpsd.net.certificates import Certificates, TlsMaterial
-from mpsd.net.listen import Address, bind, connection_age_options, http_address, parse_address
+from mpsd.net.listen import (
+    Address,
+    bind,
+    connection_age_options,
+    http_address,
+    openai_address,
+    openai_served,
+    parse_address,
+)
 
 log = structlog.get_logger("mpsd.daemon")
 
@@ -57,6 +67,7 @@ class Ports:
         self.servers: list[grpc.aio.Server] = []
         self.fronts: FrontPool | None = None
         self.http: HttpEndpoint | None = None  # when http_address is set
+        self.openai: HttpEndpoint | None = None  # OpenAI's API on a port of its own (openai_address)
         self._gate: Gate | None = None  # access control and decoding for every gRPC call
         self._certificates: Certificates | None = None  # the daemon's own TLS port (none with fronts)
         self._socket_dir: Path | None = None
@@ -116,9 +127,25 @@ class Ports:
             self._metrics.add_fronts(self.fronts)
             self._admin.fronts = self.fronts.describe
         http = http_address(config.http_address)
+        own = openai_address(config.openai_address)
+        mounts = []
+        if openai_served(config.openai_address, http):
+            stats = OpenAIStats()
+            self._metrics.add_collector(stats)
+            mounts.append(openai_mount(self._ops, limit, stats))
         if http is not None:
             policy = self.policy(config.auth, tokens, http)
-            self.http = HttpEndpoint(http, self._ops, policy, limit, tls)
+            self.http = HttpEndpoint(http, self._ops, policy, limit, tls, mounts if own is None else ())
+        if own is not None:
+            policy = self.policy(config.auth, tokens, own)
+            self.openai = HttpEndpoint(
+                own, self._ops, policy, limit, tls, mounts, kserve=False, name="openai"
+            )
+
+    @property
+    def http_endpoints(self) -> list[HttpEndpoint]:
+        """The HTTP servers: KServe's (with OpenAI's API beside it), and OpenAI's on a port of its own."""
+        return [e for e in (self.http, self.openai) if e is not None]
 
     def _connection_age(self) -> list[tuple[str, int]]:
         config = self.config
@@ -147,8 +174,8 @@ class Ports:
             self._certificates.replace(tls)
         if self.fronts is not None:
             self.fronts.update_access(fresh.auth, tokens, tls)
-        if self.http is not None:
-            self.http.update_access(self.policy(fresh.auth, tokens, self.http.address), tls)
+        for endpoint in self.http_endpoints:
+            endpoint.update_access(self.policy(fresh.auth, tokens, endpoint.address), tls)
         log.info("tokens reloaded", tokens=len(tokens))
         if tls is not None:
             log.info("certificates reloaded", client_certificates=tls.mutual)

@@ -27,6 +27,9 @@ log = structlog.get_logger("mpsd.net.auth")
 
 _KSERVE = "/inference.GRPCInferenceService/"
 _ADMIN = "/mpsd.v1.MpsdAdmin/"
+# OpenAI's API (HTTP only): its endpoints, named as methods so that tokens decide them as any other.
+OPENAI = "/openai.v1.OpenAI/"
+OPENAI_METHODS = ("ListModels", "Embeddings", "ChatCompletions", "Completions", "Transcriptions")
 
 METHOD_CATEGORY: dict[str, Category] = {
     **{
@@ -56,6 +59,8 @@ METHOD_CATEGORY: dict[str, Category] = {
     _ADMIN + "Reload": "model-repository",
     # An operator's tool: it slows the profiled worker and shows the model's operators and shapes.
     _ADMIN + "Profile": "model-repository",
+    # Listing the models is part of using them: an OpenAI client lists with the key it infers with.
+    **{OPENAI + m: "inference" for m in OPENAI_METHODS},
 }
 # Whole services whose every method is in one category.
 SERVICE_CATEGORY: dict[str, Category] = {

@@ -88,6 +88,23 @@ def http_address(text: str | None) -> Address | None:
     return parse_address(text, "http_address")
 
 
+ON_HTTP = "http"  # openai_address's default: OpenAI's API on the HTTP port, beside KServe's routes
+
+
+def openai_address(text: str) -> Address | None:
+    """The port of its own a config gives OpenAI's API (`openai_address`): None when it is served on the
+    HTTP port or not at all; ConfigError if malformed."""
+    if text.strip().lower() in (*DISABLED, ON_HTTP):
+        return None
+    return parse_address(text, "openai_address")
+
+
+def openai_served(text: str, http: Address | None) -> bool:
+    """Whether OpenAI's API is served at all: on a port of its own, or on an HTTP port that is on."""
+    choice = text.strip().lower()
+    return choice not in DISABLED and (choice != ON_HTTP or http is not None)
+
+
 def same_port(one: Address, other: Address) -> bool:
     """Two addresses that cannot both be listened on by this process: one socket path, or one TCP port on
     overlapping hosts (a wildcard host overlaps every other)."""

@@ -252,6 +252,10 @@ class MetricsEndpoint:
     def add_fronts(self, pool: FrontPool) -> None:
         self.prometheus.register(FrontCollector(pool))
 
+    def add_collector(self, collector: Collector) -> None:
+        """Metrics an adapter keeps itself (OpenAI's requests), built when scraped like the rest."""
+        self.prometheus.register(collector)
+
     def app(self) -> web.Application:
         app = web.Application()
         scrape = make_aiohttp_handler(self.prometheus)

@@ -125,6 +125,23 @@ class Operations:
             raise UnknownModel(name, number)
         return source.config, [str(v) for v in source.versions]
 
+    def models(self) -> list[tuple[str, ModelConfig, str]]:
+        """Every model known, with the config it serves (or loads with, when it loads on demand) and its
+        state: READY, UNLOADED (it loads on its next request), LOADING or UNAVAILABLE. Models whose config
+        could not be read are left out."""
+        known = []
+        for name in sorted(self.registry.entries):
+            entry = self.registry.entries[name]
+            if entry.versions:
+                config = entry.versions[max(entry.versions)].config
+            elif entry.source is not None and entry.source.config is not None:
+                config = entry.source.config
+            else:
+                continue
+            cold = self.registry.residency.cold(entry) and entry.error is None
+            known.append((name, config, "UNLOADED" if cold else entry.state.value))
+        return known
+
     def statistics(self, name: str, version: str) -> list[ModelVersion]:
         """The versions whose statistics are asked for: one, a model's, or every model's ("" names); with
         Triton's answers for a model or version that has none ready (INVALID_ARGUMENT there)."""

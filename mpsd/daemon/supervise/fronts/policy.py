@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError
-from mpsd.net.listen import DISABLED, Address, parse_address, same_port
+from mpsd.net.listen import DISABLED, ON_HTTP, Address, parse_address, same_port
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ def own_ports(config: DaemonConfig) -> tuple[int, ...]:
     if repeated:
         raise ConfigError(f"{where}: port {repeated[0]} is listed more than once; each front needs its own")
     others = {"grpc_address": address}
-    for setting in ("http_address", "metrics_address"):
+    for setting in ("http_address", "metrics_address", "openai_address"):
         text = getattr(config, setting)
-        if text is not None and text.strip().lower() not in DISABLED:
+        if text is not None and text.strip().lower() not in (*DISABLED, ON_HTTP):
             others[setting] = parse_address(text, setting)
     for port in ports:
         mine = front_address(address, port)
