@@ -115,3 +115,50 @@ def reference(folder: Path, sentences: list[str]) -> tuple[np.ndarray, np.ndarra
     vectors = np.stack([embed([s.encode()])[0].numpy() for s in sentences])
     counts = np.array([int(embed.tokens([s.encode()])[0]) for s in sentences])
     return vectors, counts
+
+
+def for_auto_classes(folder: Path) -> None:
+    """The folder `build` wrote, loadable by transformers' AutoTokenizer too (tokenizer_config.json)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    special = {"unk_token": "[UNK]", "pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]"}
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special).save_pretrained(str(folder))
+
+
+def causal_lm(folder: Path) -> None:
+    """A small GPT-2 (random weights, fixed seed) and a word-level tokenizer trained on CORPUS, with a chat
+    template, saved as a Hugging Face model folder."""
+    from tokenizers import Tokenizer, pre_tokenizers, trainers
+    from tokenizers import models as tok_models
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(tok_models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(
+        CORPUS, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<s> assistant :{% endif %}"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(fast),
+        n_positions=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    network = GPT2LMHeadModel(config)
+    with torch.no_grad():  # special tokens score 0 (the head shares these rows): the model says words
+        network.transformer.wte.weight[: len(fast.all_special_ids)] = 0
+    network.save_pretrained(str(folder))

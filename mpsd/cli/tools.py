@@ -88,6 +88,17 @@ def _init_model(args: argparse.Namespace) -> int:
 
     repo: Path = args.repository if args.repository is not None else default_repository(args.config)[0]
     examples = args.example_input or []
+    if args.openai is not None:
+        from mpsd.tools.init_openai import run as run_openai
+
+        given = [o for o, v in (("--example-input", examples), ("--aoti", args.aoti)) if v]
+        if args.max_batch_size is not None:
+            given.append("--max-batch-size")
+        if given:
+            raise ToolError(
+                f"--openai writes a python model: {', '.join(given)} do not apply", "leave them out"
+            )
+        return run_openai(args.name, args.openai, args.source, repo, args.version)
     return run(args.name, args.source, examples, repo, args.max_batch_size, args.version, args.aoti)
 
 
@@ -196,20 +207,26 @@ def add_tool_parsers(sub: Any) -> None:
 
     init = sub.add_parser(
         "init-model",
-        help="create a model directory (config.yaml and version 1) from a .pt or .pt2 file",
+        help="create a model directory (config.yaml and version 1) from a .pt or .pt2 file, or a model that "
+        "serves OpenAI's API from a Hugging Face model folder",
         description=_wrap(
             "Write <repository>/NAME/config.yaml and copy the file to <repository>/NAME/1/. "
             "Input names come from forward()'s arguments (TorchScript) or the program (torch.export); "
             "output names, datatypes and dims from trial runs on the CPU. A TorchScript model needs one "
             "--example-input SHAPE:DTYPE per argument (SHAPE without the batch dimension, ? for a variable "
             "size); a .pt2 program records its shapes, and a dynamic first dimension turns batching on. The "
-            "new model is checked with the worker's own loading and warm-up before it is moved into place."
+            "new model is checked with the worker's own loading and warm-up before it is moved into place. "
+            "With --openai embeddings|chat, --from is a Hugging Face model folder (save_pretrained: "
+            "config.json, weights, tokenizer) and the model written is a python model serving "
+            "/v1/embeddings or /v1/chat/completions (docs/openai.md)."
         ),
         epilog="examples:\n"
         "  mpsd init-model add_sub --from add_sub.pt --example-input 16:FP32 --example-input 16:FP32 "
         "--max-batch-size 8\n"
         "  mpsd init-model classifier --from classifier.pt2 --repository config/models\n"
-        "  mpsd init-model classifier_aoti --from classifier.pt2 --aoti cuda",
+        "  mpsd init-model classifier_aoti --from classifier.pt2 --aoti cuda\n"
+        "  mpsd init-model minilm --openai embeddings --from ./all-MiniLM-L6-v2\n"
+        "  mpsd init-model assistant --openai chat --from ./Qwen2.5-0.5B-Instruct",
         formatter_class=raw,
     )
     init.add_argument("name", help="model name (the directory name)")
@@ -219,7 +236,14 @@ def add_tool_parsers(sub: Any) -> None:
         type=Path,
         required=True,
         metavar="FILE",
-        help="model.pt (torch.jit.save) or model.pt2 (torch.export.save)",
+        help="model.pt (torch.jit.save) or model.pt2 (torch.export.save); with --openai, a Hugging Face "
+        "model folder",
+    )
+    init.add_argument(
+        "--openai",
+        choices=("embeddings", "chat"),
+        help="write a python model serving OpenAI's /v1/embeddings or /v1/chat/completions from the Hugging "
+        "Face model folder --from names (transformers must be installed)",
     )
     init.add_argument(
         "--example-input",

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -376,14 +376,10 @@ def publish(repo: Path, name: str, version: int, text: str, source: Path, aoti: 
 
     With `aoti` (a device type), the program is compiled into an AOTInductor package for that device
     instead of copied, and checked on that device."""
-    target = repo / name
-    staging = repo / f".{name}.init-{os.getpid()}"
     backend = yaml.safe_load(text)["backend"]
-    try:
-        model_dir = staging / name
-        (model_dir / str(version)).mkdir(parents=True)
-        (model_dir / CONFIG_FILE).write_text(text)
-        target_file = model_dir / str(version) / DEFAULT_FILENAMES[backend]
+
+    def fill(version_dir: Path) -> None:
+        target_file = version_dir / DEFAULT_FILENAMES[backend]
         if aoti is not None:
             from mpsd.tools.aoti import compile_package
 
@@ -392,6 +388,24 @@ def publish(repo: Path, name: str, version: int, text: str, source: Path, aoti: 
             _progress(f"compiled in {seconds:.1f} s")
         else:
             shutil.copyfile(source, target_file)
+
+    return staged(repo, name, version, text, fill, aoti)
+
+
+def staged(
+    repo: Path, name: str, version: int, text: str, fill: Callable[[Path], None], aoti: str | None = None
+) -> Path:
+    """Write the config and (`fill`) the version folder into a hidden directory beside the repository's
+    models, check the model with the worker's loading and warm-up (on `aoti`'s device, apart, for an
+    AOTInductor package), and only then rename it into place, so a watching daemon never sees it half
+    written."""
+    target = repo / name
+    staging = repo / f".{name}.init-{os.getpid()}"
+    try:
+        model_dir = staging / name
+        (model_dir / str(version)).mkdir(parents=True)
+        (model_dir / CONFIG_FILE).write_text(text)
+        fill(model_dir / str(version))
         model = load_model_source(model_dir)
         if model.error is not None:
             raise ToolError(f"the written config is invalid: {model.error}", "please report this as a bug")
@@ -414,6 +428,22 @@ def publish(repo: Path, name: str, version: int, text: str, source: Path, aoti: 
     return target
 
 
+def check_new(repo: Path, name: str, version: int) -> None:
+    """ToolError unless `name` can be a new model of `repo` at `version`."""
+    if not MODEL_NAME_RE.match(name):
+        raise ToolError(
+            f"invalid model name '{name}'", "use letters, digits, '_', '.' and '-' (not first), up to 128"
+        )
+    if version < 1:
+        raise ToolError(f"version {version} is not allowed", "versions are positive integers: 1, 2, ...")
+    target = repo / name
+    if target.exists():
+        raise ToolError(
+            f"{target} already exists",
+            f"choose another NAME or remove it; to add a version, copy the file to {target}/<N>/",
+        )
+
+
 def run(
     name: str,
     source: Path,
@@ -423,22 +453,11 @@ def run(
     version: int,
     aoti: str | None = None,
 ) -> int:
-    if not MODEL_NAME_RE.match(name):
-        raise ToolError(
-            f"invalid model name '{name}'", "use letters, digits, '_', '.' and '-' (not first), up to 128"
-        )
+    check_new(repo, name, version)
     if not source.is_file():
         raise ToolError(f"{source} does not exist", "pass the model file with --from PATH")
     if max_batch_size is not None and max_batch_size < 0:
         raise ToolError(f"--max-batch-size {max_batch_size} is negative", "0 turns batching off")
-    if version < 1:
-        raise ToolError(f"version {version} is not allowed", "versions are positive integers: 1, 2, ...")
-    target = repo / name
-    if target.exists():
-        raise ToolError(
-            f"{target} already exists",
-            f"choose another NAME or remove it; to add a version, copy the file to {target}/<N>/",
-        )
     text = draft_config(name, source, examples, max_batch_size, aoti)
     repo.mkdir(parents=True, exist_ok=True)
     written = publish(repo, name, version, text, source, aoti)
