@@ -167,6 +167,12 @@ def test_embeddings_equal_the_same_model_over_kserve_as_floats_and_base64(served
     body = json.loads(raw.http_response.text)
     vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), "<f4")
     np.testing.assert_array_equal(vector, expected[2])
+    # more texts than the model batches (8): several calls at once, answered in the order of `input`
+    many = client.embeddings.create(model="embedder", input=SENTENCES * 4, encoding_format="float")
+    np.testing.assert_allclose(
+        [d.embedding for d in many.data], np.tile(expected, (4, 1)), rtol=1e-4, atol=1e-5
+    )
+    assert many.usage.prompt_tokens == 4 * int(tokens.sum())
     one = client.embeddings.create(model="embedder", input="zyzzyva", encoding_format="float")
     np.testing.assert_allclose(one.data[0].embedding, expected[3], rtol=1e-6)
 

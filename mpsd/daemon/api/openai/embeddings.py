@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
 from mpsd.config.model_config import OpenAIConfig
-from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.api.operations import Answered, Operations
 from mpsd.daemon.api.web import method
 from mpsd.errors import InvalidField
 from mpsd.net.auth import OPENAI
@@ -81,6 +82,18 @@ def cut(matrix: np.ndarray[Any, Any], dimensions: int | None, section: OpenAICon
     return part / np.where(norms > 0, norms, 1)
 
 
+async def _all(calls: list[Coroutine[Any, Any, Answered]]) -> list[Answered]:
+    """Every call's answer, the calls made at once; the first error once all have ended (none is left
+    running, nor failing unseen)."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException):
+            raise answer
+    return [a for a in answers if not isinstance(a, BaseException)]
+
+
 class EmbeddingsHandler:
     def __init__(self, ops: Operations, limit: int, stats: OpenAIStats) -> None:
         self.ops = ops
@@ -106,7 +119,7 @@ class EmbeddingsHandler:
             parameters = dumps({"input_type": "tokens" if tokens else "text", **rest})
         parts = chunks(texts, rows_per_call(config, section))
         calls = [self.ops.infer(text_call(name, config, section, part, parameters)) for part in parts]
-        answers = await asyncio.gather(*calls) if len(calls) > 1 else [await calls[0]]
+        answers = await _all(calls)
         vectors, used = [], 0
         for part, answered in zip(parts, answers, strict=True):
             vectors.append(floats(output(answered.result, section.output), len(part)))

@@ -129,8 +129,8 @@ class Reply:
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
-        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""),
-                "created": self.created, "model": self.model}  # fmt: skip
+        kind += ".chunk" if chunk and self.chat else ""
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def chunk(self, piece: str | None, finish: str | None, usage: bool) -> dict[str, Any]:
         """A streamed chunk: a piece of text (None: the first chat chunk, naming the role), or the end."""
