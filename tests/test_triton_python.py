@@ -93,6 +93,59 @@ class TritonPythonModel:
 """
 
 
+# Triton's BLS: calls the network with `exec` (or `await async_exec` from an `async def execute`), and a
+# model that is not there, whose error comes back in its response.
+BLS = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    ASYNC
+
+    def answer(self, x, found, missing):
+        if found.has_error():
+            raise pb_utils.TritonError(found.error().message())
+        y = pb_utils.get_output_tensor_by_name(found, "OUTPUT__0").as_numpy()
+        error = np.array([[missing.error().message().encode()]] * len(x), dtype=np.object_)
+        tensors = [pb_utils.Tensor("Y", y), pb_utils.Tensor("ERROR", error)]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def calls(self, request):
+        x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+        found = pb_utils.InferenceRequest(
+            model_name="network",
+            requested_output_names=["OUTPUT__0"],
+            inputs=[pb_utils.Tensor("INPUT__0", x)],
+        )
+        missing = pb_utils.InferenceRequest(
+            model_name="nope", requested_output_names=["y"], inputs=[pb_utils.Tensor("x", x)]
+        )
+        return x, found, missing
+"""
+SYNC_EXECUTE = """def execute(self, requests):
+        out = []
+        for request in requests:
+            x, found, missing = self.calls(request)
+            out.append(self.answer(x, found.exec(), missing.exec()))
+        return out"""
+ASYNC_EXECUTE = """async def execute(self, requests):
+        out = []
+        for request in requests:
+            x, found, missing = self.calls(request)
+            out.append(self.answer(x, await found.async_exec(), await missing.async_exec()))
+        return out"""
+BLS_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [
+  { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "ERROR", data_type: TYPE_STRING, dims: [ 1 ] }
+]
+"""
+
+
 def _pbtxt(name: str, body: str) -> str:
     return f'name: "{name}"\n' + textwrap.dedent(body)
 
@@ -141,6 +194,10 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(source)
         (repo / name / "config.pbtxt").write_text(_pbtxt(name, body))
+    for name, execute in (("bls", SYNC_EXECUTE), ("bls_async", ASYNC_EXECUTE)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(BLS.replace("ASYNC", execute))
+        (repo / name / "config.pbtxt").write_text(_pbtxt(name, BLS_CONFIG))
     (repo / "network" / "1").mkdir(parents=True)
     models.save_torchscript(models.Constant(1.0), repo / "network" / "1" / "model.pt")
     (repo / "network" / "config.pbtxt").write_text(
@@ -186,7 +243,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         daemon.wait_models_settled(timeout=300)
         index = daemon.client.get_model_repository_index(as_json=True)["models"]
         assert {m["name"]: m["state"] for m in index} == dict.fromkeys(
-            ("network", "pipeline", "postprocess", "preprocess", "repeat"), "READY"
+            ("bls", "bls_async", "network", "pipeline", "postprocess", "preprocess", "repeat"), "READY"
         ), index
         yield daemon
     finally:
@@ -215,6 +272,17 @@ def test_triton_python_ensemble_answers_as_its_steps_one_after_the_other(daemon:
         got_total, got_text = _infer(client, module, "pipeline", "IMAGE", image, ["SUM", "CAPTION"])
         np.testing.assert_array_equal(got_total, total)
         assert got_text.tolist() == text.tolist() == [[b"sum=16.0"], [b"sum=48.0"]]
+
+
+@pytest.mark.parametrize("model", ["bls", "bls_async"])
+def test_a_triton_python_model_calls_another_model_with_exec(daemon: RunningDaemon, model: str) -> None:
+    """Triton's BLS: `InferenceRequest(model_name=...).exec()` (and `async_exec`) answer what the called
+    model answers; a call to a model that is not there answers a response carrying Triton's error."""
+    client = grpcclient.InferenceServerClient(daemon.address)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    y, error = _infer(client, grpcclient, model, "X", x, ["Y", "ERROR"])
+    np.testing.assert_array_equal(y, x + 1)
+    assert error.tolist() == [[b"Request for unknown model: 'nope' is not found"]] * 2
 
 
 def test_an_error_response_reaches_the_client(daemon: RunningDaemon) -> None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import queue
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.utils.dlpack
+
+from mpsd.errors import ErrorCode
+from mpsd.worker import calls
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 # Triton's config data types, as numpy types (its triton_string_to_numpy).
@@ -89,21 +92,30 @@ class Tensor:
 
 
 class InferenceRequest:
-    """One request as `execute` sees it: its input tensors (a whole batch of the daemon's)."""
+    """One request as `execute` sees it (its input tensors: a whole batch of the daemon's), or one a model
+    makes to call another model (`model_name`, then `exec()`, through mpsd.worker.calls)."""
 
     def __init__(
         self,
-        inputs: Sequence[Tensor],
-        requested_output_names: Sequence[str],
+        inputs: Sequence[Tensor] = (),
+        requested_output_names: Sequence[str] = (),
         request_id: str = "",
         parameters: Mapping[str, Any] | None = None,
         sender: InferenceResponseSender | None = None,
+        *,
+        model_name: str = "",
+        model_version: int = -1,
+        timeout: int = 0,
+        **_: Any,  # Triton's flags, correlation_id, preferred_memory, trace: nothing to do with them here
     ) -> None:
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
         self._id = request_id
         self._parameters = dict(parameters or {})
         self._sender = sender
+        self._model = model_name
+        self._version = str(model_version) if model_version > 0 else ""
+        self._timeout_s = timeout / 1e6 if timeout > 0 else None  # Triton's timeout is in microseconds
 
     def inputs(self) -> list[Tensor]:
         return list(self._inputs)
@@ -125,14 +137,64 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return False
 
-    def exec(self, *args: Any, **kwargs: Any) -> Any:
-        raise TritonError(
-            "a Triton python model's InferenceRequest.exec (calling another model) is not supported by mpsd "
-            "yet; use an ensemble",
-            TritonError.UNSUPPORTED,
-        )
+    def _call(self) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        inputs = {t.name(): t.value for t in self._inputs}
+        options = {
+            "version": self._version,
+            "outputs": self._outputs,
+            "timeout_s": self._timeout_s,
+            "request_id": self._id,
+        }
+        return self._model, inputs, options
 
-    async_exec = exec
+    def exec(self, decoupled: bool = False) -> Any:
+        """Call `model_name` (Triton's BLS): its response, carrying the error if the call failed; with
+        `decoupled`, an iterator of its responses."""
+        model, inputs, options = self._call()
+        if decoupled:
+            return _responses(calls.current().stream(model, inputs, **options))
+        try:
+            return _response(calls.current().infer(model, inputs, **options))
+        except calls.CallError as exc:
+            return InferenceResponse(error=_error(exc))
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        model, inputs, options = self._call()
+        if decoupled:
+            return _responses(calls.current().stream(model, inputs, **options))
+        try:
+            return _response(await calls.current().infer_async(model, inputs, **options))
+        except calls.CallError as exc:
+            return InferenceResponse(error=_error(exc))
+
+
+# mpsd's error codes as Triton's (TritonError's codes).
+_CODES = {
+    ErrorCode.NOT_FOUND: TritonError.NOT_FOUND,
+    ErrorCode.INVALID_ARGUMENT: TritonError.INVALID_ARG,
+    ErrorCode.UNAVAILABLE: TritonError.UNAVAILABLE,
+    ErrorCode.UNIMPLEMENTED: TritonError.UNSUPPORTED,
+    ErrorCode.ALREADY_EXISTS: TritonError.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: TritonError.CANCELLED,
+}
+
+
+def _error(exc: calls.CallError) -> TritonError:
+    return TritonError(exc.message, _CODES.get(exc.code, TritonError.INTERNAL))
+
+
+def _response(outputs: Mapping[str, Any]) -> InferenceResponse:
+    return InferenceResponse([Tensor(name, value) for name, value in outputs.items()])
+
+
+def _responses(stream: Any) -> Iterator[InferenceResponse]:
+    """A decoupled call's responses; a failure ends them with a response carrying the error."""
+    with stream:
+        try:
+            for outputs in stream:
+                yield _response(outputs)
+        except calls.CallError as exc:
+            yield InferenceResponse(error=_error(exc))
 
 
 class InferenceResponse:

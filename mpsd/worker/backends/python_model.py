@@ -53,6 +53,8 @@ class PythonBackend:
             extra = {"models": current()} if self.calls_models else {}
             self._model = model_cls(asdict(spec), device, **extra)
         elif triton_cls is not None:
+            # Triton runs no default warm-up, and a model may call others (`exec`) from its first request.
+            self.calls_models = True
             self._model = TritonModel(triton_cls(), spec, device)
         else:
             raise AttributeError(f"{spec.model_path} defines no class Model (nor Triton's TritonPythonModel)")

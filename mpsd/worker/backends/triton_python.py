@@ -10,6 +10,7 @@ until the final flag, whether `execute` sends them itself or from a thread of it
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 from collections.abc import Generator, Mapping
 from pathlib import Path
@@ -64,12 +65,20 @@ class TritonModel:
         if finalize is not None:
             atexit.register(finalize)  # the worker's exit is the model's unload
 
-    def infer(self, inputs: Mapping[str, Value]) -> dict[str, Any] | Generator[dict[str, Any], None, None]:
+    def infer(self, inputs: Mapping[str, Value]) -> Any:
         sender = pb.InferenceResponseSender() if self.decoupled else None
         request = pb.InferenceRequest(
             [pb.Tensor(name, value) for name, value in inputs.items()], self.outputs, sender=sender
         )
         responses = self.model.execute([request])
+        if inspect.iscoroutine(responses):  # `async def execute` (which may await `async_exec`)
+            return self._finish_async(responses, sender)
+        return self._finish(responses, sender)
+
+    async def _finish_async(self, pending: Any, sender: pb.InferenceResponseSender | None) -> Any:
+        return self._finish(await pending, sender)
+
+    def _finish(self, responses: Any, sender: pb.InferenceResponseSender | None) -> Any:
         if sender is not None:
             return self._stream(sender)
         if responses is None or len(responses) != 1:
