@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +20,12 @@ import numpy as np
 import psutil
 import yaml
 
+from bench.cpus import cpu_name, pinned_to
 from mpsd.daemon.supervise.fronts.pool import is_front_command
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def pinned_to(cpus: Collection[int] | None) -> Callable[[], None] | None:
-    """A `preexec_fn` that confines the new process to `cpus` before it runs anything (its children
-    inherit the affinity); None for no pinning."""
-    if not cpus:
-        return None
-    chosen = set(cpus)
-    return lambda: os.sched_setaffinity(0, chosen)
 
 
 def free_port() -> int:
@@ -248,16 +240,8 @@ def machine_info() -> dict[str, Any]:
     import google.protobuf  # type: ignore[import-untyped]
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
@@ -278,19 +262,6 @@ def machine_info() -> dict[str, Any]:
 def process_tree(pid: int) -> list[psutil.Process]:
     parent = psutil.Process(pid)
     return [parent, *parent.children(recursive=True)]
-
-
-def pin_threads(pids: Iterable[int], cpus: Collection[int]) -> None:
-    """Confine every thread of these processes to `cpus` (Linux). Threads started later inherit the mask of
-    the thread that starts them, so a process pinned once stays pinned."""
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), set(cpus))
 
 
 def is_front(p: psutil.Process) -> bool:

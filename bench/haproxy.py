@@ -15,6 +15,8 @@ import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
+from bench.cpus import pinned_to
+
 CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "haproxy" / "mpsd.cfg"
 _SERVER = re.compile(r"^(\s*server mpsd)(\d+)( .*)$")
 
@@ -92,7 +94,6 @@ class HAProxy:
         if check.returncode != 0:
             raise RuntimeError(f"haproxy -c failed: {check.stdout}{check.stderr}")
         self.cpus = sorted(cpus) if cpus else None
-        pinned = set(cpus) if cpus else None
         self.log = workdir / f"haproxy-{len(daemons)}.log"
         self._log = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -101,7 +102,7 @@ class HAProxy:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=(lambda: os.sched_setaffinity(0, pinned)) if pinned else None,
+            preexec_fn=pinned_to(cpus),
         )
 
     @property

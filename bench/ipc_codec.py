@@ -9,7 +9,6 @@ Prints a Markdown table (microseconds per call, the best of R repeats of N calls
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import pickle
 import platform
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from bench.cpus import cpu_name
 from mpsd.ipc import protocol as p
 from mpsd.ipc import wire_codec as w
 
@@ -77,13 +77,7 @@ def measure(number: int, repeat: int) -> list[str]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
 def main() -> None:

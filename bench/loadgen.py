@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from bench.cpus import pinned_to
+
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -294,7 +296,6 @@ class ClientPool:
 
     def __init__(self, processes: int, cpus: Collection[int] | None = None) -> None:
         """With `cpus`, the client processes run on those CPUs only."""
-        chosen = set(cpus) if cpus else None
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -305,7 +306,7 @@ class ClientPool:
                 pass_fds=(child.fileno(),),
                 cwd=root,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=(lambda: os.sched_setaffinity(0, chosen)) if chosen else None,
+                preexec_fn=pinned_to(cpus),
             )
             child.close()
             self._conns.append(Connection(parent.detach()))

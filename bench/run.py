@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from bench import common, mlserver_peer, profile, report
+from bench import common, cpus, mlserver_peer, profile, report
 from bench.inprocess import InProcess, throughput_at
 from bench.loadgen import ClientPool, LoadSpec
 from mpsd.proto import grpc_service_pb2 as pb
@@ -196,20 +196,20 @@ def scenario_batching(ctx: Ctx) -> dict[str, Any]:
     procs = ctx.args.cnn_client_processes
     per_proc = 32 // procs
     path = str(ctx.work / "repo" / "cnn_batched" / "1" / "model.pt")
-    everything = sorted(os.sched_getaffinity(0))
+    everything = cpus.usable_cpus()
     model_cpus = everything[-ctx.args.model_cpus :] if ctx.args.model_cpus else everything
     other_cpus = everything[: -ctx.args.model_cpus] if ctx.args.model_cpus else everything
     if ctx.args.model_cpus:
         # The model gets the same CPUs in mpsd's worker and in the in-process reference; the daemon, its
         # fronts and the load generator run on the others.
         server, workers = common.server_groups(ctx.mpsd.pid)
-        common.pin_threads([w.pid for w in workers] + ctx.inproc.pids, model_cpus)
-        common.pin_threads([p.pid for p in server] + ctx.pool.pids, other_cpus)
+        cpus.pin_threads([w.pid for w in workers] + ctx.inproc.pids, model_cpus)
+        cpus.pin_threads([p.pid for p in server] + ctx.pool.pids, other_cpus)
     try:
         rounds = batching_rounds(ctx, shape, procs, per_proc, path)
     finally:
         if ctx.args.model_cpus:
-            common.pin_threads(
+            cpus.pin_threads(
                 [p.pid for p in common.process_tree(ctx.mpsd.pid)] + ctx.inproc.pids + ctx.pool.pids,
                 everything,
             )
@@ -420,7 +420,7 @@ def main() -> None:
         default=None,
         help="scenario 4: CPUs (and threads) for the CNN, in mpsd's worker (intra_op_thread_count) and "
         "in-process alike; the daemon and the clients get the others (default: half of them; 0: no pinning, "
-        "torch's defaults)",
+        "torch's defaults; on macOS, which cannot pin, only the thread counts apply)",
     )
     parser.add_argument(
         "--baseline-tree",
@@ -448,11 +448,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead-cpu", help="results file stem")
     args = parser.parse_args()
-    cpus = len(os.sched_getaffinity(0))
+    usable = len(cpus.usable_cpus())
     if args.model_cpus is None:
-        args.model_cpus = cpus // 2 if cpus >= 2 else 0
-    elif not 0 <= args.model_cpus < cpus:
-        parser.error(f"--model-cpus must leave CPUs for the servers and clients: 0 to {cpus - 1} here")
+        args.model_cpus = usable // 2 if usable >= 2 else 0
+    elif not 0 <= args.model_cpus < usable:
+        parser.error(f"--model-cpus must leave CPUs for the servers and clients: 0 to {usable - 1} here")
     if args.quick:
         args.rounds, args.duration, args.cnn_duration, args.startup_repeats = 2, 1.0, 1.5, 1
     only = set(args.only.split(","))

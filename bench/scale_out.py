@@ -44,11 +44,11 @@ from bench.common import (
     infer_request,
     is_front,
     machine_info,
-    pin_threads,
     process_tree,
     start_mpsd,
     summary_ms,
 )
+from bench.cpus import affinity, can_pin, pin_threads, usable_cpus
 from bench.haproxy import HAProxy
 from bench.loadgen import ClientPool, LoadResult, LoadSpec
 from bench.models import CNN_IMAGE, SmallCNN, cnn_config, write_model
@@ -139,7 +139,7 @@ def describe_daemon(server: Server, cpus: list[int]) -> dict[str, Any]:
     """What runs in the daemon's tree, and whether every process of it is on the daemon's cores."""
     tree = process_tree(server.pid)
     fronts = [p for p in tree[1:] if is_front(p)]
-    on_cores = all(os.sched_getaffinity(p.pid) == set(cpus) for p in tree) if cpus else None
+    on_cores = all(affinity(p.pid) == set(cpus) for p in tree) if cpus else None
     return {"cpus": cpus, "fronts": len(fronts), "workers": len(tree) - 1 - len(fronts), "pinned": on_cores}
 
 
@@ -358,10 +358,12 @@ def main() -> None:
         args.haproxy = found
         version = subprocess.run([found, "-v"], capture_output=True, text=True, check=True).stdout.split()
         haproxy_version = version[2] if len(version) > 2 else "?"
+    if args.pin and not can_pin():
+        parser.error("--pin needs CPU affinity, which this system does not have (macOS)")
     machine = machine_info()
     plan = None
     if args.pin:
-        usable = sorted(os.sched_getaffinity(0))
+        usable = usable_cpus()
         plan = plan_cores(usable, max(counts), args.client_cores, args.proxy_cores, proxy)
         for line in plan.shared:
             print(f"warning: {line}", flush=True)
