@@ -36,6 +36,8 @@ esac
 exit 2
 """
 
+VERSIONS = {"python3.10": "3.10.16", "python3.11": "3.11.11", "python3.12": "3.12.8", "python3.13": "3.13.1"}
+
 RECORDER = """#!/bin/sh
 echo "${0##*/} $*" >> "$FAKE_LOG"
 """
@@ -122,9 +124,8 @@ def test_the_newest_python_from_3_13_to_3_10_makes_the_venv_not_apples_python3(
     machine: Machine, present: tuple[str, ...], chosen: str
 ) -> None:
     apple_python3(machine)
-    versions = {"python3.10": "3.10.16", "python3.11": "3.11.11", "python3.12": "3.12.8", "python3.13": "3.13.1"}
     for name in present:
-        machine.python(name, versions[name])
+        machine.python(name, VERSIONS[name])
     run = machine.make("install")
     assert run.returncode == 0, run.stderr
     assert machine.venv_made_by(run) == [chosen]
