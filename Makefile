@@ -13,6 +13,8 @@ endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := .stamps
+# The extras installed into .venv; the CI workflow adds `ci` (actionlint, fetched from GitHub while installing).
+VENV_EXTRAS ?= test,dev
 PROTOS := $(wildcard proto/mpsd/proto/*.proto)
 GENERATED := $(PROTOS:proto/%.proto=%_pb2.py)
 EXAMPLE_REPO := config/models
@@ -38,7 +40,7 @@ $(STAMP)/venv: pyproject.toml constraints-cpu.txt $(if $(VENV_OLD),FORCE) | chec
 	  rm -rf $(VENV); fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[test,dev]'
+	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[$(VENV_EXTRAS)]'
 	@mkdir -p $(STAMP) && touch $@
 
 # Generated gRPC code lives next to the package and is never edited by hand.
