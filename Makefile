@@ -36,7 +36,7 @@ check-python:
 	make PY=/path/to/python3.12" >&2; exit 1; }; echo "Python $$v: $(PY)"
 
 $(STAMP)/venv: pyproject.toml constraints-cpu.txt $(if $(VENV_OLD),FORCE) | check-python
-	@if [ -n "$(VENV_OLD)" ]; then echo "$(VENV) has Python $(VENV_OLD), older than 3.10: making it again"; \
+	@if [ -n "$(VENV_OLD)" ]; then echo "$(VENV)'s Python is $(VENV_OLD), not 3.10 or newer: making it again"; \
 	  rm -rf $(VENV); fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

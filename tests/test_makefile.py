@@ -187,6 +187,7 @@ def test_a_venv_of_python_3_9_is_made_again_with_the_chosen_python(machine: Mach
     run = machine.make("install")
     assert run.returncode == 0, run.stderr
     assert machine.venv_made_by(run) == ["python3.12@3.12.8"]
+    assert ".venv's Python is 3.9.6, not 3.10 or newer: making it again" in run.stdout
     assert not any(line.startswith("python@3.9.6 -m pip") for line in run.log)
     probe = subprocess.run(
         [str(machine.dir / ".venv" / "bin" / "python"), "-c", "probe"],
