@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -39,8 +40,13 @@ def _write_setup(root: Path) -> Setup:
     return Setup(config, repo, ports)
 
 
-def doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """`mpsd doctor ARGS` in a child process, as a user runs it."""
+def doctor(*args: str, files: tuple[int, int] | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """`mpsd doctor ARGS` in a child process, as a user runs it (under the open-file limits `files`)."""
+
+    def limit() -> None:
+        if files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, files)
+
     return subprocess.run(
         [sys.executable, "-m", "mpsd", "doctor", *args],
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
@@ -49,6 +55,7 @@ def doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=400,
         check=False,
+        preexec_fn=limit,
     )
 
 
@@ -159,3 +166,20 @@ def test_a_repository_outside_the_protected_folders_passes_with_darwin_facts(tmp
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert str(home / "Documents") in _lines(run)["privacy_folders"]
+
+
+def test_a_low_soft_open_file_limit_passes_when_the_daemon_can_raise_it() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 10240:
+        pytest.skip(f"this machine's hard open-file limit is {hard}, below 10240")
+    run = doctor("--only", "open_files", files=(256, hard))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "soft 256, hard " in _lines(run)["open_files"]
+    assert ": the daemon raises its soft limit to 10240 at start" in _lines(run)["open_files"]
+
+
+def test_a_hard_open_file_limit_below_the_wanted_one_fails() -> None:
+    run = doctor("--only", "open_files", files=(256, 512))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "can raise its soft limit only to 512; 10240 is recommended" in _lines(run)["open_files"]
+    assert "fix: raise the hard limit" in run.stdout

@@ -28,7 +28,7 @@ def _checks(found: Setup, check_servable: Servable) -> list[tuple[str, Callable[
         ("worker", worker.worker_answers),
         ("shared_memory", system.shared_memory),
         ("socket_paths", lambda: system.socket_paths(found)),
-        ("open_files", system.open_files),
+        ("open_files", lambda: system.open_files(found)),
         ("config", lambda: setup.config(found, check_servable)),
         ("ports", lambda: setup.ports(found)),
         ("repository", lambda: setup.repository(found)),

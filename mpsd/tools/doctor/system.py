@@ -98,20 +98,21 @@ def socket_paths(setup: Setup) -> Check:
     return passed("socket_paths", detail)
 
 
-def open_files() -> Check:
-    """The soft limit now, and whether the daemon can raise it to WANTED_FILES (it raises its soft limit to
-    min(hard, that) at start)."""
+def open_files(setup: Setup) -> Check:
+    """The soft limit now, and whether the daemon can raise it to what it wants (the config's `open_files`
+    where it has one, else WANTED_FILES): it raises its soft limit to min(hard, that) at start."""
+    wanted: int = getattr(setup.config, "open_files", None) or WANTED_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     detail = f"soft {soft}, hard {shown}"
-    reachable = WANTED_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_FILES)
-    if soft >= WANTED_FILES:
-        return passed("open_files", f"{detail}, >= {WANTED_FILES}")
-    if reachable >= WANTED_FILES:
-        return passed("open_files", f"{detail}: the daemon raises its soft limit to {WANTED_FILES} at start")
+    reachable = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft >= wanted:
+        return passed("open_files", f"{detail}, >= {wanted}")
+    if reachable >= wanted:
+        return passed("open_files", f"{detail}: the daemon raises its soft limit to {wanted} at start")
     return failed(
         "open_files",
-        f"{detail}: the daemon can raise its soft limit only to {reachable}; {WANTED_FILES} is recommended "
+        f"{detail}: the daemon can raise its soft limit only to {reachable}; {wanted} is recommended "
         "(4 descriptors per worker, 1 per client shared-memory region and per connection)",
         "raise the hard limit: LimitNOFILE=10240 in the systemd unit, /etc/security/limits.conf, or "
         "`sudo launchctl limit maxfiles 10240 unlimited` on macOS",
