@@ -142,7 +142,7 @@ def _check_privacy(spec: ServiceSpec, repository: Path) -> None:
         raise ServiceError(
             f"in a privacy-protected folder, which a launchd job cannot open: {listed}",
             hint=privacy.hint(found, spec.python)
-            + "; --allow-protected-folders once it has; nothing was installed",
+            + ", then install with --allow-protected-folders; nothing was installed",
         )
 
 

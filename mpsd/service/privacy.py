@@ -85,5 +85,5 @@ def hint(found: list[ProtectedPath], python: str) -> str:
         f"a launchd job may not open files in {', '.join(folders)} (privacy protection): move the checkout, "
         "its .venv, the config and the model repository elsewhere (e.g. ~/mpsd; recreate the venv there "
         f"with `make install`), or grant Full Disk Access to {real} in System Settings > Privacy & Security "
-        "(see docs/macos.md)"
+        "> Full Disk Access (see docs/macos.md)"
     )
