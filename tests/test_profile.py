@@ -349,6 +349,7 @@ def test_on_mps_the_worker_emits_signposts_around_the_window_and_says_how_to_rec
     assert isinstance(done, p.ProfileDone) and done.requests == 2 and done.ended_by == "requests"
     notes = "\n".join(done.notes)
     assert f"--attach {os.getpid()}" in notes and "Instruments" in notes
+    assert "full Xcode, not the Command Line Tools" in notes  # xctrace is not in the CLT
 
     sent.clear()
     api.calls.clear()

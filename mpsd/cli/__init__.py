@@ -1,8 +1,8 @@
 """The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks.
 
 One module per command group parses its arguments and reports its errors: serve, ops (status, logs, health,
-reload, profile), tools (validate, infer, models, init-model), convert (convert-config) and service. What the
-commands do lives with the code they drive (mpsd.tools, mpsd.service, mpsd.daemon).
+reload, profile), tools (validate, infer, models, init-model), convert (convert-config), doctor and
+service. What the commands do lives with the code they drive (mpsd.tools, mpsd.service, mpsd.daemon).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from mpsd.cli.convert import add_convert_parser
+    from mpsd.cli.doctor import add_doctor_parser
     from mpsd.cli.ops import add_ops_parsers
     from mpsd.cli.serve import add_serve_parser
     from mpsd.cli.tools import add_tool_parsers
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ops_parsers(sub)
     add_tool_parsers(sub)
     add_convert_parser(sub)
+    add_doctor_parser(sub)
     try:
         from mpsd.cli.service import add_service_parser
     except ImportError:

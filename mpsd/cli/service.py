@@ -15,6 +15,7 @@ from pathlib import Path
 
 from mpsd.cli.connection import add_credential_args
 from mpsd.errors import ConfigError
+from mpsd.service import privacy
 from mpsd.service.errors import ServiceError
 from mpsd.service.health import HealthTimeout, wait_until_serving
 from mpsd.service.launchctl import LaunchdManager
@@ -31,6 +32,7 @@ from mpsd.service.spec import (
     DEFAULT_UNIT,
     DEFAULT_WATCHDOG_S,
     Scope,
+    ServiceSpec,
     check_privileges,
     drain_timeout_from_config,
     health_address_from_config,
@@ -111,20 +113,37 @@ def _wait_ready(manager: ServiceManager, args: argparse.Namespace, address: str 
         ) from None
 
 
-def _check_config(path: Path) -> None:
+def _check_config(path: Path) -> Path:
     """Refuse to install a service whose config the daemon would refuse: it would exit 78 at every start,
-    and launchd, which cannot tell exit statuses apart, would start it again and again."""
+    and launchd, which cannot tell exit statuses apart, would start it again and again. Returns the model
+    repository it names."""
     from mpsd.cli.serve import check_servable
     from mpsd.config.daemon_config import load_daemon_config
 
     try:
+        config = load_daemon_config(path)
         # The event loop is the daemon's to check: uvloop is the service's interpreter's to have.
-        check_servable(load_daemon_config(path), event_loop=False)
+        check_servable(config, event_loop=False)
     except ConfigError as exc:
         raise ServiceError(
             f"configuration error: {exc.message}",
             hint=f"fix {path} (`mpsd serve --config {path}` checks it); nothing was installed",
         ) from None
+    return config.model_repository
+
+
+def _check_privacy(spec: ServiceSpec, repository: Path) -> None:
+    """Refuse paths a launchd job may not open (macOS's privacy-protected folders): the job would fail
+    with EPERM at every start, and install would wait out its timeout before saying so."""
+    paths = privacy.service_paths(spec.python, Path(spec.config), repository, Path(spec.working_dir))
+    found = privacy.protected(paths)
+    if found:
+        listed = "; ".join(f"{p.what} {p.path}" for p in found)
+        raise ServiceError(
+            f"in a privacy-protected folder, which a launchd job cannot open: {listed}",
+            hint=privacy.hint(found, spec.python)
+            + ", then install with --allow-protected-folders; nothing was installed",
+        )
 
 
 @_guarded
@@ -157,7 +176,9 @@ def _install(args: argparse.Namespace) -> int:
         service_user=service_user if scope is Scope.SYSTEM else None,
         service_home=args.service_home,
     )
-    _check_config(config)  # after make_spec, which says plainly when the file is missing
+    repository = _check_config(config)  # after make_spec, which says plainly when the file is missing
+    if not args.allow_protected_folders:
+        _check_privacy(spec, repository)
     manager.install(spec)
     _wait_ready(manager, args, address)
     if not args.dry_run:
@@ -285,6 +306,12 @@ def _add_install_options(parser: argparse.ArgumentParser) -> None:
         help="extra environment, e.g. PYTORCH_ENABLE_MPS_FALLBACK=1 (repeatable)",
     )
     parser.add_argument("--working-dir", help="working directory (default: the config's directory)")
+    parser.add_argument(
+        "--allow-protected-folders",
+        action="store_true",
+        help="install although a path is in a macOS privacy-protected folder (~/Documents, ~/Desktop, "
+        "~/Downloads, iCloud Drive, /Volumes): the service's python has Full Disk Access",
+    )
     parser.add_argument(
         "--service-user", help="account a --system service runs as (default: _mpsd on macOS, mpsd on Linux)"
     )

@@ -125,8 +125,10 @@ class MpsSession:
         return (
             f"the MPS signposts of worker pid {pid} were emitted during the window (mode {MPS_MODE}); "
             "they are recorded on the Mac itself, not sent back:",
-            f"  xctrace record --template 'Metal System Trace' --attach {pid} --time-limit 30s "
-            "(then run mpsd profile again within the recording and open the .trace in Instruments)",
+            f"  xcrun xctrace record --template 'Metal System Trace' --attach {pid} --time-limit 30s "
+            "(then run mpsd profile again within the recording and open the .trace in Instruments; "
+            "xctrace and Instruments come with the full Xcode, not the Command Line Tools: install Xcode "
+            "and `sudo xcode-select -s /Applications/Xcode.app`)",
             f"  or Instruments > Metal System Trace (or Logging) > choose process {pid} > record, then run "
             "mpsd profile; the PyTorch MPS intervals appear under os_signpost / Points of Interest",
         )
