@@ -27,6 +27,7 @@ from mpsd.daemon.api.tracing import Tracing
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
+from mpsd.daemon.open_files import raise_and_log
 from mpsd.daemon.ports import Ports
 from mpsd.daemon.sdnotify import SdNotifier
 from mpsd.daemon.shutdown import (
@@ -126,6 +127,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._hup.set)
+        raise_and_log(self.config.open_files)  # before the first connection, worker or region
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
