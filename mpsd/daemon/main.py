@@ -44,7 +44,7 @@ from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
 from mpsd.logs.events import BUS
-from mpsd.net import eventloop
+from mpsd.net import accept_errors, eventloop
 from mpsd.net.certificates import TlsMaterial, check_replacement
 
 log = structlog.get_logger("mpsd.daemon")
@@ -128,6 +128,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._hup.set)
         raise_and_log(self.config.open_files)  # before the first connection, worker or region
+        accept_errors.install(loop)  # out of descriptors all the same: one event a second, not thousands
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
