@@ -24,6 +24,7 @@ from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.response_cache import ResponseCache
 from mpsd.daemon.api.tracing import Tracing
+from mpsd.daemon.awake import StayAwake
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
@@ -103,6 +104,7 @@ class Daemon:
         )
         self.servicer = InferenceServicer(self.ops)
         self.ports = Ports(config, self.ops, self.servicer, self.health, self.admin, self.metrics)
+        self.awake = StayAwake(config.prevent_idle_sleep)  # macOS: no idle sleep while it serves
 
     def _remove_files(self) -> None:
         """What would outlive a daemon ended by its deadline: its shared memory and socket directory."""
@@ -146,6 +148,7 @@ class Daemon:
             await self.registry.shutdown()
             raise
         finally:  # whatever failed: no front outlives the daemon, no socket directory stays behind
+            await self.awake.stop()
             if self.ports.fronts is not None:
                 await self.ports.fronts.stop(0.0)
             self.ports.remove_socket_dir()
@@ -160,6 +163,7 @@ class Daemon:
         for endpoint in self.ports.http_endpoints:
             await endpoint.start()
         await self.metrics.start()
+        await self.awake.start()
         front_ports = list(fronts.ports) if fronts is not None else []
         log.info(
             "listening",
