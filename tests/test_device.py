@@ -550,7 +550,9 @@ def test_an_mps_worker_keeps_a_few_host_threads_for_the_operators_that_fall_back
 
 
 @pytest.mark.usefixtures("torch_threads")
-def test_a_cuda_worker_gets_one_host_thread_and_a_thread_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cuda_worker_gets_one_host_thread_and_a_thread_setting_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     torch.set_num_threads(2)
     assert dev.limit_host_threads(torch.device("cuda")) == 1
     assert torch.get_num_threads() == 1

@@ -22,7 +22,9 @@ def fake_caffeinate(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir, record = tmp_path / "bin", tmp_path / "caffeinate.record"
     bin_dir.mkdir()
     script = bin_dir / "caffeinate"
-    script.write_text(f'#!/bin/sh\necho "$$ $*" > "{record}.tmp"\nmv "{record}.tmp" "{record}"\nexec sleep 600\n')
+    script.write_text(
+        f'#!/bin/sh\necho "$$ $*" > "{record}.tmp"\nmv "{record}.tmp" "{record}"\nexec sleep 600\n'
+    )
     script.chmod(0o755)
     return bin_dir, record
 
@@ -44,9 +46,7 @@ def env_with(bin_dir: Path, facts: osfacts.OsFacts) -> dict[str, str]:
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", osfacts.ENV: facts.name}
 
 
-def test_on_macos_the_daemon_runs_caffeinate_on_itself_while_it_serves(
-    tmp_path: Path, start_daemon
-) -> None:  # type: ignore[no-untyped-def]
+def test_on_macos_the_daemon_runs_caffeinate_on_itself_while_it_serves(tmp_path: Path, start_daemon) -> None:  # type: ignore[no-untyped-def]
     bin_dir, record = fake_caffeinate(tmp_path)
     repo = tmp_path / "repo"
     repo.mkdir()

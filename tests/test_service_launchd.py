@@ -346,7 +346,9 @@ def test_exit_timeout_is_longer_than_the_drain_timeout(tmp_path: Path, drain: fl
 
 
 @pytest.mark.parametrize(("open_files", "written"), [(4096, 4096), (65536, 10240), (0, None)])
-def test_open_file_limits_follow_the_daemons_setting(tmp_path: Path, open_files: int, written: int | None) -> None:
+def test_open_file_limits_follow_the_daemons_setting(
+    tmp_path: Path, open_files: int, written: int | None
+) -> None:
     """The config's `open_files`, capped at OPEN_MAX (setrlimit refuses more on macOS); 0: launchd's own."""
     config = tmp_path / "mpsd.yaml"
     config.write_text(f"open_files: {open_files}\n")
