@@ -54,6 +54,18 @@ def serve_command(repo: Path, address: str) -> list[str]:
     return [sys.executable, "-m", "mpsd", "serve", "--model-repository", str(repo), "--grpc-address", address]
 
 
+def _soft_open_files(soft: int) -> Any:
+    """A daemon that starts with this soft open-file limit (macOS starts processes with 256)."""
+
+    def limit() -> None:
+        import resource
+
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    return limit
+
+
 class RunningDaemon:
     """A real `mpsd serve` process in its own process group, with its log captured to a file."""
 
@@ -66,6 +78,7 @@ class RunningDaemon:
         config: Path | None = None,
         shutdown_grace: float | None = 0.0,
         port: int | None = None,
+        open_files_soft: int | None = None,
     ) -> None:
         self.repo = repo
         self.port = port if port is not None else free_port()
@@ -91,6 +104,7 @@ class RunningDaemon:
             env={**os.environ, "PYTHONUNBUFFERED": "1", **DAEMON_GPUS, **(env or {})},
             start_new_session=True,
             cwd=ROOT,
+            preexec_fn=_soft_open_files(open_files_soft) if open_files_soft is not None else None,
         )
         self.client = grpcclient.InferenceServerClient(self.address)
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.net import busy_poll, eventloop
 from mpsd.net.busy_poll import BusyPollSelector
@@ -96,8 +97,17 @@ def test_the_loop_runs_on_the_polling_selector_and_reports_its_budget() -> None:
 
 
 def test_the_daemons_budget_has_a_default_and_bounds() -> None:
-    assert DaemonConfig().busy_poll_us == 200
+    with osfacts.use(osfacts.LINUX):
+        assert DaemonConfig().busy_poll_us == 200
     assert DaemonConfig.model_validate({"busy_poll_us": 0}).busy_poll_us == 0
     for wrong in (-1, 10001):
         with pytest.raises(ValueError, match="busy_poll_us"):
             DaemonConfig.model_validate({"busy_poll_us": wrong})
+
+
+def test_the_default_budget_on_macos_is_no_polling() -> None:
+    """A Mac is often on battery, where the spin's CPU costs more than its latency gains: the loop sleeps at
+    once there unless the config asks for polling."""
+    with osfacts.use(osfacts.DARWIN):
+        assert DaemonConfig().busy_poll_us == 0
+        assert DaemonConfig.model_validate({"busy_poll_us": 150}).busy_poll_us == 150

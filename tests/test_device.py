@@ -520,3 +520,43 @@ def test_kind_gpu_with_the_mps_accelerator_falls_back_and_says_why() -> None:
             select_device("KIND_GPU", None)
     with pytest.raises(DeviceUnavailable, match="KIND_MPS requested but MPS is not available"):
         select_device("KIND_MPS", None, accelerator="mps")
+
+
+# --- host threads ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No thread setting in the environment, and torch's own thread count put back afterwards."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("torch_threads")
+def test_an_mps_worker_keeps_a_few_host_threads_for_the_operators_that_fall_back_to_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 10)
+    torch.set_num_threads(1)
+    assert dev.limit_host_threads(torch.device("mps")) == 4
+    assert torch.get_num_threads() == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # never more than one per core
+    assert dev.limit_host_threads(torch.device("mps")) == 2
+    assert torch.get_num_threads() == 2
+    assert dev.host_threads("mps", None) == 1
+
+
+@pytest.mark.usefixtures("torch_threads")
+def test_a_cuda_worker_gets_one_host_thread_and_a_thread_setting_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.set_num_threads(2)
+    assert dev.limit_host_threads(torch.device("cuda")) == 1
+    assert torch.get_num_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the model's intra_op_thread_count
+    assert dev.limit_host_threads(torch.device("mps")) is None
+    assert dev.limit_host_threads(torch.device("cpu")) is None
+    assert torch.get_num_threads() == 1  # left as it was

@@ -319,6 +319,9 @@ def test_user_plist_has_every_key_with_the_right_type(tmp_path: Path) -> None:
     assert env["PYTORCH_ENABLE_MPS_FALLBACK"] == "1"
     assert "UserName" not in job
     assert "LimitLoadToSessionType" not in job
+    # launchd would start the daemon with 256 open files: both limits at macOS's OPEN_MAX
+    assert job["SoftResourceLimits"] == {"NumberOfFiles": 10240}
+    assert job["HardResourceLimits"] == {"NumberOfFiles": 10240}
     for key in ("StandardOutPath", "StandardErrorPath", "WorkingDirectory"):
         assert os.path.isabs(str(job[key])), key
 
@@ -340,6 +343,24 @@ def test_exit_timeout_is_longer_than_the_drain_timeout(tmp_path: Path, drain: fl
     job = _render(tmp_path, Scope.USER, drain_timeout_s=drain)
     exit_timeout = job["ExitTimeOut"]
     assert isinstance(exit_timeout, int) and exit_timeout > drain
+
+
+@pytest.mark.parametrize(("open_files", "written"), [(4096, 4096), (65536, 10240), (0, None)])
+def test_open_file_limits_follow_the_daemons_setting(
+    tmp_path: Path, open_files: int, written: int | None
+) -> None:
+    """The config's `open_files`, capped at OPEN_MAX (setrlimit refuses more on macOS); 0: launchd's own."""
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(f"open_files: {open_files}\n")
+    target = make_target(Scope.USER, home=tmp_path / "home", uid=501)
+    spec = make_spec(target, config=config, base_path=launchd.BASE_PATH)
+    job = plistlib.loads(launchd.render_plist(spec, target))
+    for key in ("SoftResourceLimits", "HardResourceLimits"):
+        if written is None:
+            assert key not in job
+        else:
+            assert job[key] == {"NumberOfFiles": written}
+            assert type(job[key]["NumberOfFiles"]) is int  # type: ignore[index]
 
 
 def test_background_session_type_only_when_asked(tmp_path: Path) -> None:

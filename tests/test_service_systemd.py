@@ -246,6 +246,7 @@ def test_user_unit_has_the_required_directives(tmp_path: Path) -> None:
     assert int(d["TimeoutStopSec"][0]) > 30
     assert int(d["WatchdogSec"][0]) > 0
     assert d["KillMode"] == ["mixed"]
+    assert d["LimitNOFILE"] == ["10240"]  # the daemon's open_files, not systemd's soft 1024
     assert d["WorkingDirectory"] == [str((tmp_path / "cfg").resolve())]
     env = d["Environment"]
     assert f'"HOME={tmp_path / "home"}"' in env
@@ -283,6 +284,18 @@ def test_stop_timeout_follows_drain_timeout_and_watchdog_can_be_off(tmp_path: Pa
     d = _directives(systemd.render_unit(spec, make_target(Scope.USER, home=tmp_path), systemd_version=256))
     assert int(d["TimeoutStopSec"][0]) > 120.5
     assert "WatchdogSec" not in d
+
+
+@pytest.mark.parametrize(("open_files", "written"), [(65536, ["65536"]), (0, None)])
+def test_open_file_limit_follows_the_daemons_setting(
+    tmp_path: Path, open_files: int, written: list[str] | None
+) -> None:
+    d = _directives(
+        systemd.render_unit(
+            _spec(tmp_path, Scope.USER, open_files=open_files), make_target(Scope.USER, home=tmp_path)
+        )
+    )
+    assert d.get("LimitNOFILE") == written
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -416,6 +429,13 @@ def test_stop_timeout_allows_the_shutdown_grace_and_the_drain_from_the_config(en
     assert proc.returncode == 0, proc.stderr
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("TimeoutStopSec=")]
     assert int(line.split("=", 1)[1]) > 130
+
+
+def test_install_takes_the_open_file_limit_from_the_config(env: Env) -> None:
+    env.config.write_text("open_files: 32768\n")
+    proc = env.cli("install", "--config", str(env.config), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "LimitNOFILE=32768" in proc.stdout.splitlines()
 
 
 def test_dry_run_system_scope_uses_system_manager(env: Env) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mpsd import osfacts
 from mpsd.config.model_file import format_validation_error, validation_issues, yaml_issue
 from mpsd.config.security import AuthConfig, TlsConfig, read_tokens
 from mpsd.errors import ConfigError, Issue
@@ -15,6 +16,13 @@ from mpsd.logs.levels import LogLevel
 
 DeviceType = Literal["cpu", "cuda", "mps"]
 DEFAULT_BUDGET: dict[DeviceType, float] = {"cpu": 0.5, "cuda": 0.9, "mps": 0.8}
+# The soft open-file limit the daemon raises itself to (macOS's OPEN_MAX; see `open_files`).
+DEFAULT_OPEN_FILES = 10240
+
+
+def _default_busy_poll_us() -> int:
+    """Spinning trades CPU (and a laptop's battery) for latency: on by default, off on macOS."""
+    return 0 if osfacts.current().name == "darwin" else 200
 
 
 class ResidencyDefaults(BaseModel):
@@ -271,14 +279,29 @@ class DaemonConfig(BaseModel):
         "'mpsd[uvloop]'), which costs less for small requests but measured slower with large ones.",
     )
     busy_poll_us: int = Field(
-        200,
+        default_factory=_default_busy_poll_us,
         ge=0,
         le=10000,
         description="Microseconds the daemon's and fronts' event loop keeps polling its sockets before it "
         "sleeps, after activity only (an idle loop sleeps at once): it catches a worker's answer and "
         "gRPC's next event without a wake-up, which cuts a small request's latency by about a quarter on a "
         "2-core machine, for up to this much CPU per sleep while requests come and go. 0: sleep at once "
-        "(least CPU, for battery-powered Macs). asyncio's loop only: uvloop does not poll.",
+        "(least CPU, for battery-powered Macs). Default 200, 0 on macOS. asyncio's loop only: uvloop does "
+        "not poll.",
+    )
+    open_files: int = Field(
+        DEFAULT_OPEN_FILES,
+        ge=0,
+        le=1 << 20,
+        description="Soft open-file limit (RLIMIT_NOFILE) the daemon raises itself to at start, at most "
+        "the hard limit (and OPEN_MAX, 10240, on macOS); never lowered. Every connection, worker socket and "
+        "shared-memory region is a descriptor, and macOS starts processes with 256. 0: left as it is.",
+    )
+    prevent_idle_sleep: bool = Field(
+        True,
+        description="macOS: while it serves, the daemon keeps the Mac from idle sleep (a `caffeinate -i -w "
+        "<daemon pid>` child), so it goes on answering when nobody uses the Mac. false: the Mac sleeps as "
+        "its energy settings (pmset) say. No effect elsewhere.",
     )
     trace: TraceConfig = Field(
         default_factory=TraceConfig,

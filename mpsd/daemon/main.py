@@ -24,9 +24,11 @@ from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.response_cache import ResponseCache
 from mpsd.daemon.api.tracing import Tracing
+from mpsd.daemon.awake import StayAwake
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
+from mpsd.daemon.open_files import raise_and_log
 from mpsd.daemon.ports import Ports
 from mpsd.daemon.sdnotify import SdNotifier
 from mpsd.daemon.shutdown import (
@@ -43,7 +45,7 @@ from mpsd.errors import ConfigError
 from mpsd.ipc import shm
 from mpsd.logs import set_level
 from mpsd.logs.events import BUS
-from mpsd.net import eventloop
+from mpsd.net import accept_errors, eventloop
 from mpsd.net.certificates import TlsMaterial, check_replacement
 
 log = structlog.get_logger("mpsd.daemon")
@@ -102,6 +104,7 @@ class Daemon:
         )
         self.servicer = InferenceServicer(self.ops)
         self.ports = Ports(config, self.ops, self.servicer, self.health, self.admin, self.metrics)
+        self.awake = StayAwake(config.prevent_idle_sleep)  # macOS: no idle sleep while it serves
 
     def _remove_files(self) -> None:
         """What would outlive a daemon ended by its deadline: its shared memory and socket directory."""
@@ -126,6 +129,8 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._hup.set)
+        raise_and_log(self.config.open_files)  # before the first connection, worker or region
+        accept_errors.install(loop)  # out of descriptors all the same: one event a second, not thousands
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
@@ -143,6 +148,7 @@ class Daemon:
             await self.registry.shutdown()
             raise
         finally:  # whatever failed: no front outlives the daemon, no socket directory stays behind
+            await self.awake.stop()
             if self.ports.fronts is not None:
                 await self.ports.fronts.stop(0.0)
             self.ports.remove_socket_dir()
@@ -157,6 +163,7 @@ class Daemon:
         for endpoint in self.ports.http_endpoints:
             await endpoint.start()
         await self.metrics.start()
+        await self.awake.start()
         front_ports = list(fronts.ports) if fronts is not None else []
         log.info(
             "listening",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import plistlib
 from pathlib import Path
 
+from mpsd import osfacts
 from mpsd.service.spec import Scope, ServiceSpec, Target
 
 # launchd's own default PATH is /usr/bin:/bin:/usr/sbin:/sbin; Homebrew tools are common dependencies.
@@ -54,6 +55,12 @@ def plist_dict(spec: ServiceSpec, target: Target, *, session_type: str | None = 
         "StandardErrorPath": str(stderr_path),
         "EnvironmentVariables": dict(spec.environment),
     }
+    if spec.open_files > 0:
+        # launchd starts jobs with 256 open files; the daemon raises its own limit too, and macOS refuses
+        # more than OPEN_MAX.
+        files = {"NumberOfFiles": min(spec.open_files, osfacts.DARWIN.nofile_ceiling or spec.open_files)}
+        job["SoftResourceLimits"] = files
+        job["HardResourceLimits"] = dict(files)
     if target.scope is Scope.SYSTEM:
         if spec.service_user is None:
             raise ValueError("a system job needs a service user")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from mpsd.config.daemon_config import DEFAULT_OPEN_FILES
 from mpsd.service.errors import ServiceError
 
 DEFAULT_LABEL = "io.mpsd.daemon"
@@ -71,6 +72,8 @@ class ServiceSpec:
     watchdog_s: int = DEFAULT_WATCHDOG_S
     start_timeout_s: int = DEFAULT_START_TIMEOUT_S
     service_user: str | None = None
+    # The daemon's `open_files`, which the service manager starts it with too; 0: the manager's own limits.
+    open_files: int = DEFAULT_OPEN_FILES
 
     @property
     def program_arguments(self) -> list[str]:
@@ -157,6 +160,14 @@ def shutdown_grace_from_config(config: Path) -> float | None:
     return float(value)
 
 
+def open_files_from_config(config: Path) -> int | None:
+    """Read only `open_files` from the daemon config: the service's limit is the one the daemon asks for."""
+    value = _config_mapping(config).get("open_files")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
 def health_address_from_config(config: Path) -> str | None:
     """`grpc_address` from the daemon config, with a wildcard host replaced by loopback for polling."""
     value = _config_mapping(config).get("grpc_address")
@@ -196,8 +207,10 @@ def make_spec(
     working_dir: str | os.PathLike[str] | None = None,
     service_user: str | None = None,
     service_home: str | None = None,
+    open_files: int | None = None,
 ) -> ServiceSpec:
-    """Resolve every default to an absolute, validated value; `base_path` is the manager's PATH tail."""
+    """Resolve every default to an absolute, validated value; `base_path` is the manager's PATH tail.
+    `open_files` None: the config's (`open_files`), else the daemon's default."""
     interpreter = os.path.abspath(python if python is not None else sys.executable)
     config_path = Path(config).expanduser().resolve()
     if not config_path.is_file():
@@ -216,6 +229,8 @@ def make_spec(
         home = str(target.home)
     env = {"PATH": f"{os.path.dirname(interpreter)}:{base_path}", "HOME": home}
     env.update(environment or {})
+    if open_files is None:
+        open_files = open_files_from_config(config_path)
     spec = ServiceSpec(
         python=interpreter,
         config=str(config_path),
@@ -227,6 +242,7 @@ def make_spec(
         watchdog_s=watchdog_s,
         start_timeout_s=start_timeout_s,
         service_user=service_user,
+        open_files=DEFAULT_OPEN_FILES if open_files is None else open_files,
     )
     _reject_control_characters(spec)
     return spec

@@ -92,6 +92,8 @@ def render_unit(spec: ServiceSpec, target: Target, *, systemd_version: int | Non
         "KillMode=mixed",
         f"TimeoutStopSec={spec.exit_timeout_s}",
     ]
+    if spec.open_files > 0:  # the daemon's `open_files`: soft and hard (systemd's soft default is 1024)
+        lines.append(f"LimitNOFILE={spec.open_files}")
     if spec.watchdog_s > 0:
         lines.append(f"WatchdogSec={int(spec.watchdog_s)}")
     if target.scope is Scope.SYSTEM:

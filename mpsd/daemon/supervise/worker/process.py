@@ -17,6 +17,7 @@ import structlog
 from mpsd.daemon.dataplane.arenas import ARENAS
 from mpsd.daemon.supervise.child_output import output_lines
 from mpsd.ipc import protocol as p
+from mpsd.ipc.front_wire import widen_buffers
 
 log = structlog.get_logger("mpsd.daemon.worker")
 
@@ -55,6 +56,15 @@ class WorkerLaunch:
         return f"{self.model.name}/{self.model.version}#{self.instance}"
 
 
+def request_pair() -> tuple[socket.socket, socket.socket]:
+    """The request channel's two ends, each with the front links' buffers: macOS's default of 8 KiB would
+    take hundreds of sends for a Python model's inline tensors or a 1 MiB profile chunk."""
+    ends = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in ends:
+        widen_buffers(end)
+    return ends
+
+
 class Process:
     """The worker's process as the operating system sees it; `launch` says what to run, and names it in
     logs."""
@@ -78,7 +88,7 @@ class Process:
         Heartbeats have a channel of their own: the worker's main thread is then the only writer of its
         stream socket and sends without a lock; a datagram is one beat, whole or not at all.
         """
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        parent_sock, child_sock = request_pair()
         beats, child_beats = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.arenas = tuple(ARENAS.refs())
         try:
