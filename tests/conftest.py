@@ -233,9 +233,11 @@ def start_daemon(tmp_path: Path) -> Iterator[object]:
 
 
 def shm_segments() -> set[str]:
-    """mpsd's shared-memory segments currently in /dev/shm."""
-    shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir() if p.name.startswith("mpsd-")} if shm.is_dir() else set()
+    """mpsd's shared-memory segments present now: /dev/shm's listing on Linux; on macOS, which lists none,
+    the names daemons record (in their runtime dir), each asked of the system (shm_open)."""
+    from mpsd.ipc import shm
+
+    return set(shm.list_segments())
 
 
 def own_segments(daemon: RunningDaemon) -> set[str]:

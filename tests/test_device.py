@@ -173,6 +173,68 @@ def test_fp64_on_mps_is_refused_before_any_metal_call(kind: str, monkeypatch: py
     )
 
 
+UINT16_ON_MPS = "Trying to convert UInt16 to the MPS backend but it does not have support for that dtype"
+
+
+def test_a_declared_type_the_device_cannot_hold_refuses_the_model_at_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each declared type is copied to the device at load; MPS cannot exist here, so the device and its
+    answer for UInt16 (torch's own message, pytorch#159076) are stood in. The load fails naming the type
+    and the device, instead of every request failing."""
+    monkeypatch.setattr(dev, "probe", usable_mps_only())
+    probed: list[torch.dtype] = []
+
+    def mps_copy(dtype: torch.dtype, device: torch.device) -> None:
+        assert device.type == "mps"
+        probed.append(dtype)
+        if dtype == torch.uint16:
+            raise TypeError(UINT16_ON_MPS)
+
+    monkeypatch.setattr(dev, "probe_dtype", mps_copy)
+    with pytest.raises(DeviceUnavailable) as info:
+        select_device("KIND_MPS", None, ["TYPE_FP32", "TYPE_UINT16", "TYPE_STRING"])
+    assert str(info.value) == (
+        "KIND_MPS resolved to MPS, which cannot hold TYPE_UINT16, but the model declares TYPE_UINT16 inputs "
+        f"or outputs ({UINT16_ON_MPS}); declare another type or use KIND_CPU"
+    )
+    assert set(probed) == {torch.float32, torch.uint16}  # strings never go to a device
+
+
+def test_the_dtype_probe_copies_each_type_for_real() -> None:
+    """The real probe, on the CPU (the one device here): every type torch holds is accepted."""
+    from mpsd.worker.dtypes import TO_TORCH
+
+    for dtype in TO_TORCH.values():
+        dev.probe_dtype(dtype, torch.device("cpu"))
+
+
+def test_without_proc_the_mapped_regions_are_taken_off_the_rss(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """macOS has no /proc/self/status (RssShmem): the sizes of the shared regions this process has mapped
+    are taken off instead, so a region the worker touched is not counted against max_rss_bytes."""
+    import psutil
+
+    from mpsd.ipc import shm
+
+    monkeypatch.setattr(dev, "_STATUS", tmp_path / "no-proc" / "status")
+    size = 64 * 2**20
+    before = shm.mapped_bytes()
+    region = shm.Region.create(size)
+    try:
+        region.buf[:] = b"\1" * size  # every page resident
+        assert shm.mapped_bytes() - before == size
+        rss = psutil.Process().memory_info().rss
+        private = dev.private_rss()
+        assert private == pytest.approx(rss - shm.mapped_bytes(), abs=8 * 2**20)
+        assert rss - private > size - 8 * 2**20
+    finally:
+        region.unlink()
+        assert region.close()
+    assert shm.mapped_bytes() == before
+
+
 def test_mps_fraction_out_of_range_names_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dev, "probe", usable_mps_only())
     with pytest.raises(ConfigError, match=r"out of range for mps: allowed \[0\.0, 2\.0\]"):

@@ -208,7 +208,8 @@ class DaemonConfig(BaseModel):
     memory_budget: dict[DeviceType, Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=lambda: dict(DEFAULT_BUDGET),
         description="Share of each device's memory that loaded models may hold together: system RAM for "
-        "cpu, each GPU's total memory for cuda, Metal's recommended working set for mps.",
+        "cpu, each GPU's total memory for cuda, Metal's recommended working set for mps. On unified memory "
+        "(Apple Silicon) cpu and mps are one budget, cpu+mps: the larger of the two, not their sum.",
     )
     memory_budget_bytes: dict[str, Annotated[int, Field(gt=0)]] = Field(
         default_factory=dict,

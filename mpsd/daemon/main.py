@@ -134,6 +134,7 @@ class Daemon:
         removed = shm.cleanup_stale()
         if removed:
             log.info("removed stale shared memory", segments=removed)
+        shm.keep_record()
         stale_dirs = remove_stale_socket_dirs()
         if stale_dirs:
             log.info("removed socket directories of dead daemons", directories=stale_dirs)

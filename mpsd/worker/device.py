@@ -25,8 +25,10 @@ import torch
 
 from mpsd.errors import ConfigError
 from mpsd.ipc.dtypes import config_to_wire
+from mpsd.ipc.shm import mapped_bytes
 from mpsd.worker.completions import CompletionFactory, completions
 from mpsd.worker.device_time import ExecutionTimer, timing_events
+from mpsd.worker.dtypes import TO_TORCH
 
 # Substrings of allocator messages that mean "out of memory" even when the exception type was lost, e.g. an
 # OOM raised inside a TorchScript module surfaces as torch.jit.Error, and MPS raises a plain RuntimeError.
@@ -213,7 +215,8 @@ def select_device(
     config_dtypes: Sequence[str] = (),
     accelerator: str | None = None,
 ) -> tuple[torch.device, DeviceInfo]:
-    """Resolve `kind` with real probes, refuse FP64 on MPS, apply the memory fraction before the model loads.
+    """Resolve `kind` with real probes, refuse FP64 on MPS, apply the memory fraction before the model loads,
+    then refuse a declared type the device cannot hold (a copy of each to the device).
 
     CUDA is always `cuda:0`: the daemon pins a GPU with `CUDA_VISIBLE_DEVICES`. On CPU the fraction is not
     applied (the daemon refuses one for KIND_CPU; KIND_AUTO that falls back to CPU drops it) and the returned
@@ -242,10 +245,33 @@ def select_device(
         else:
             torch.mps.set_per_process_memory_fraction(fraction)
         applied = fraction
+    if device_type != "cpu":
+        _check_dtypes(kind, device, config_dtypes)
     index = None if device_type == "cpu" else 0
     return device, DeviceInfo(
         kind=device_type, index=index, name=_device_name(device), memory_fraction=applied, skipped=skipped
     )
+
+
+def probe_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """Copy a one-element tensor of `dtype` to `device`; raises where the backend cannot hold the type."""
+    torch.zeros(1, dtype=dtype).to(device)
+
+
+def _check_dtypes(kind: str, device: torch.device, config_dtypes: Sequence[str]) -> None:
+    """Refuse at load a declared type the device cannot hold (MPS lacks some unsigned types in some torch
+    releases), naming it and the device: otherwise every request would fail with the backend's message."""
+    for data_type in sorted(set(config_dtypes)):
+        dtype = TO_TORCH.get(config_to_wire(data_type))
+        if dtype is None:  # strings: never on a device
+            continue
+        try:
+            probe_dtype(dtype, device)
+        except (RuntimeError, TypeError) as exc:
+            raise DeviceUnavailable(
+                f"{kind} resolved to {device.type.upper()}, which cannot hold {data_type}, but the model "
+                f"declares {data_type} inputs or outputs ({exc}); declare another type or use KIND_CPU"
+            ) from None
 
 
 # CPU threads of a worker whose model runs on an accelerator.
@@ -361,14 +387,15 @@ _STATUS = Path("/proc/self/status")
 
 
 def private_rss() -> int:
-    """The process's resident memory less the shared memory mapped into it (Linux: RssShmem): the daemon's
-    regions and the fronts' arenas, which a CUDA worker page-locks (all resident) and which are the
-    daemon's buffers, not the model's memory. Elsewhere the RSS as it is."""
+    """The process's resident memory less the shared memory mapped into it: the daemon's regions and the
+    fronts' arenas, which a CUDA worker page-locks (all resident) and which are the daemon's buffers, not
+    the model's memory. Linux says how much of it is resident (RssShmem); where there is no /proc (macOS)
+    the sizes of the regions mapped are taken off, which may count a page never touched."""
     rss = int(psutil.Process().memory_info().rss)
     try:
         status = _STATUS.read_text()
     except OSError:
-        return rss
+        return max(0, rss - mapped_bytes())
     for line in status.splitlines():
         if line.startswith("RssShmem:"):
             return max(0, rss - int(line.split()[1]) * 1024)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 
 import structlog
@@ -54,8 +54,9 @@ def nvidia_smi_sizes() -> dict[int, int]:
 class DeviceSizes:
     """Device sizes by device key (`cpu`, `cuda:N`, `mps`), learning GPU sizes from workers' snapshots."""
 
-    def __init__(self) -> None:
+    def __init__(self, ram_bytes: Callable[[], int] = system_memory_bytes) -> None:
         self._learned: dict[str, int] = {}
+        self._ram_bytes = ram_bytes
 
     def learn(self, device_key: str, snapshot: Mapping[str, int]) -> None:
         counter = SIZE_COUNTERS.get(device_key.partition(":")[0])
@@ -65,7 +66,7 @@ class DeviceSizes:
 
     def size(self, device_key: str) -> int | None:
         if device_key == "cpu":
-            return system_memory_bytes()
+            return self._ram_bytes()
         if device_key in self._learned:
             return self._learned[device_key]
         kind, _, index = device_key.partition(":")

@@ -21,6 +21,7 @@ from aiohttp import web
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.status_view import StatusView
 from mpsd.daemon.api.web import Mount
+from mpsd.daemon.supervise.fronts.policy import check_port_free
 from mpsd.errors import ConfigError
 from mpsd.net.auth import AccessPolicy
 from mpsd.net.certificates import SslContexts, TlsMaterial
@@ -84,6 +85,7 @@ class HttpEndpoint:
     async def _listen(self, runner: web.AppRunner, context: object) -> None:
         path = self.address.unix_path
         if path is None:
+            check_port_free(self.address)  # aiohttp binds with SO_REUSEADDR: on macOS it would not fail
             host = self.address.host or None
             await web.TCPSite(runner, host, self.address.port, ssl_context=context).start()  # type: ignore[arg-type]
             return

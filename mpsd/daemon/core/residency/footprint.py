@@ -4,6 +4,9 @@ An instance's footprint is, in this order: what its config declares (`residency.
 (`max_rss_bytes` on CPU; `max_device_memory_bytes`, or `memory_fraction` x the device's size, on a GPU);
 what the same model version measured when it last ran (its workers' memory snapshots: RSS on CPU, the
 allocator's reserved or driver-allocated bytes on a GPU); else 0, until it has run once.
+
+On unified memory (Apple Silicon) the CPU and the GPU draw on the same RAM, so cpu and mps are one budget,
+`cpu+mps`, and an MPS worker's own host memory (its RSS) counts beside what Metal allocated for it.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from mpsd import osfacts
 from mpsd.config.daemon_config import DEFAULT_BUDGET, DaemonConfig
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.supervise.device_memory import DeviceSizes
@@ -18,6 +22,15 @@ from mpsd.daemon.supervise.placement import InstancePlacement
 
 # The snapshot counter that measures an instance on each kind of device.
 MEASURED_BY = {"cpu": "rss_bytes", "cuda": "reserved_bytes", "mps": "driver_allocated_bytes"}
+# The one budget of cpu and mps where they share the RAM.
+UNIFIED = "cpu+mps"
+
+
+def budget_key(device_key: str) -> str:
+    """The budget a device's memory counts against: its own, but one for cpu and mps on unified memory."""
+    if device_key in ("cpu", "mps") and osfacts.current().unified_memory:
+        return UNIFIED
+    return device_key
 
 
 @dataclass(frozen=True)
@@ -30,8 +43,11 @@ class Footprint:
 
 
 def measure(device_key: str, snapshot: Mapping[str, int]) -> int | None:
-    value = snapshot.get(MEASURED_BY.get(device_key.partition(":")[0], ""))
-    return int(value) if value else None
+    kind = device_key.partition(":")[0]
+    value = int(snapshot.get(MEASURED_BY.get(kind, ""), 0))
+    if kind == "mps" and osfacts.current().unified_memory:
+        value += int(snapshot.get("rss_bytes", 0))  # the worker's host memory is the same RAM
+    return value or None
 
 
 def footprint(
@@ -58,7 +74,8 @@ def footprint(
             nbytes, basis = measured, "measured"
         else:
             nbytes, basis = 0, "unknown"
-        by_device[key] = by_device.get(key, 0) + nbytes
+        pool = budget_key(key)
+        by_device[pool] = by_device.get(pool, 0) + nbytes
         bases.add(basis)
     order = ("unknown", "measured", "cap", "declared")
     weakest = next((b for b in order if b in bases), "declared")
@@ -67,9 +84,13 @@ def footprint(
 
 def budget_bytes(config: DaemonConfig, device_key: str, sizes: DeviceSizes) -> int | None:
     """The device's budget: `memory_budget_bytes` for it, else its share of the device; None while the
-    device's size is unknown."""
+    device's size is unknown. The unified pool's is the larger of the cpu and mps budgets (the mps one
+    once a worker has said how large the GPU's working set is), at most the RAM: never their sum."""
     if device_key in config.memory_budget_bytes:
         return config.memory_budget_bytes[device_key]
+    if device_key == UNIFIED:
+        parts = [budget_bytes(config, d, sizes) for d in ("cpu", "mps")]
+        return min(max(b for b in parts if b is not None), sizes.size("cpu") or 0)
     kind = device_key.partition(":")[0]
     if kind not in DEFAULT_BUDGET:
         return None

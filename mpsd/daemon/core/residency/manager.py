@@ -24,7 +24,7 @@ from mpsd.config.repository import ModelSource
 from mpsd.daemon.core.isolation import contained
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.residency.eviction import Holder, Shortfall, choose_victims, gib
-from mpsd.daemon.core.residency.footprint import Footprint, budget_bytes, footprint, measure
+from mpsd.daemon.core.residency.footprint import Footprint, budget_bytes, budget_key, footprint, measure
 from mpsd.daemon.core.residency.policy import Policy, policy_of
 from mpsd.daemon.core.rollout import ModelEntry
 from mpsd.daemon.supervise.device_memory import DeviceSizes
@@ -118,7 +118,7 @@ class Residency:
         return None
 
     def budgets(self) -> dict[str, int | None]:
-        devices = {"cpu"} | set(self.config.memory_budget_bytes)
+        devices = {budget_key(d) for d in {"cpu"} | set(self.config.memory_budget_bytes)}
         for entry in self._entries.values():
             devices |= set(self.entry_footprint(entry).by_device)
         for reserved in self._reserved.values():

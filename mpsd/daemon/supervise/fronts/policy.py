@@ -8,7 +8,9 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 
+from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError
 from mpsd.net.listen import DISABLED, ON_HTTP, Address, parse_address, same_port
@@ -114,13 +116,16 @@ def front_address(main: Address, port: int) -> Address:
 
 def check_port_free(address: Address) -> None:
     """Fail now, with a clear message, if another server holds the port: with SO_REUSEPORT on, another
-    mpsd of the same user could otherwise join the port and share its connections unnoticed."""
+    mpsd of the same user could otherwise join the port and share its connections unnoticed. Where the
+    system lets a specific address bind beside a wildcard listener on the same port (BSD, macOS), the bind
+    proves nothing, so a connection to the port is tried too: one that is accepted means a server is there."""
     try:
         infos = socket.getaddrinfo(
             address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as exc:
         raise ConfigError(f"grpc_address {address.text!r}: {exc.strerror}") from None
+    taken = OSError(f"cannot listen on {address.text}: the port is in use")
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as probe:
             # As the servers themselves do: connections of a previous run in TIME_WAIT do not count.
@@ -128,9 +133,34 @@ def check_port_free(address: Address) -> None:
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
-                probe.bind(sockaddr)
+                _bind(probe, sockaddr)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    raise OSError(f"cannot listen on {address.text}: the port is in use") from None
+                    raise taken from None
                 if exc.errno != errno.EADDRNOTAVAIL:  # e.g. no IPv6 on this host: the front skips it too
                     raise
+                continue
+        if osfacts.current().specific_bind_beside_wildcard and _accepts(family, sockaddr):
+            raise taken
+
+
+def _bind(probe: socket.socket, sockaddr: Any) -> None:
+    probe.bind(sockaddr)
+
+
+# How long the connection that looks for a listener may take (on this host: refused or accepted at once).
+CONNECT_PROBE_S = 1.0
+# Where a connection to a wildcard address goes: the same host, through loopback.
+_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def _accepts(family: int, sockaddr: Any) -> bool:
+    """Whether a server on this host accepts a connection at `sockaddr` (a refusal: none listens)."""
+    target = (_LOOPBACK.get(sockaddr[0], sockaddr[0]), *sockaddr[1:])
+    with socket.socket(family, socket.SOCK_STREAM) as client:
+        client.settimeout(CONNECT_PROBE_S)
+        try:
+            client.connect(target)
+        except OSError:
+            return False
+    return True

@@ -7,13 +7,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mpsd.ipc.runtime_dir import runtime_dir
+
 SOCKET_DIR_PREFIX = "mpsd-daemon-"
 
 
 def _socket_base() -> Path:
     """Where the daemon's private socket directory goes: short enough for a socket path."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return Path(base) if len(base) <= 60 and os.path.isdir(base) else Path("/tmp")
+    return runtime_dir()
 
 
 def make_socket_dir() -> Path:
