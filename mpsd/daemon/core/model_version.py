@@ -124,6 +124,15 @@ class ModelVersion:
         ]
         # optimization.compile: the slowest instance's compile time (instances compile side by side)
         extra = {"compile_ms": round(max(compiled), 1)} if compiled else {}
+        if not self.plane.ready:  # loaded, yet it cannot serve (an ensemble whose step model is missing)
+            log.warning(
+                "model version loaded, not ready",
+                model=self.name,
+                version=self.version,
+                reason=self.plane.lanes_down(),
+                event_kind="load",
+            )
+            return
         log.info(
             "model version ready",
             **extra,
