@@ -284,6 +284,31 @@ def test_validate_accepts_an_ensemble_and_checks_its_steps(tmp_path: Path, form:
     ]
 
 
+def test_validate_warns_of_tritons_pytorch_options_but_not_of_the_thread_count_mpsd_reads(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    model = models.add_sub(repo, "triton")
+    (model / "config.yaml").unlink()
+    parameters = """
+parameters [
+  { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "2" } },
+  { key: "INTER_OP_THREAD_COUNT" value: { string_value: "2" } }
+]
+"""
+    (model / "config.pbtxt").write_text(TRITON_ADD_SUB + parameters)
+    result = mpsd("validate", str(repo))
+    assert result.returncode == 0, result.stdout + result.stderr
+    warnings = [line for line in result.stdout.splitlines() if ": warning: " in line]
+    assert len(warnings) == 1 and "parameters.INTER_OP_THREAD_COUNT" in warnings[0], result.stdout
+    bad = (
+        (model / "config.pbtxt").read_text().replace('string_value: "2" } },', 'string_value: "two" } },', 1)
+    )
+    (model / "config.pbtxt").write_text(bad)
+    refused = json.loads(mpsd("validate", str(repo), "--json").stdout)["problems"]
+    assert [p["problem"] for p in refused] == ["expected a positive whole number, got 'two'"], refused
+
+
 def test_validate_passes_the_example_repository(example_repo: Path) -> None:
     result = mpsd("validate", str(example_repo), "--load")
     assert result.returncode == 0, result.stdout + result.stderr
