@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,11 +133,19 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     boom = "if float(inputs['x'].sum()) > 0:\n    raise ValueError('the step model broke')\n"
     _python(repo, "boom", boom + "return {'y': inputs['x']}", 0, ["x"], {"y": F4})  # zeros pass warm-up
     _image_ensemble(repo)
+    orphan = dict(  # its step's model is in no repository
+        BRANCHES,
+        ensemble_scheduling={
+            "step": [{"model_name": "absent", "input_map": {"x": "X"}, "output_map": {"y": "JOINED"}}]
+        },
+    )
+    models.write_config(repo / "orphan", orphan)
+    (repo / "orphan" / "1").mkdir()
     daemon = RunningDaemon(repo, tmp / "daemon.log")
     try:
         daemon.wait_models_settled(timeout=300)  # seven workers start
         index = daemon.client.get_model_repository_index(as_json=True)["models"]
-        assert {m["name"]: m["state"] for m in index if m["name"] != "post"} == dict.fromkeys(
+        assert {m["name"]: m["state"] for m in index if m["name"] not in ("post", "orphan")} == dict.fromkeys(
             (
                 *IMAGE_MODELS,
                 "boom",
@@ -341,6 +351,33 @@ def test_a_failing_step_fails_the_request_with_the_step_named(daemon: RunningDae
     message = info.value.message()
     assert message.startswith("ensemble 'failing' step 0 (model 'boom'): "), message
     assert "the step model broke" in message
+
+
+def test_an_ensemble_whose_step_model_is_missing_says_so_everywhere(daemon: RunningDaemon) -> None:
+    """The index (gRPC and HTTP), `mpsd models` and a refused request give one reason; the log never calls
+    the ensemble ready."""
+    reason = "step model(s) 'absent' not available"
+    with pytest.raises(InferenceServerException) as info:
+        _infer(_client(daemon), grpcclient, "orphan", "X", np.ones(4, dtype=np.float32), "JOINED")
+    assert info.value.message().endswith(reason), info.value.message()
+    over_grpc = _client(daemon).get_model_repository_index(as_json=True)["models"]
+    over_http = httpclient.InferenceServerClient(daemon.http_address).get_model_repository_index()
+    for rows in (over_grpc, over_http):
+        (row,) = [m for m in rows if m["name"] == "orphan"]
+        assert (row["state"], row["reason"]) == ("UNAVAILABLE", reason), row
+    listing = subprocess.run(
+        [sys.executable, "-m", "mpsd", "models", "--address", daemon.address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    (row,) = [m for m in json.loads(listing.stdout) if m["name"] == "orphan"]
+    assert (row["state"], row["reason"]) == ("UNAVAILABLE", reason), row
+    said = [json.loads(line) for line in daemon.log().splitlines() if '"model": "orphan"' in line]
+    assert {e["event"] for e in said} >= {"model version loaded, not ready", "model loaded, not ready"}, said
+    assert not [e for e in said if e["event"] in ("model version ready", "model ready")], said
+    assert all(e["reason"] == reason for e in said if "not ready" in e["event"]), said
 
 
 def test_a_step_model_that_loads_on_demand_is_loaded_by_the_ensemble(daemon: RunningDaemon) -> None:

@@ -31,6 +31,36 @@ class Written:
     bert: Path
     gpt: Path
     client: openai.OpenAI
+    sbert: Path
+
+
+MAX_SEQ_LENGTH = 8  # sentence_bert_config.json's, below the tokenizer's and the model's own limits
+
+
+def sentence_transformers_folder(bert: Path, folder: Path) -> None:
+    """`bert` laid out as sentence-transformers saves a model: modules.json naming the Transformer (the
+    folder itself), a Pooling of the CLS token and the max over tokens, and a Normalize."""
+    import json
+    import shutil
+
+    shutil.copytree(bert, folder)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": MAX_SEQ_LENGTH, "do_lower_case": False})
+    )
+    (folder / "1_Pooling").mkdir()
+    pooling = {
+        f"pooling_mode_{m}": False for m in ("mean_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens")
+    }
+    pooling |= {"word_embedding_dimension": text_models.HIDDEN, "pooling_mode_cls_token": True}
+    pooling |= {"pooling_mode_max_tokens": True, "pooling_mode_lasttoken": False, "include_prompt": True}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (folder / "2_Normalize").mkdir()
 
 
 def init_model(*args: str) -> subprocess.CompletedProcess[str]:
@@ -46,11 +76,16 @@ def init_model(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Written]:
     tmp = tmp_path_factory.mktemp("openai-init")
-    bert, gpt, repo = tmp / "bert", tmp / "gpt", tmp / "repo"
+    bert, gpt, repo, sbert = tmp / "bert", tmp / "gpt", tmp / "repo", tmp / "sbert"
     text_models.build(bert)
     text_models.for_auto_classes(bert)
     text_models.causal_lm(gpt)
-    for name, task, folder in (("minilm", "embeddings", bert), ("assistant", "chat", gpt)):
+    sentence_transformers_folder(bert, sbert)
+    for name, task, folder in (
+        ("minilm", "embeddings", bert),
+        ("assistant", "chat", gpt),
+        ("sbert", "embeddings", sbert),
+    ):
         done = init_model(name, "--openai", task, "--from", str(folder), "--repository", str(repo))
         assert done.returncode == 0, done.stderr
         assert f"openai: {{task: {task}" in done.stdout or f"task: {task}" in done.stdout
@@ -58,7 +93,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Written]:
     try:
         daemon.wait_ready(timeout=300)
         with openai.OpenAI(base_url=f"http://{daemon.http_address}/v1", api_key="-") as client:
-            yield Written(daemon, bert, gpt, client)
+            yield Written(daemon, bert, gpt, client, sbert)
     finally:
         daemon.stop()
         daemon.kill_group()
@@ -79,6 +114,29 @@ def test_an_embeddings_model_from_a_folder_serves_what_transformers_computes(wri
     assert answer.usage.prompt_tokens == int(batch["attention_mask"].sum())
     config = yaml.safe_load((written.daemon.repo / "minilm" / "config.yaml").read_text())
     assert config["output"][0]["dims"] == [text_models.HIDDEN]  # from the folder's config.json
+
+
+def test_a_sentence_transformers_folder_is_cut_and_pooled_as_its_configuration_says(written: Written) -> None:
+    """Its max_seq_length (8) cuts a long text, not the tokenizer's limit; CLS and max pooling concatenated
+    and scaled to unit length, as its modules say: the reference is computed here with transformers."""
+    from transformers import AutoModel, AutoTokenizer
+
+    long_text = " ".join(["the lazy dog sleeps and a model server for pytorch"] * 4)
+    texts = [long_text, "zyzzyva"]
+    tokenizer = AutoTokenizer.from_pretrained(written.sbert)
+    assert len(tokenizer(long_text)["input_ids"]) > MAX_SEQ_LENGTH < tokenizer.model_max_length
+    network = AutoModel.from_pretrained(written.sbert).eval()
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=MAX_SEQ_LENGTH, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = network(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1)
+    cls, top = hidden[:, 0], hidden.masked_fill(mask == 0, -1e9).max(1).values
+    expected = torch.nn.functional.normalize(torch.cat([cls, top], dim=1), dim=1).numpy()
+    answer = written.client.embeddings.create(model="sbert", input=texts)
+    np.testing.assert_allclose([d.embedding for d in answer.data], expected, rtol=1e-4, atol=1e-5)
+    assert answer.usage.prompt_tokens == MAX_SEQ_LENGTH + int(batch["attention_mask"][1].sum())
+    config = yaml.safe_load((written.daemon.repo / "sbert" / "config.yaml").read_text())
+    assert config["output"][0]["dims"] == [2 * text_models.HIDDEN]  # two pooling modes of 1_Pooling
 
 
 def _greedy(folder: Path, messages: list[dict[str, Any]], tokens: int) -> str:

@@ -63,6 +63,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     python_model(repo, "embed", footprint_bytes=300 * MIB, pinned=True)
     python_model(repo, "lazy", load="on_demand", keep_alive_s=KEEP_ALIVE_S, footprint_bytes=400 * MIB)
     python_model(repo, "big", load="on_demand", footprint_bytes=1024 * MIB)
+    models.python_model(repo, "auto", "return {'y': inputs['x']}")  # no instance_group: KIND_AUTO
     for name, token in (("reader.token", TOKEN), ("other.token", OTHER_TOKEN)):
         (tmp / name).write_text(token)
         (tmp / name).chmod(0o600)
@@ -169,7 +170,7 @@ def test_the_document_shows_models_residency_budget_and_recent_requests(daemon: 
     status, doc = document(daemon)
     assert status == 200
     models_ = by_name(doc)
-    assert sorted(models_) == ["add_sub", "big", "embed", "lazy"]
+    assert sorted(models_) == ["add_sub", "auto", "big", "embed", "lazy"]
     add_sub = models_["add_sub"]
     assert add_sub["state"] == "READY" and add_sub["residency"]["resident"] is True
     (instance,) = add_sub["instances"]
@@ -189,6 +190,9 @@ def test_the_document_shows_models_residency_budget_and_recent_requests(daemon: 
         "loaded_s": None,
     }
     assert big["footprint"] == {"cpu": 1024 * MIB} and big["instances"] == []
+    auto = models_["auto"]  # KIND_AUTO on a host without a usable GPU: on the CPU, and counted there
+    assert [i["device"] for i in auto["instances"]] == ["cpu"] and list(auto["footprint"]) == ["cpu"], auto
+    assert doc["window_s"] == 300
     assert models_["embed"]["residency"]["pinned"] is True
     (cpu,) = doc["devices"]
     assert cpu["device"] == "cpu" and cpu["budget_bytes"] == 2048 * MIB
@@ -239,8 +243,18 @@ def test_the_page_shows_a_model_load_on_demand_and_unload_after_its_keep_alive(
         names = [
             r.get_attribute("data-model") for r in browser.find_elements(By.CSS_SELECTOR, "#models tbody tr")
         ]
-        assert names == ["add_sub", "big", "embed", "lazy"]
+        assert names == ["add_sub", "auto", "big", "embed", "lazy"]
         assert "not loaded yet: loads on its first request" in lazy.text
+        auto = browser.find_element(By.CSS_SELECTOR, 'tr[data-model="auto"]').text
+        assert "1/1 ready on cpu" in auto and "cpu: " in auto and "cuda" not in auto, auto
+        caption = browser.find_element(By.CSS_SELECTOR, "#window").find_element(By.XPATH, "..").text
+        assert re.fullmatch(r"Requests over the last \d+ (s|min \d+ s); p50 .*", caption, re.S), caption
+        # With no model's figures (a repository without models, or no reading kept yet) the caption says
+        # the window's length: the page's own drawing, given such a document's models.
+        drawn = browser.execute_script(
+            "drawModels([], {}, [], 300); return document.getElementById('window').textContent;"
+        )
+        assert drawn == "5 min 0 s", drawn
 
         infer_add_sub(daemon, 30)
         infer_lazy(daemon)

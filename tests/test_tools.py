@@ -211,6 +211,104 @@ def test_validate_shows_the_daemons_own_findings_whole_and_at_their_field(tmp_pa
     assert link["problem"].endswith("; set allow_symlinks: true in the daemon config to allow it")
 
 
+ENSEMBLE_PBTXT = """
+name: "pipeline"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "A", data_type: TYPE_FP32, dims: [ 16 ] }, { name: "B", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "SUM", data_type: TYPE_FP32, dims: [ 16 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "add_sub", model_version: STEP_VERSION,
+      input_map { key: "INPUT0" value: "A" }, input_map { key: "INPUT1" value: "B" },
+      output_map { key: "OUTPUT0" value: "SUM" } }
+  ]
+}
+"""
+
+
+@pytest.mark.parametrize("form", ["config.pbtxt", "config.yaml"])
+def test_validate_accepts_an_ensemble_and_checks_its_steps(tmp_path: Path, form: str) -> None:
+    """An ensemble's version folder is empty (it has no model file); its steps are checked against the
+    repository's models, in either config form."""
+    repo = tmp_path / "repo"
+    models.add_sub(repo)
+    pipeline = repo / "pipeline"
+    (pipeline / "1").mkdir(parents=True)
+
+    def write(version: int, inputs: dict[str, str]) -> None:
+        for old in pipeline.glob("config.*"):
+            old.unlink()
+        if form == "config.pbtxt":
+            text = ENSEMBLE_PBTXT.replace("STEP_VERSION", str(version))
+            if "INPUT1" not in inputs:
+                text = text.replace(', input_map { key: "INPUT1" value: "B" }', "")
+            (pipeline / form).write_text(text)
+            return
+        tensor = {"data_type": "TYPE_FP32", "dims": [16]}
+        step = {"model_name": "add_sub", "model_version": version, "input_map": inputs}
+        models.write_config(
+            pipeline,
+            {
+                "backend": "ensemble",
+                "max_batch_size": 8,
+                "input": [{"name": "A", **tensor}, {"name": "B", **tensor}],
+                "output": [{"name": "SUM", **tensor}],
+                "ensemble_scheduling": {"step": [{**step, "output_map": {"OUTPUT0": "SUM"}}]},
+            },
+        )
+
+    write(1, {"INPUT0": "A", "INPUT1": "B"})
+    valid = mpsd("validate", str(repo))
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    assert "all 2 models are valid" in valid.stdout
+
+    write(2, {"INPUT0": "A"})  # add_sub has version 1 only, and INPUT1 is not fed
+    broken = mpsd("validate", str(repo), "--json")
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    found = {p["field"]: p for p in json.loads(broken.stdout)["problems"]}
+    assert set(found) == {
+        "ensemble_scheduling.step[0].model_version",
+        "ensemble_scheduling.step[0].input_map",
+    }
+    assert all(p["model"] == "pipeline" and p["file"] == str(pipeline / form) for p in found.values())
+    assert "serves no version 2 (1)" in found["ensemble_scheduling.step[0].model_version"]["problem"]
+    assert "does not feed input(s) INPUT1" in found["ensemble_scheduling.step[0].input_map"]["problem"]
+    if form == "config.yaml":
+        assert found["ensemble_scheduling.step[0].input_map"]["line"] is not None
+
+    shutil.rmtree(repo / "add_sub")
+    gone = json.loads(mpsd("validate", str(repo), "--json").stdout)["problems"]
+    assert [(p["field"], p["problem"]) for p in gone] == [
+        ("ensemble_scheduling.step[0].model_name", "no model 'add_sub' in the repository")
+    ]
+
+
+def test_validate_warns_of_tritons_pytorch_options_but_not_of_the_thread_count_mpsd_reads(
+    tmp_path: Path,
+) -> None:
+    repo = tmp_path / "repo"
+    model = models.add_sub(repo, "triton")
+    (model / "config.yaml").unlink()
+    parameters = """
+parameters [
+  { key: "INTRA_OP_THREAD_COUNT" value: { string_value: "2" } },
+  { key: "INTER_OP_THREAD_COUNT" value: { string_value: "2" } }
+]
+"""
+    (model / "config.pbtxt").write_text(TRITON_ADD_SUB + parameters)
+    result = mpsd("validate", str(repo))
+    assert result.returncode == 0, result.stdout + result.stderr
+    warnings = [line for line in result.stdout.splitlines() if ": warning: " in line]
+    assert len(warnings) == 1 and "parameters.INTER_OP_THREAD_COUNT" in warnings[0], result.stdout
+    bad = (
+        (model / "config.pbtxt").read_text().replace('string_value: "2" } },', 'string_value: "two" } },', 1)
+    )
+    (model / "config.pbtxt").write_text(bad)
+    refused = json.loads(mpsd("validate", str(repo), "--json").stdout)["problems"]
+    assert [p["problem"] for p in refused] == ["expected a positive whole number, got 'two'"], refused
+
+
 def test_validate_passes_the_example_repository(example_repo: Path) -> None:
     result = mpsd("validate", str(example_repo), "--load")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -26,6 +26,7 @@ import yaml
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from mpsd.daemon.api.tracing import valid_traceparent
 from tests import models
 from tests.conftest import RunningDaemon, free_port, serving, wait_for
 
@@ -345,6 +346,41 @@ def marker(daemon: RunningDaemon, found: Receiver, model: str = "add_sub") -> No
     header, trace_id, _ = traceparent()
     daemon.client.infer(model, add_sub_inputs(), headers={"traceparent": header})
     wait_trace(found, trace_id, {"ModelInfer", "response"})
+
+
+def test_traceparent_versions_as_w3c_trace_context_says() -> None:
+    _, trace_id, span_id = traceparent()
+    four = f"{trace_id}-{span_id}-01"
+    assert valid_traceparent(f" 00-{four} ") == f"00-{four}"
+    assert valid_traceparent(f"ff-{four}") is None  # version ff is invalid
+    assert valid_traceparent(f"00-{four}-more") is None  # version 00 has exactly four fields
+    assert valid_traceparent(f"01-{four}-what-comes-later") == f"01-{four}"  # a later one: its first four
+    assert valid_traceparent(f"01-{four}") == f"01-{four}"
+    assert valid_traceparent(f"01-{four}x") is None  # more must follow a '-'
+    assert valid_traceparent(f"00-{'0' * 32}-{span_id}-01") is None
+    assert valid_traceparent(f"00-{trace_id.upper()}-{span_id}-01") is None
+
+
+def test_a_version_ff_traceparent_is_ignored_and_a_later_version_continued(
+    daemon: RunningDaemon, receiver: tuple[Receiver, int], clients: Any
+) -> None:
+    """At rate 0 a request with an invalid traceparent (version ff) is not traced, as one without; one of a
+    later version with more fields continues the caller's trace by its first four."""
+    found = receiver[0]
+    _, ff_trace, ff_span = traceparent()
+    client = clients[0]
+    client.infer(
+        "add_sub", add_sub_inputs(), request_id="ff-1", headers={"traceparent": f"ff-{ff_trace}-{ff_span}-01"}
+    )
+    _, later_trace, later_span = traceparent()
+    client.infer(
+        "add_sub", add_sub_inputs(), headers={"traceparent": f"01-{later_trace}-{later_span}-01-x-y"}
+    )
+    spans = wait_trace(found, later_trace, {"ModelInfer", "response"})
+    assert spans["ModelInfer"][0].parent_span_id.hex() == later_span
+    marker(daemon, found)
+    assert traced_ids(found, "ff-") == set()
+    assert not found.trace(ff_trace)
 
 
 def test_sampling_one_request_in_rate_while_the_count_lasts_and_a_traceparent_always(

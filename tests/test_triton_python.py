@@ -135,6 +135,39 @@ ASYNC_EXECUTE = """async def execute(self, requests):
             x, found, missing = self.calls(request)
             out.append(self.answer(x, await found.async_exec(), await missing.async_exec()))
         return out"""
+# The python_backend README's BLS error pattern: a failed call's error raised as the model's own.
+BLS_RAISES = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            response = pb_utils.InferenceRequest(
+                model_name="postprocess",
+                requested_output_names=["TOTAL"],
+                inputs=[pb_utils.Tensor("SHIFTED", x.as_numpy())],
+            ).exec()
+            if response.has_error():
+                raise pb_utils.TritonModelException(response.error().message())
+            total = pb_utils.get_output_tensor_by_name(response, "TOTAL")
+            out = pb_utils.Tensor("TOTAL", total.as_numpy())
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses
+"""
+# A model with metrics of its own: refused at load, with the line and the reason.
+METRICS = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(
+            name="calls", description="calls", kind=pb_utils.MetricFamily.COUNTER
+        )
+"""
 BLS_CONFIG = """
 backend: "python"
 max_batch_size: 8
@@ -143,6 +176,14 @@ output [
   { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] },
   { name: "ERROR", data_type: TYPE_STRING, dims: [ 1 ] }
 ]
+"""
+
+
+POST_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "TOTAL", data_type: TYPE_FP32, dims: [ 1 ] } ]
 """
 
 
@@ -198,6 +239,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(BLS.replace("ASYNC", execute))
         (repo / name / "config.pbtxt").write_text(_pbtxt(name, BLS_CONFIG))
+    for name, source, body in (
+        ("bls_raises", BLS_RAISES, POST_CONFIG),
+        ("metrics", METRICS, POST_CONFIG),
+    ):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(source)
+        (repo / name / "config.pbtxt").write_text(_pbtxt(name, body))
     (repo / "network" / "1").mkdir(parents=True)
     models.save_torchscript(models.Constant(1.0), repo / "network" / "1" / "model.pt")
     (repo / "network" / "config.pbtxt").write_text(
@@ -242,8 +290,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     try:
         daemon.wait_models_settled(timeout=300)
         index = daemon.client.get_model_repository_index(as_json=True)["models"]
-        assert {m["name"]: m["state"] for m in index} == dict.fromkeys(
-            ("bls", "bls_async", "network", "pipeline", "postprocess", "preprocess", "repeat"), "READY"
+        assert {m["name"]: m["state"] for m in index if m["name"] != "metrics"} == dict.fromkeys(
+            ("bls", "bls_async", "bls_raises", "network", "pipeline", "postprocess", "preprocess", "repeat"),
+            "READY",
         ), index
         yield daemon
     finally:
@@ -290,6 +339,29 @@ def test_an_error_response_reaches_the_client(daemon: RunningDaemon) -> None:
     with pytest.raises(InferenceServerException) as info:
         _infer(client, grpcclient, "postprocess", "SHIFTED", -np.ones((1, 4), dtype=np.float32), ["TOTAL"])
     assert "negative values cannot be summed here" in info.value.message()
+
+
+def test_the_readme_bls_error_pattern_hands_the_called_models_error_to_the_client(
+    daemon: RunningDaemon,
+) -> None:
+    """`raise pb_utils.TritonModelException(response.error().message())`: the client gets the called
+    model's message as the caller's error."""
+    client = grpcclient.InferenceServerClient(daemon.address)
+    (total,) = _infer(client, grpcclient, "bls_raises", "X", np.ones((1, 4), dtype=np.float32), ["TOTAL"])
+    assert total.tolist() == [[4.0]]
+    with pytest.raises(InferenceServerException) as info:
+        _infer(client, grpcclient, "bls_raises", "X", -np.ones((1, 4), dtype=np.float32), ["TOTAL"])
+    assert info.value.message() == "negative values cannot be summed here", info.value.message()
+
+
+def test_a_model_using_what_mpsd_refuses_fails_to_load_naming_it(daemon: RunningDaemon) -> None:
+    index = daemon.client.get_model_repository_index(as_json=True)["models"]
+    (row,) = [m for m in index if m["name"] == "metrics"]
+    assert row["state"] == "UNAVAILABLE"
+    assert (
+        "metrics/1/model.py line 7: pb_utils.MetricFamily is not supported by mpsd: a model's own "
+        in row["reason"]
+    )
 
 
 def test_a_decoupled_model_streams_from_its_own_thread(daemon: RunningDaemon) -> None:

@@ -44,7 +44,8 @@ MPSD_PREFIX = "mpsd."
 REPORTED_PARAMETERS = ("device", "mps_not_used")
 RESIDENCY_FIELDS = tuple(Residency.model_fields)  # mpsd.residency.<field>
 
-# Options of Triton's PyTorch backend: they tune libtorch inside Triton and mean nothing to mpsd.
+# Options of Triton's PyTorch backend: they tune libtorch inside Triton and mean nothing to mpsd (except
+# INTRA_OP_THREAD_COUNT, which mpsd reads: daemon.supervise.placement.THREADS_PARAMETERS).
 _TRITON_PYTORCH_OPTIONS = frozenset(
     {
         "DISABLE_OPTIMIZED_EXECUTION",
@@ -57,7 +58,6 @@ _TRITON_PYTORCH_OPTIONS = frozenset(
         "ENABLE_NVFUSER",
         "ENABLE_TENSOR_FUSER",
         "INTER_OP_THREAD_COUNT",
-        "INTRA_OP_THREAD_COUNT",
     }
 )
 

@@ -91,6 +91,7 @@ class ModelSpec:
     # warm-up of zeros (a row of zero controls is not a request of any sequence), and its states are kept here
     sequence: bool = False
     states: tuple[StateSpec, ...] = ()
+    dynamic_batching: bool = False  # configured (a Triton python model's config shows it to the model)
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@
 template) becomes a python model that serves OpenAI's `/v1/embeddings` or `/v1/chat/completions`.
 
 The folder is copied into the version folder (`1/hf/`), beside a `model.py` written from a template the user
-may edit: mean-pooled, unit-length sentence embeddings; or token-by-token generation (a decoupled model)
-that applies the chat template and OpenAI's `max_tokens`, `temperature`, `top_p`, `stop` and `seed`. The
-model is checked with the worker's own loading and warm-up before it is moved into place, as every model
-`init-model` writes. transformers must be installed where the model runs.
+may edit: sentence embeddings as the folder's sentence-transformers configuration says (its max_seq_length,
+pooling and normalization; a plain folder: mean-pooled, unit length); or token-by-token generation (a
+decoupled model) that applies the chat template and OpenAI's `max_tokens`, `temperature`, `top_p`, `stop`
+and `seed`. The model is checked with the worker's own loading and warm-up before it is moved into place,
+as every model `init-model` writes. transformers must be installed where the model runs.
 """
 
 from __future__ import annotations
@@ -24,14 +25,60 @@ TASKS = ("embeddings", "chat")
 HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd", "dim")
 
 EMBEDDINGS_MODEL = '''"""Written by `mpsd init-model --openai embeddings`: sentence embeddings from the
-Hugging Face model in hf/ (mean pooling over the tokens, scaled to unit length), for OpenAI's
-/v1/embeddings (docs/openai.md). Edit freely: the daemon gives TEXT (one text per row) and reads EMBEDDING
-and TOKENS (each text's tokens)."""
+Hugging Face model in hf/, for OpenAI's /v1/embeddings (docs/openai.md). A folder sentence-transformers
+saved is followed as sentence-transformers runs it: texts cut at its max_seq_length
+(sentence_bert_config.json), pooled as its Pooling module says (1_Pooling/config.json) and scaled to unit
+length only with a Normalize module (modules.json). Any other folder: mean pooling over at most the
+model's positions, scaled to unit length. Edit freely: the daemon gives TEXT (one text per row) and reads
+EMBEDDING and TOKENS (each text's tokens)."""
 
+import json
 from pathlib import Path
 
 import torch
 from transformers import AutoModel, AutoTokenizer
+
+MODULES = "sentence_transformers.models."
+# Pooling modes in the order sentence-transformers concatenates them.
+MODES = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+
+
+def settings(folder):
+    """max_seq_length (None: the model's), lower-casing, the pooling modes and whether to normalize."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None, False, ["mean_tokens"], True
+    st_file = folder / "sentence_bert_config.json"
+    st = json.loads(st_file.read_text()) if st_file.is_file() else {}
+    modes, normalize = ["mean_tokens"], False
+    for module in json.loads(modules_file.read_text()):
+        kind = module.get("type", "")
+        if kind == MODULES + "Pooling":
+            pooling = json.loads((folder / module["path"] / "config.json").read_text())
+            modes = [m for m in MODES if pooling.get("pooling_mode_" + m)]
+        elif kind == MODULES + "Normalize":
+            normalize = True
+        elif kind != MODULES + "Transformer":
+            raise ValueError(f"modules.json names {kind!r} ({module.get('path')}): this model.py runs "
+                             "Transformer, Pooling and Normalize modules only; edit it to run the others")
+    return st.get("max_seq_length"), bool(st.get("do_lower_case")), modes, normalize
+
+
+def pool(hidden, mask, modes):
+    """Each mode's vector over the tokens that are not padding, concatenated."""
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    summed, count = (hidden * weights).sum(1), weights.sum(1).clamp(min=1e-9)
+    positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)
+    vectors = {
+        "cls_token": lambda: hidden[:, 0],
+        "max_tokens": lambda: hidden.masked_fill(weights == 0, -1e9).max(1).values,
+        "mean_tokens": lambda: summed / count,
+        "mean_sqrt_len_tokens": lambda: summed / count.sqrt(),
+        "weightedmean_tokens": lambda: (hidden * weights * positions[None, :, None]).sum(1)
+        / (weights * positions[None, :, None]).sum(1).clamp(min=1e-9),
+        "lasttoken": lambda: hidden[torch.arange(hidden.shape[0]), (mask * positions).argmax(1)],
+    }
+    return torch.cat([vectors[mode]() for mode in modes], dim=1)
 
 
 class Model:
@@ -42,18 +89,25 @@ class Model:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         self.network = AutoModel.from_pretrained(folder).to(device).eval()
+        longest, self.lower, self.modes, self.normalize = settings(folder)
+        limit = self.tokenizer.model_max_length
+        positions = getattr(self.network.config, "max_position_embeddings", None) or limit
+        self.max_length = longest or min(limit, positions)
 
     def infer(self, inputs):
-        texts = [t.decode("utf-8", "replace") for t in inputs["TEXT"].reshape(-1)]
-        batch = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt").to(self.device)
+        texts = [t.decode("utf-8", "replace").strip() for t in inputs["TEXT"].reshape(-1)]
+        if self.lower:
+            texts = [t.lower() for t in texts]
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
         with torch.inference_mode():
             hidden = self.network(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-        return {
-            "EMBEDDING": torch.nn.functional.normalize(pooled.float(), dim=1),
-            "TOKENS": batch["attention_mask"].sum(1, keepdim=True).to(torch.int64),
-        }
+        embedding = pool(hidden, batch["attention_mask"], self.modes).float()
+        if self.normalize:
+            embedding = torch.nn.functional.normalize(embedding, dim=1)
+        tokens = batch["attention_mask"].sum(1, keepdim=True).to(torch.int64)
+        return {"EMBEDDING": embedding, "TOKENS": tokens}
 '''
 
 CHAT_MODEL = '''"""Written by `mpsd init-model --openai chat`: a chat model from the Hugging Face causal
@@ -173,6 +227,20 @@ def _hidden_size(folder: Path) -> int:
     return -1
 
 
+def _embedding_size(folder: Path) -> int:
+    """The embeddings' size: a sentence-transformers Pooling module's dimension once per pooling mode it
+    concatenates (1_Pooling/config.json), else the model's hidden size."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+        pooling = next(m for m in modules if m.get("type") == "sentence_transformers.models.Pooling")
+        config = json.loads((folder / pooling["path"] / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
+        return _hidden_size(folder)
+    modes = sum(1 for key, on in config.items() if key.startswith("pooling_mode_") and on is True)
+    width = config.get("word_embedding_dimension")
+    return int(width) * modes if isinstance(width, int) and width > 0 and modes else _hidden_size(folder)
+
+
 def config_text(name: str, task: str, folder: Path) -> str:
     string = "{data_type: TYPE_STRING, dims: [1]}"
     head = [
@@ -188,7 +256,7 @@ def config_text(name: str, task: str, folder: Path) -> str:
             "input:",
             f"  - {{name: TEXT, {string[1:]}",
             "output:",
-            f"  - {{name: EMBEDDING, data_type: TYPE_FP32, dims: [{_hidden_size(folder)}]}}",
+            f"  - {{name: EMBEDDING, data_type: TYPE_FP32, dims: [{_embedding_size(folder)}]}}",
             "  - {name: TOKENS, data_type: TYPE_INT64, dims: [1]}",
             "instance_group: [{kind: KIND_AUTO, count: 1}]",
             "openai: {task: embeddings, input: TEXT, output: EMBEDDING, usage_output: TOKENS}",

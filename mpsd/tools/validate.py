@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -28,6 +29,7 @@ from mpsd.config.repository import (
 )
 from mpsd.errors import ConfigError, Issue
 from mpsd.tools.common import ToolError
+from mpsd.tools.validate_ensemble import Checked, Ensemble, step_problems
 from mpsd.tools.validate_fields import DOCS, FIELD_HINTS, field_path, hint_for, last_name, line_of
 from mpsd.tools.validate_load import Progress, load_models, stderr_progress
 from mpsd.tools.validate_report import ModelReport, Problem, as_json, render
@@ -140,10 +142,23 @@ def _read_yaml_config(name: str, cfg_path: Path, report: ModelReport) -> tuple[M
         return None
 
 
+@dataclass(frozen=True)
+class ModelCheck:
+    """One model directory checked: its report, the source to load when it passed, and what was read of
+    its config (an ensemble's steps are checked against the other models' configs)."""
+
+    report: ModelReport
+    loadable: ModelSource | None
+    config: ModelConfig | None = None
+    cfg_path: Path | None = None
+    text: str = ""
+
+
 def check_model(
     model_dir: Path, allow_symlinks: bool = False, op_library_dirs: Sequence[Path] = ()
-) -> tuple[ModelReport, ModelSource | None]:
-    """Every problem of one model directory that can be found without loading it."""
+) -> ModelCheck:
+    """Every problem of one model directory that can be found without loading it (an ensemble's steps are
+    checked by check_repository, which sees the other models)."""
     from mpsd.daemon.supervise.placement import check_memory_budget, plan_instances
 
     name = model_dir.name
@@ -152,23 +167,23 @@ def check_model(
     if not MODEL_NAME_RE.match(name):
         hint = "use letters, digits, '_', '.' and '-' (not first), at most 128 characters"
         add(Problem(name, str(model_dir), "", f"invalid model name '{name}'", hint))
-        return report, None
+        return ModelCheck(report, None)
     cfg_path, conflict = config_path(model_dir)
     if conflict is not None:
         add(Problem(name, str(model_dir), "", conflict.problem, "remove one of them"))
-        return report, None
+        return ModelCheck(report, None)
     source = load_model_source(model_dir, allow_symlinks, op_library_dirs)
     report.warnings = list(source.warnings)
     text = ""
     if cfg_path.name == PBTXT_FILE:  # Triton's format: the daemon's reader gives the verdict
         if source.config is None:
             report.problems.extend(_source_problems(name, source))
-            return report, None
+            return ModelCheck(report, None)
         config = source.config
     else:
         parsed = _read_yaml_config(name, cfg_path, report)
         if parsed is None:
-            return report, None
+            return ModelCheck(report, None)
         config, text = parsed
     if config.name is not None and config.name != name:
         add(
@@ -203,7 +218,10 @@ def check_model(
     selected = config.version_policy.select(available)
     if not available:
         where = model_dir / "1" / config.model_filename
-        add(Problem(name, str(model_dir), "", "no version directory", f"put the model file into {where}"))
+        hint = f"put the model file into {where}"
+        if config.backend == "ensemble":
+            hint = f"make the (empty) folder {model_dir / '1'}"
+        add(Problem(name, str(model_dir), "", "no version directory", hint))
     elif not selected:
         add(
             Problem(
@@ -216,7 +234,7 @@ def check_model(
             )
         )
     report.versions = selected
-    for v in selected:
+    for v in selected if config.backend != "ensemble" else ():  # an ensemble's folders are empty
         model_file = model_dir / str(v) / config.model_filename
         if not model_file.is_file():
             add(
@@ -230,7 +248,7 @@ def check_model(
             )
     if source.error is not None and not report.problems:  # the daemon's own verdict always counts
         report.problems.extend(_source_problems(name, source))
-    return report, (source if source.ok and report.ok else None)
+    return ModelCheck(report, source if source.ok and report.ok else None, config, cfg_path, text)
 
 
 # ---- the command -------------------------------------------------------------------------------------
@@ -248,14 +266,21 @@ def check_repository(
         raise ToolError(
             f"{repo} is not a directory", "pass the model repository: a folder with one folder per model"
         )
-    reports: list[ModelReport] = []
+    checks = [
+        check_model(entry, allow_symlinks, op_library_dirs)
+        for entry in sorted(repo.iterdir())
+        if entry.is_dir() and not is_ignored_name(entry.name)
+    ]
+    models = {c.report.name: Checked(c.config, c.report.versions) for c in checks}
     loadable: list[tuple[ModelReport, ModelSource]] = []
-    for entry in sorted(repo.iterdir()):
-        if entry.is_dir() and not is_ignored_name(entry.name):
-            report, source = check_model(entry, allow_symlinks, op_library_dirs)
-            reports.append(report)
-            if source is not None:
-                loadable.append((report, source))
+    for c in checks:
+        if c.config is not None and c.config.backend == "ensemble" and c.cfg_path is not None:
+            c.report.problems.extend(
+                step_problems(Ensemble(c.report.name, c.cfg_path, c.text, c.config), models)
+            )
+        elif c.loadable is not None:  # an ensemble has nothing to load: its steps' models load
+            loadable.append((c.report, c.loadable))
+    reports = [c.report for c in checks]
     if load and loadable:
         load_models(loadable, progress)
     return reports

@@ -106,6 +106,7 @@ class RecentActivity:
         self.step_s = step_s
         self._clock = clock
         self._readings: deque[tuple[float, Reading]] = deque(maxlen=max(1, round(window_s / step_s)))
+        self.window_s = step_s * (self._readings.maxlen or 1)  # the longest span the figures cover
         self._task: asyncio.Task[None] | None = None
 
     def _read(self) -> Reading:

@@ -104,6 +104,7 @@ class StatusView:
             },
             "devices": self._devices(),
             "models": models,
+            "window_s": self.recent.window_s,  # the window's length (a model's figures: as much as is kept)
             "events": [asdict(e) for e in self.bus.recent(_SHOWN_EVENTS, EVENTS)],
         }
 

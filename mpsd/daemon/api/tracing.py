@@ -26,7 +26,21 @@ from mpsd.errors import InvalidArgument
 
 T = TypeVar("T")
 TRACEPARENT = "traceparent"
-_VALID = re.compile(r"[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+# W3C Trace Context: version, trace id, parent id, flags; a later version may add fields after the flags.
+_FIELDS = re.compile(r"([0-9a-f]{2})-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-.*)?")
+
+
+def valid_traceparent(header: str) -> str | None:
+    """The traceparent to continue (its first four fields), or None for one the spec says to ignore: version
+    ff is invalid, version 00 has exactly four fields, and a later version is read by its first four
+    fields when more follow (the spec's SHOULD)."""
+    found = _FIELDS.fullmatch(header.strip())
+    if found is None:
+        return None
+    version, more = found[1], found[2]
+    if version == "ff" or (version == "00" and more is not None):
+        return None
+    return found[0][:55]
 
 
 @dataclass(frozen=True)
@@ -49,8 +63,7 @@ def answering(trace: RequestTrace | None) -> AbstractContextManager[None]:
 
 
 def incoming(traceparent: str | None, name: str) -> Incoming:
-    valid = traceparent if traceparent is not None and _VALID.fullmatch(traceparent.strip()) else None
-    return Incoming(valid.strip() if valid is not None else None, now_ns(), name)
+    return Incoming(valid_traceparent(traceparent) if traceparent is not None else None, now_ns(), name)
 
 
 class Tracing:

@@ -62,15 +62,18 @@ class EnsemblePlane(VersionPlane):
         """Open, and every step's model is ready or loads on its first request."""
         return self.closed is None and all(self.models.model_available(s.model_name) for s in self.steps)
 
+    def lanes_down(self) -> str:
+        """An ensemble has no lanes: what keeps it from serving is its steps' models that are not available
+        (the repository index, `mpsd models` and a refused request all give this reason)."""
+        missing = [s.model_name for s in self.steps if not self.models.model_available(s.model_name)]
+        if not missing:
+            return ""
+        return "step model(s) " + ", ".join(f"'{m}'" for m in dict.fromkeys(missing)) + " not available"
+
     def refusal(self) -> Unavailable:
         if self.closed is not None:
             return super().refusal()
-        missing = [s.model_name for s in self.steps if not self.models.model_available(s.model_name)]
-        return Unavailable(
-            f"ensemble '{self.name}' version {self.version} is not ready: step model(s) "
-            + ", ".join(f"'{m}'" for m in missing)
-            + " not available"
-        )
+        return Unavailable(f"ensemble '{self.name}' version {self.version} is not ready: {self.lanes_down()}")
 
     def _where(self, index: int) -> str:
         return f"ensemble '{self.name}' {step_label(index, self.steps[index])}"

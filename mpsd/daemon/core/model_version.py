@@ -4,6 +4,7 @@ requests go through its data plane (`plane`), which the state opens and closes."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 
@@ -95,6 +96,19 @@ class ModelVersion:
     def label(self) -> str:
         return f"{self.name}/{self.version}"
 
+    def placements_in_use(self) -> list[InstancePlacement]:
+        """The placements, with an instance whose worker reported running on the CPU (KIND_AUTO without a
+        usable GPU falls back) placed there: the device it really draws memory from."""
+        placements = list(self.placements)
+        for instance in self.instances:
+            index, worker = instance.launch.instance, instance.worker
+            ready = worker.ready if worker is not None else None
+            if ready is None or index >= len(placements) or ready.device.get("kind") != "cpu":
+                continue
+            if placements[index].device_type != "cpu":
+                placements[index] = dataclasses.replace(placements[index], kind="KIND_CPU", gpu=None)
+        return placements
+
     @property
     def ready(self) -> bool:
         return self.plane.ready
@@ -124,6 +138,15 @@ class ModelVersion:
         ]
         # optimization.compile: the slowest instance's compile time (instances compile side by side)
         extra = {"compile_ms": round(max(compiled), 1)} if compiled else {}
+        if not self.plane.ready:  # loaded, yet it cannot serve (an ensemble whose step model is missing)
+            log.warning(
+                "model version loaded, not ready",
+                model=self.name,
+                version=self.version,
+                reason=self.plane.lanes_down(),
+                event_kind="load",
+            )
+            return
         log.info(
             "model version ready",
             **extra,

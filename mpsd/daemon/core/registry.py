@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Awaitable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,7 +213,8 @@ class Registry:
         )
         report = ReconcileReport()
         names = sorted(set(only) if only is not None else set(desired) | set(self.entries))
-        jobs = []
+        jobs: list[Awaitable[None]] = []
+        ensembles: list[Awaitable[None]] = []  # after their steps: ready when they load
         for name in names:
             source = desired.get(name)
             if only is None and name in self.unloaded:
@@ -241,8 +242,10 @@ class Registry:
             else:  # not running, and to load now: admitted under the memory budget first
                 entry = self.entries.setdefault(name, ModelEntry(name))
                 entry.loading = True
-                jobs.append(self._apply_into(source, report, admit=entry))
+                is_ensemble = source.config is not None and source.config.backend == "ensemble"
+                (ensembles if is_ensemble else jobs).append(self._apply_into(source, report, admit=entry))
         await asyncio.gather(*jobs)
+        await asyncio.gather(*ensembles)
         self.overrides.sweep()
         if only is None:
             self.scanned = True

@@ -202,7 +202,17 @@ class Rollout:
         entry.failed_fingerprint = None
         for mv in retired:
             self._spawn(self._retire(entry, mv))
-        log.info("model ready", model=source.name, versions=sorted(entry.versions))
+        unready = [mv for mv in entry.versions.values() if not mv.ready]
+        if unready:  # what it lacks is in the index's reason too
+            log.warning(
+                "model loaded, not ready",
+                model=source.name,
+                versions=sorted(entry.versions),
+                reason=unready[0].plane.lanes_down(),
+                event_kind="load",
+            )
+        else:
+            log.info("model ready", model=source.name, versions=sorted(entry.versions))
         return True
 
     def _check_budget(

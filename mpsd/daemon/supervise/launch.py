@@ -95,6 +95,7 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         compile_batch_sizes=config.compile_batch_sizes(),
         sequence=config.sequence_batching is not None,
         states=state_specs(config, source.path),
+        dynamic_batching=config.dynamic_batching is not None,
     )
 
 

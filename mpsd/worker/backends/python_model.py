@@ -20,6 +20,7 @@ import inspect
 import sys
 from collections.abc import Generator, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from mpsd.ipc.protocol import ModelSpec
 from mpsd.ipc.strings import DATATYPE as STRINGS
 from mpsd.worker import triton_utils
 from mpsd.worker.backends.base import Parameters
-from mpsd.worker.backends.triton_python import TritonModel
+from mpsd.worker.backends.triton_python import TritonModel, check_model
 from mpsd.worker.calls import current
 from mpsd.worker.strings import Value, as_strings
 
@@ -58,6 +59,7 @@ class PythonBackend:
         elif triton_cls is not None:
             # Triton runs no default warm-up, and a model may call others (`exec`) from its first request.
             self.calls_models = True
+            check_model(triton_cls, Path(spec.model_path).read_text(), spec)
             self._model = TritonModel(triton_cls(), spec, device)
         else:
             raise AttributeError(f"{spec.model_path} defines no class Model (nor Triton's TritonPythonModel)")

@@ -93,7 +93,7 @@ class Residency:
         return f"{mv.label}@{mv.fingerprint}"
 
     def version_footprint(self, mv: ModelVersion) -> Footprint:
-        return footprint(mv.config, mv.placements, self.sizes, self._measured.get(self._key(mv)))
+        return footprint(mv.config, mv.placements_in_use(), self.sizes, self._measured.get(self._key(mv)))
 
     def entry_footprint(self, entry: ModelEntry) -> Footprint:
         return _sum(self.version_footprint(mv) for mv in entry.versions.values())
@@ -262,14 +262,15 @@ class Residency:
         return stop()
 
     def _remember(self, mv: ModelVersion) -> None:
+        placements = mv.placements_in_use()
         for instance in mv.instances:
             worker = instance.worker
             if worker is None:
                 continue
             index = instance.launch.instance
-            if index >= len(mv.placements):
+            if index >= len(placements):
                 continue
-            device = mv.placements[index].device_key
+            device = placements[index].device_key
             self.sizes.learn(device, worker.memory)
             nbytes = measure(device, worker.memory)
             if nbytes:

@@ -183,7 +183,7 @@ function footprintCell(model, budgets, names) {
   }));
 }
 
-function drawModels(models, budgets, names) {
+function drawModels(models, budgets, names, window) {
   const body = document.querySelector("#models tbody");
   document.getElementById("model-count").textContent = `(${models.length})`;
   let window_s = null;
@@ -211,7 +211,8 @@ function drawModels(models, budgets, names) {
     el("td", { class: "num", "data-p50": req ? req.p50_ms : null }, ms(req && req.p50_ms)),
     el("td", { class: "num", "data-p99": req ? req.p99_ms : null }, ms(req && req.p99_ms)));
   }));
-  document.getElementById("window").textContent = window_s ? duration(window_s) : "minutes";
+  // The span the figures cover, or the window's length before a whole second of it is kept.
+  document.getElementById("window").textContent = duration(window_s >= 1 ? window_s : window);
 }
 
 function drawEvents(events) {
@@ -236,7 +237,7 @@ function draw(doc) {
   const budgets = Object.fromEntries(doc.devices.map((d) => [d.device, d.budget_bytes]));
   drawServer(doc.server);
   drawDevices(doc.devices, names);
-  drawModels(doc.models, budgets, names);
+  drawModels(doc.models, budgets, names, doc.window_s);
   drawEvents(doc.events);
 }
 
