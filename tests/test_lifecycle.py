@@ -55,11 +55,11 @@ class NotifySocket:
 
 
 def test_sd_notify_ready_reload_stopping_and_watchdog(
-    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+    tmp_path: Path, sock_dir: Path, start_daemon: Callable[..., RunningDaemon]
 ) -> None:
     repo = tmp_path / "repo"
     models.add_sub(repo)
-    notify = NotifySocket(tmp_path / "notify.sock")
+    notify = NotifySocket(sock_dir / "notify.sock")
     daemon = start_daemon(repo, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
     daemon.wait_live()
     wait_for(lambda: notify.seen("READY=1"), 120, "READY=1")
