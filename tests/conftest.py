@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -214,6 +216,39 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):  # ty
             last = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out waiting for {what} (last error: {last})")
+
+
+# A Unix socket's path must fit sockaddr_un.sun_path: 104 bytes on macOS, the NUL included. pytest's tmp_path
+# does not: a Mac's $TMPDIR (/private/var/folders/xx/<30>/T) with pytest-of-USER/pytest-N and, under xdist,
+# popen-gwN/<test name> is over 130 bytes. Tests put their sockets in a short folder of /tmp instead.
+SOCKET_ROOT = "/tmp"
+# The longest path a test puts under such a folder: a socket's name, or a daemon's own socket folder
+# (mpsd-daemon-<pid>-<8>/daemon.sock) where the folder stands in for XDG_RUNTIME_DIR.
+SOCKET_NAME_MAX = 48
+
+
+@contextlib.contextmanager
+def short_socket_dir() -> Iterator[Path]:
+    """A new private folder for Unix sockets under /tmp, whatever $TMPDIR is; removed with its contents."""
+    path = Path(tempfile.mkdtemp(prefix="mpsdt-", dir=SOCKET_ROOT))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short folder for the test's Unix sockets (SOCKET_ROOT): tmp_path is too long for them on macOS."""
+    with short_socket_dir() as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def module_sock_dir() -> Iterator[Path]:
+    """sock_dir for a module's shared daemons."""
+    with short_socket_dir() as path:
+        yield path
 
 
 @pytest.fixture

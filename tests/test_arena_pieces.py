@@ -253,7 +253,7 @@ def test_batches_through_fronts_on_a_gpu_are_read_in_place_and_each_request_gets
         },
     )
     port = free_port()
-    args = ["--front-processes", "2", "--metrics-address", f"127.0.0.1:{port}"]
+    args = ["--front-processes", "2", "--metrics-address", f"127.0.0.1:{port}"]  # Linux only, as CUDA
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((1, FLOATS), dtype=np.float32) for _ in range(48)]
     with serving(repo, tmp_path / "daemon.log", extra_args=args) as daemon:

@@ -22,6 +22,7 @@ import mpsd
 from mpsd.cli import build_parser
 from tests import models
 from tests.conftest import ROOT, free_port, serve_command, wait_for
+from tests.os_skips import shared_port_fronts
 
 MPSD_SCRIPT = Path(sys.executable).parent / "mpsd"
 EX_CONFIG = 78
@@ -271,7 +272,8 @@ def test_config_paths_are_relative_to_its_file_and_flags_override_it(tmp_path: P
                 proc.wait()
 
 
-def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fronts", ["0", pytest.param("2", marks=shared_port_fronts())])
+def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path, fronts: str) -> None:
     """docs/troubleshooting.md's message, with front processes or without: one line naming the address, exit
     status 78 (the operator's to fix, as a config error), found before anything starts."""
     repo = tmp_path / "repo"
@@ -281,9 +283,7 @@ def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         serve = [*serve_command(repo, address), "--metrics-address", ""]
-        alone = run([*serve, "--front-processes", "0"], tmp_path)
-        fronts = run([*serve, "--front-processes", "2"], tmp_path)
-    for done in (alone, fronts):
-        assert done.returncode == 78, done.stderr
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        assert lines == [f"mpsd: configuration error: cannot listen on {address}: the port is in use"], lines
+        done = run([*serve, "--front-processes", fronts], tmp_path)
+    assert done.returncode == 78, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [f"mpsd: configuration error: cannot listen on {address}: the port is in use"], lines

@@ -19,6 +19,7 @@ import yaml
 
 from mpsd.cli import build_parser
 from tests.conftest import ROOT
+from tests.os_skips import not_installed
 
 KSERVE = ROOT / "deploy" / "kserve"
 RUNTIMES = list(yaml.safe_load_all((KSERVE / "servingruntime.yaml").read_text()))
@@ -145,7 +146,7 @@ def haproxy_env(daemons: int) -> dict[str, str]:
     return env | {"MPSD_GRPC_BIND": ":8001", "MPSD_HTTP_BIND": ":8000", "MPSD_STATS_BIND": "127.0.0.1:8404"}
 
 
-@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason=not_installed("haproxy"))
 @pytest.mark.parametrize("daemons", [1, 2, 3, 4])
 def test_haproxy_config_is_valid(daemons: int, tmp_path: Path) -> None:
     """deploy/haproxy/mpsd.cfg as it is (3 daemons), and written for other counts (bench/haproxy.py)."""

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests import models
 from tests.conftest import RunningDaemon, http_request, wait_for
+from tests.os_skips import shared_port_fronts
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -80,7 +81,9 @@ def test_grace_ends_by_itself_then_calls_are_refused(tmp_path: Path, start_daemo
     assert log.index("stopping: health not serving") < log.index("stopping: draining in-flight requests")
 
 
-@pytest.mark.parametrize("fronts", [0, 1], ids=["daemon", "front"])
+@pytest.mark.parametrize(
+    "fronts", [pytest.param(0, id="daemon"), pytest.param(1, id="front", marks=shared_port_fronts())]
+)
 def test_max_connection_age_reconnects_a_long_lived_channel_without_failing_calls(
     tmp_path: Path, start_daemon: Any, fronts: int
 ) -> None:

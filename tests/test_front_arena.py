@@ -19,6 +19,7 @@ import structlog.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mpsd import osfacts
 from mpsd.daemon.dataplane.marshal import assemble
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.daemon.supervise.fronts.link import FrontLink
@@ -290,8 +291,9 @@ def test_arenas_are_allocated_up_front_and_fronts_go_without_when_dev_shm_is_ful
 
     region = Region.create(1 << 20, reserve=True)
     try:
-        if hasattr(os, "posix_fallocate"):
-            blocks = os.stat(f"/dev/shm{region.name}").st_blocks
+        shm_dir = osfacts.current().shm_dir  # macOS has neither the folder nor posix_fallocate
+        if hasattr(os, "posix_fallocate") and shm_dir is not None:
+            blocks = os.stat(f"{shm_dir}{region.name}").st_blocks
             assert blocks * 512 >= region.size  # the pages are taken, not promised
     finally:
         region.unlink()

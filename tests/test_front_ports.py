@@ -86,12 +86,23 @@ def infer(client: grpcclient.InferenceServerClient, **kwargs: object) -> None:
     assert out is not None and out.tolist() == [[0.0, 2.0, 4.0, 6.0]], out
 
 
-def listeners(port: int) -> set[int]:
-    return {
-        c.pid
-        for c in psutil.net_connections("tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None
-    }
+def listeners(daemon: RunningDaemon, port: int) -> set[int]:
+    """The daemon's processes (itself and its children) listening on `port`. Each process is asked for its
+    own connections: the whole system's (psutil.net_connections) need root on macOS."""
+    try:
+        root = psutil.Process(daemon.pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    found = set()
+    for process in processes:
+        try:
+            connections = process.net_connections("tcp")
+        except psutil.NoSuchProcess:
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in connections):
+            found.add(process.pid)
+    return found
 
 
 def test_each_front_listens_alone_on_its_port_and_the_daemon_on_its_address(setup: Setup) -> None:
@@ -100,8 +111,8 @@ def test_each_front_listens_alone_on_its_port_and_the_daemon_on_its_address(setu
     assert sorted(listed) == sorted(setup.ports)
     assert {f.state for f in listed.values()} == {"listening"}
     for port, front in listed.items():
-        assert listeners(port) == {front.pid}, f"front {front.index} alone on {port}"
-    assert listeners(daemon.port) == {daemon.pid}, "the daemon serves its own address"
+        assert listeners(daemon, port) == {front.pid}, f"front {front.index} alone on {port}"
+    assert listeners(daemon, daemon.port) == {daemon.pid}, "the daemon serves its own address"
     events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
     (ready,) = [e for e in events if e["event"] == "ready"]
     assert ready["front_ports"] == setup.ports
@@ -179,7 +190,8 @@ def test_a_killed_front_is_restarted_on_its_port_and_a_balanced_client_fails_no_
 
         def restarted() -> bool:
             front = fronts(setup.daemon.address)[port]
-            return front.pid != victim.pid and front.state == "listening" and listeners(port) == {front.pid}
+            alone = listeners(setup.daemon, port) == {front.pid}
+            return front.pid != victim.pid and front.state == "listening" and alone
 
         wait_for(restarted, 60, f"the front on {port} restarted\n{setup.daemon.log()}")
         assert fronts(setup.daemon.address)[port].restarts == victim.restarts + 1
@@ -210,7 +222,7 @@ def serve_once(repo: Path, config: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_ports_the_daemon_cannot_serve_are_configuration_errors(tmp_path: Path) -> None:
+def test_ports_the_daemon_cannot_serve_are_configuration_errors(tmp_path: Path, sock_dir: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     grpc_port, http_port, port = free_port(), free_port(), free_port()
@@ -221,7 +233,7 @@ def test_ports_the_daemon_cannot_serve_are_configuration_errors(tmp_path: Path) 
         "http": ({"front_ports": [http_port]}, f"port {http_port} collides with http_address"),
         "both": ({"front_ports": [port], "front_processes": 2}, "set only one of the two"),
         "unix": (
-            {"front_ports": [port], "grpc_address": f"unix://{tmp_path}/m.sock"},
+            {"front_ports": [port], "grpc_address": f"unix://{sock_dir}/m.sock"},
             "grpc_address is a Unix socket",
         ),
         "range": ({"front_ports": [70000]}, "front_ports"),

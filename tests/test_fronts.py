@@ -39,6 +39,11 @@ from mpsd.daemon.supervise.fronts.pool import is_front_command
 from mpsd.proto import admin_pb2, admin_pb2_grpc
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, own_segments, pending_requests, serving, wait_for
+from tests.os_skips import shared_port_fronts
+
+# Every test here runs fronts that share the daemon's port (some read /proc too): Linux's. The parts of
+# fronts that run on every platform are tested in test_front_policy.py.
+pytestmark = shared_port_fronts()
 
 FRONTS = 2
 BIG_DIMS = 300_000  # 1.2 MB per tensor: requests and replies of 2.4 MB, larger than the link's socket buffer
@@ -371,35 +376,6 @@ def test_a_reply_larger_than_its_request_comes_back_through_the_socket(setup: Se
     assert arena_transfers(setup) == (requests + 2, replies)
 
 
-def test_a_frame_is_its_pieces_behind_a_header_that_counts_their_bytes() -> None:
-    """No empty piece (asyncio's scatter-gather writelines would poll the socket forever with one left at
-    the end), and the length is in bytes even for views of wider items."""
-    from mpsd.ipc.front_wire import HEADER, Kind, frame, frame_of
-
-    wide = memoryview(np.arange(5, dtype=np.float32).tobytes()).cast("f")  # len() is 5, 20 bytes
-    parts = frame_of(Kind.REPLY, 7, 0.0, [b"", b"ab", wide, memoryview(b""), bytearray(b"c")])
-    assert all(memoryview(p).nbytes for p in parts)
-    kind, call_id, _, length = HEADER.unpack(parts[0])
-    assert (kind, call_id, length) == (Kind.REPLY, 7, 23)
-    assert b"".join(parts[1:]) == b"ab" + wide.tobytes() + b"c"
-    assert len(frame(Kind.CANCEL, 3)) == 1  # a header alone
-
-
-def test_link_sockets_ask_for_buffers_that_hold_a_large_frame() -> None:
-    from mpsd.ipc.front_wire import SOCKET_BUFFER, widen_buffers
-
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with ours, theirs:
-        before = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        reported = widen_buffers(ours)
-        after = ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-    assert reported == after  # what the daemon compares with what it asked for
-    cap = Path("/proc/sys/net/core/wmem_max")
-    if cap.exists():  # Linux reports twice what it grants, up to twice the cap
-        assert after >= min(2 * SOCKET_BUFFER, 2 * int(cap.read_text()))
-    assert after > before
-
-
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
 def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, event_loop: str) -> None:
     """The suite runs on the default (asyncio's loop); this runs a daemon and a front on each."""
@@ -419,16 +395,6 @@ def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, ev
     loops = {e["event"]: (e.get("event_loop"), e.get("busy_poll_us")) for e in events if e["event"] in starts}
     polls = 200 if event_loop == "asyncio" else 0  # the default budget; uvloop's loop does not poll
     assert loops == {"listening": (event_loop, polls), "front listening": (event_loop, polls)}
-
-
-def test_uvloop_where_it_is_not_installed_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mpsd.errors import ConfigError
-    from mpsd.net import eventloop
-
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` now fails as if it were not installed
-    eventloop.check("asyncio")
-    with pytest.raises(ConfigError, match="uvloop is not installed"):
-        eventloop.check("uvloop")
 
 
 def test_errors_keep_their_status_through_a_front(setup: Setup) -> None:
@@ -620,10 +586,10 @@ def serve_once(repo: Path, config: Path, *extra: str) -> subprocess.CompletedPro
     )
 
 
-def test_settings_the_address_cannot_serve_are_configuration_errors(tmp_path: Path) -> None:
+def test_settings_the_address_cannot_serve_are_configuration_errors(tmp_path: Path, sock_dir: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
-    unix = write_config(tmp_path / "unix.yaml", grpc_address=f"unix://{tmp_path}/m.sock", front_processes=2)
+    unix = write_config(tmp_path / "unix.yaml", grpc_address=f"unix://{sock_dir}/m.sock", front_processes=2)
     done = serve_once(repo, unix)
     assert done.returncode == 78, done.stderr
     assert "front_processes: 2" in done.stderr and "Unix socket" in done.stderr
@@ -802,94 +768,3 @@ def test_sigterm_drains_through_the_fronts_and_kill_9_of_the_daemon_takes_them_a
     finally:
         second.stop()
         second.kill_group()
-
-
-@pytest.mark.parametrize(
-    ("setting", "address", "cpus", "platform", "expected"),
-    [
-        ("auto", "127.0.0.1:8001", 2, "linux", 0),
-        ("auto", "127.0.0.1:8001", 4, "linux", 0),
-        ("auto", "127.0.0.1:8001", 8, "linux", 2),
-        ("auto", "0.0.0.0:8001", 16, "linux", 4),
-        ("auto", "127.0.0.1:8001", 64, "linux", 4),
-        ("auto", "127.0.0.1:8001", 16, "darwin", 0),
-        ("auto", "unix:///tmp/mpsd.sock", 16, "linux", 0),
-        (0, "127.0.0.1:8001", 16, "darwin", 0),
-        (3, "127.0.0.1:8001", 2, "linux", 3),
-    ],
-)
-def test_how_many_fronts(setting: object, address: str, cpus: int, platform: str, expected: int) -> None:
-    from mpsd.config.daemon_config import DaemonConfig
-    from mpsd.daemon.supervise.fronts.policy import front_count
-
-    config = DaemonConfig(front_processes=setting, grpc_address=address)  # type: ignore[arg-type]
-    assert front_count(config, cpu_count=cpus, platform=platform) == expected
-
-
-def test_auto_counts_the_cpus_the_daemon_may_use_not_the_machines(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A daemon pinned to 3 cores of a 16-core machine (taskset, CPUAffinity=) runs no fronts, as on a
-    3-core machine; pinned to 8 of them, two."""
-    from mpsd.config.daemon_config import DaemonConfig
-    from mpsd.daemon.supervise.fronts import policy
-
-    config = DaemonConfig(front_processes="auto", grpc_address="127.0.0.1:8001")
-    monkeypatch.setattr(policy.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    assert policy.front_count(config, platform="linux") == 0
-    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert policy.front_count(config, platform="linux") == 2
-
-
-def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip_to_a_front(
-    tmp_path: Path,
-) -> None:
-    from mpsd.config.daemon_config import DaemonConfig, load_daemon_config
-    from mpsd.daemon.supervise.fronts.policy import front_count
-    from mpsd.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="only on Linux"):
-        front_count(DaemonConfig(front_processes=2), cpu_count=16, platform="darwin")
-    for value in ("auto", 0, 4):
-        config = load_daemon_config(write_config(tmp_path / f"{value}.yaml", front_processes=value))
-        assert config.front_processes == value
-        # what a front receives: the daemon's settings as JSON
-        assert DaemonConfig.model_validate(config.model_dump(mode="json")).front_processes == value
-    with pytest.raises(ConfigError, match="front_processes"):
-        load_daemon_config(write_config(tmp_path / "bad.yaml", front_processes="many"))
-
-
-def test_a_front_whose_daemon_is_gone_before_it_was_told_what_to_serve_exits() -> None:
-    daemon_end, front_end = socket.socketpair()
-    front = subprocess.Popen(
-        [sys.executable, "-m", "mpsd.front", "--fd", str(front_end.fileno())],
-        pass_fds=(front_end.fileno(),),
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-    )
-    front_end.close()
-    daemon_end.close()
-    assert front.wait(30) == 1
-
-
-def test_socket_directories_of_dead_daemons_are_removed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import shutil
-    import tempfile
-
-    from mpsd.daemon.supervise.fronts import sockets
-
-    tmp_path = Path(tempfile.mkdtemp(prefix="mpsdt-", dir="/tmp"))  # short: it holds socket paths
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    stale = tmp_path / f"mpsd-daemon-{gone.pid}-abc"
-    stale.mkdir()
-    (stale / "daemon.sock").touch()
-    alive = tmp_path / f"mpsd-daemon-{os.getppid()}-def"  # our parent is running
-    alive.mkdir()
-    mine = sockets.make_socket_dir()
-    assert mine.parent == tmp_path and oct(mine.stat().st_mode & 0o777) == "0o700"
-    try:
-        assert sockets.remove_stale_socket_dirs() == [stale.name]
-        assert not stale.exists() and alive.exists() and mine.exists()
-    finally:
-        shutil.rmtree(tmp_path)

@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests import models
 from tests.conftest import RunningDaemon, http_request, serving
+from tests.os_skips import linux_only
 from tests.triton_shm import shm
 
 INFER = "/v2/models/add_sub/infer"
@@ -275,7 +276,7 @@ def _held(key: str, pid: int) -> bool:
     return any(os.path.realpath(p).endswith(key) for p in fds.iterdir()) if fds.is_dir() else False
 
 
-@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc")
+@linux_only("reads the descriptors the daemon holds in /proc/PID/fd")
 def test_failed_requests_leave_no_shared_memory_region_held(daemon: RunningDaemon) -> None:
     key = f"/mpsdtest_http_{os.getpid()}"
     handle = shm.create_shared_memory_region("bad_http", key, 256)

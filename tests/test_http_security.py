@@ -96,7 +96,7 @@ class Daemons:
 
 
 @pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+def daemons(tmp_path_factory: pytest.TempPathFactory, module_sock_dir: Path) -> Iterator[Daemons]:
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     started: list[RunningDaemon] = []
     try:
@@ -136,7 +136,7 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
 
         base = tmp_path_factory.mktemp("local")
         models.add_sub(base / "repo")
-        sock = base / "http.sock"
+        sock = module_sock_dir / "http.sock"
         stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stale.bind(str(sock))  # left behind by a daemon killed with -9
         stale.close()

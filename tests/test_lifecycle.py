@@ -31,7 +31,10 @@ def _x(value: float) -> list[grpcclient.InferInput]:
 
 
 class NotifySocket:
-    """A datagram socket standing in for systemd's notification socket (this is the real protocol)."""
+    """A datagram socket standing in for systemd's notification socket (this is the real protocol). Like
+    systemd, it reads each message as it arrives: the daemon's send blocks once a few unread datagrams are
+    queued (net.unix.max_dgram_qlen, 10 by default), which a daemon slow to start on a loaded machine,
+    pinging its watchdog every 0.2 s, would reach while the test waits for it to be live."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -39,27 +42,35 @@ class NotifySocket:
         self.sock.bind(str(path))
         self.sock.settimeout(0.2)
         self.messages: list[str] = []
+        self._closing = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="notify-socket", daemon=True)
+        self._reader.start()
 
-    def close(self) -> None:
-        self.sock.close()
-
-    def drain(self) -> list[str]:
-        while True:
+    def _read(self) -> None:
+        while not self._closing.is_set():
             try:
                 self.messages.append(self.sock.recv(4096).decode())
             except TimeoutError:
-                return self.messages
+                continue
+
+    def close(self) -> None:
+        self._closing.set()
+        self._reader.join()
+        self.sock.close()
+
+    def drain(self) -> list[str]:
+        return list(self.messages)
 
     def seen(self, text: str) -> bool:
         return any(text in m for m in self.drain())
 
 
 def test_sd_notify_ready_reload_stopping_and_watchdog(
-    tmp_path: Path, start_daemon: Callable[..., RunningDaemon]
+    tmp_path: Path, sock_dir: Path, start_daemon: Callable[..., RunningDaemon]
 ) -> None:
     repo = tmp_path / "repo"
     models.add_sub(repo)
-    notify = NotifySocket(tmp_path / "notify.sock")
+    notify = NotifySocket(sock_dir / "notify.sock")
     daemon = start_daemon(repo, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
     daemon.wait_live()
     wait_for(lambda: notify.seen("READY=1"), 120, "READY=1")
@@ -76,7 +87,7 @@ def test_sd_notify_ready_reload_stopping_and_watchdog(
     for pid in daemon.worker_pids():
         assert "NOTIFY_SOCKET" not in psutil.Process(pid).environ()
     assert daemon.stop() == 0
-    assert notify.seen("STOPPING=1")
+    wait_for(lambda: notify.seen("STOPPING=1"), 10, "STOPPING=1")
     notify.close()
 
 

@@ -408,7 +408,7 @@ def test_a_real_worker_runs_with_the_models_thread_count(start_daemon, tmp_path:
     not hasattr(os, "sched_setaffinity")
     or len(os.sched_getaffinity(0)) < 2
     or "OMP_NUM_THREADS" in os.environ,
-    reason="needs 2 CPUs to pin to 1, and torch's default thread count",
+    reason="needs sched_setaffinity (Linux), 2 CPUs to pin to 1, and torch's default thread count",
 )
 def test_a_pinned_daemons_cpu_worker_runs_torch_on_the_daemons_cores(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A daemon started on one CPU of several (as under `taskset -c`): a CPU model with no thread count of

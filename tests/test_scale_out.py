@@ -24,6 +24,7 @@ from bench.haproxy import HAProxy
 from mpsd.client import balanced_channel_args, balanced_target
 from tests import models
 from tests.conftest import RunningDaemon, free_port, http_request, wait_for
+from tests.os_skips import not_installed
 
 GRACE_S = 3.0  # longer than HAProxy's check interval times its fall count (deploy/haproxy/mpsd.cfg)
 CALLERS = 4
@@ -252,7 +253,7 @@ def test_client_side_health_check_per_model_skips_the_daemon_without_it(fleet: F
 @pytest.fixture(scope="module")
 def proxy(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HAProxy]:
     if HAPROXY is None:
-        pytest.skip("haproxy is not installed (`make system-tools` installs it as root on Debian)")
+        pytest.skip(not_installed("haproxy"))
     daemons = [(d.address, d.http_address) for d in fleet.daemons]
     ports = (free_port(), free_port(), free_port())
     proxy = HAProxy(HAPROXY, daemons, tmp_path_factory.mktemp("haproxy"), ports=ports)

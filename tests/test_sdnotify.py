@@ -24,9 +24,9 @@ def _receive(sock: socket.socket) -> dict[str, str]:
 
 
 @pytest.fixture
-def listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
+def listener(sock_dir: Path) -> Iterator[tuple[socket.socket, str]]:
     """A bound datagram socket standing in for systemd's notification socket."""
-    path = tmp_path / "notify.sock"
+    path = sock_dir / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(path))
     sock.settimeout(5)
@@ -99,9 +99,9 @@ def test_no_op_without_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not notifier.stopping()
 
 
-def test_send_failure_does_not_raise(tmp_path: Path) -> None:
+def test_send_failure_does_not_raise(sock_dir: Path) -> None:
     """Nobody listening (systemd gone, socket removed): the daemon keeps running."""
-    notifier = SdNotifier({"NOTIFY_SOCKET": str(tmp_path / "missing.sock")})
+    notifier = SdNotifier({"NOTIFY_SOCKET": str(sock_dir / "missing.sock")})
     assert notifier.enabled
     assert notifier.ready() is False
     notifier.close()

@@ -48,6 +48,7 @@ from mpsd.net.listen import parse_address, remove_stale_socket
 from mpsd.worker.backends.pickled import PickleRefused, archive_kind, no_unpickling
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, wait_for
+from tests.os_skips import shared_port_fronts
 
 INFER_TOKEN = "infer-token-1f0c"
 READER_TOKEN = "reader-token-77ab"
@@ -275,7 +276,7 @@ def _mtls_client(address: str, pki: Pki, cert: Path | None = None, key: Path | N
 
 
 @pytest.fixture(scope="module")
-def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+def daemons(tmp_path_factory: pytest.TempPathFactory, module_sock_dir: Path) -> Iterator[Daemons]:
     """Three daemons started together (their workers load in parallel)."""
     pki = make_pki(tmp_path_factory.mktemp("pki"))
     started: list[RunningDaemon] = []
@@ -290,7 +291,7 @@ def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
         torch_saved_relu(repo, "pickled", allow_pickle=False)
         torch_saved_relu(repo, "pickled_allowed", allow_pickle=True)
         exported_linear(repo, "linear")
-        sock = base / "mpsd.sock"
+        sock = module_sock_dir / "mpsd.sock"
         stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stale.bind(str(sock))  # left behind without a listener, like a daemon killed with -9
         stale.close()
@@ -406,13 +407,13 @@ def test_unix_socket_is_mode_0600_replaces_a_stale_one_and_serves(daemons: Daemo
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 4.0, np.float32))
 
 
-def test_stale_socket_check_refuses_live_sockets_and_other_files(tmp_path: Path) -> None:
-    regular = tmp_path / "file.sock"
+def test_stale_socket_check_refuses_live_sockets_and_other_files(sock_dir: Path) -> None:
+    regular = sock_dir / "file.sock"
     regular.write_text("not a socket")
     with pytest.raises(ConfigError, match="not a socket"):
         remove_stale_socket(regular)
     assert regular.exists()
-    live = tmp_path / "live.sock"
+    live = sock_dir / "live.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(str(live))
         listener.listen()
@@ -872,7 +873,7 @@ def _events(daemon: RunningDaemon, event: str) -> list[dict[str, Any]]:
     return [e for e in found if e.get("event") == event]
 
 
-@pytest.mark.parametrize("fronts", [0, 1])
+@pytest.mark.parametrize("fronts", [0, pytest.param(1, marks=shared_port_fronts())])
 def test_sighup_rereads_the_token_files_here_and_in_the_fronts(tmp_path: Path, fronts: int) -> None:
     """A token rotated in its file takes effect at SIGHUP, without a restart; one that cannot be read then
     leaves the previous token in force."""
@@ -940,7 +941,7 @@ def _tls_live(address: str, ca: Path) -> tuple[str, str]:
     return "ok", ""
 
 
-@pytest.mark.parametrize("fronts", [0, 1])
+@pytest.mark.parametrize("fronts", [0, pytest.param(1, marks=shared_port_fronts())])
 def test_sighup_serves_a_renewed_certificate_here_and_in_the_fronts(tmp_path: Path, fronts: int) -> None:
     """A certificate renewed on disk is served to new connections after SIGHUP, without a restart; one
     that cannot be read, or a reload that would turn client certificates on, changes nothing."""

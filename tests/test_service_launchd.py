@@ -3,7 +3,8 @@
 launchd cannot run on this (Linux) test machine, so the command tests put a recording stand-in
 `launchctl` first on PATH. It logs its argv, keeps "loaded" state in files, answers `print` like the
 real tool and can be told to fail `bootstrap` with error 5. The plist is additionally checked with
-`plistutil` (libplist), a parser independent of Python's plistlib.
+`plistutil` (libplist), a parser independent of Python's plistlib, or on a Mac without it with the system's
+own `plutil`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from mpsd import osfacts
 from mpsd.service import launchd
 from mpsd.service.errors import ServiceError
 from mpsd.service.launchctl import parse_print, status_from_print
 from mpsd.service.spec import Scope, ServiceSpec, check_privileges, make_spec, make_target
 from tests import models
 from tests.conftest import free_port, wait_for
+from tests.os_skips import not_installed
 from tests.service_fakes import PROCESS_CONTROL, kill_started
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,20 +256,24 @@ def _render(tmp_path: Path, scope: Scope, **overrides: object) -> dict[str, obje
     return plistlib.loads(launchd.render_plist(spec, target))  # type: ignore[no-any-return]
 
 
-def _plistutil_roundtrip(xml: bytes, tmp_path: Path) -> object:
-    """Parse with libplist (XML -> binary), then read its binary output back."""
+def _plist_converter(source: Path, binary: Path) -> list[str]:
+    """The command that converts the XML plist `source` to the binary `binary`: libplist's plistutil, or on
+    macOS its own plutil (Apple's parser, always there) where plistutil is not installed."""
     plistutil = shutil.which("plistutil")
-    if plistutil is None:
-        pytest.skip("plistutil (Debian: libplist-utils, installed by `make install`) is not installed")
+    if plistutil is not None:
+        return [plistutil, "-i", str(source), "-f", "bin", "-o", str(binary)]
+    plutil = shutil.which("plutil") if osfacts.current().name == "darwin" else None
+    if plutil is not None:
+        return [plutil, "-convert", "binary1", "-o", str(binary), str(source)]
+    pytest.skip(not_installed("plistutil"))
+
+
+def _plistutil_roundtrip(xml: bytes, tmp_path: Path) -> object:
+    """Parse with a parser other than plistlib (XML -> binary), then read its binary output back."""
     source, binary = tmp_path / "check.plist", tmp_path / "check.bplist"
     source.write_bytes(xml)
     binary.unlink(missing_ok=True)
-    proc = subprocess.run(
-        [plistutil, "-i", str(source), "-f", "bin", "-o", str(binary)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = subprocess.run(_plist_converter(source, binary), capture_output=True, text=True, check=False)
     # plistutil 2.2 exits 0 even when it rejects the input, so its error text and output are checked.
     assert "ERROR" not in proc.stderr + proc.stdout, proc.stderr
     assert proc.returncode == 0

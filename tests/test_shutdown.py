@@ -33,6 +33,7 @@ from tests.conftest import (
     serve_command,
     wait_for,
 )
+from tests.os_skips import shared_port_fronts
 
 DRAIN_S, STOP_S = 2.0, 2.0
 BOUND_S = DRAIN_S + STOP_S + MARGIN_S  # with the tests' shutdown_grace_s of 0
@@ -248,7 +249,7 @@ def test_an_earlier_deadline_wins_and_a_later_one_does_not_postpone_it() -> None
     assert fired == [EXIT_FORCED]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="front processes run on Linux only")
+@shared_port_fronts()
 def test_a_start_that_fails_half_way_ends_the_daemon_with_70_and_nothing_left(tmp_path: Path) -> None:
     """The gRPC port already listens when the fronts fail to start (here every front exits at once, by a
     `sitecustomize` that only fronts act on): the daemon closes what it opened and exits 70, in one line."""

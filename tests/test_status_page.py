@@ -1,10 +1,10 @@
 """The status page on a real daemon's HTTP port: its files and JSON document, the token it asks for, and the
-page itself in headless Chromium (Debian's, driven by Selenium through chromedriver), which shows a model
+page itself in headless Chromium (the system's, driven by Selenium through chromedriver), which shows a model
 that loads on demand going from not loaded to loaded after a request and back after its keep-alive.
 
 The daemon wants a token for `logs-statistics` only (the page's data), so the stock clients infer without
-one. The browser test skips where no Chromium and chromedriver are installed (`make system-tools` installs
-them as root on Debian). MPSD_UPDATE_SCREENSHOT=1 writes the page's screenshot to docs/status-page.png.
+one. The browser test skips where no Chromium and chromedriver are installed, saying how this system's
+package manager installs them. MPSD_UPDATE_SCREENSHOT=1 writes the page's screenshot to docs/status-page.png.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mpsd.daemon.api.recent import RecentActivity, quantile
 from mpsd.daemon.dataplane.stats import LATENCY_BUCKETS_S, VersionStats
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, http_request, serving
+from tests.os_skips import not_installed
 
 MIB = 2**20
 TOKEN = "status-page-reader"
@@ -212,7 +213,7 @@ def _browser() -> Any:
     binary = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
     driver = shutil.which("chromedriver")
     if binary is None or driver is None:
-        pytest.skip("no chromium and chromedriver installed (make system-tools installs them as root)")
+        pytest.skip(not_installed("chromium and chromedriver"))
     options = webdriver.ChromeOptions()
     options.binary_location = binary
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1360,900"):

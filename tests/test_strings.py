@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 
 from mpsd.config.model_file import validate_model_config
 from mpsd.ipc.strings import serialize as strings_bytes
-from tests import models
+from tests import models, posix_shm
 from tests.conftest import RunningDaemon, serving, wait_for
 from tests.triton_shm import shm
 
@@ -196,8 +196,8 @@ def test_strings_in_system_shared_memory(grpc_client: grpcclient.InferenceServer
     texts = np.array([[b"shared", b"memory", b"\x00"]], dtype=np.object_)
     serialized_array = serialize_byte_tensor(texts)  # as Triton's string shared-memory example does
     serialized = serialized_array.item()
-    key = f"/mpsd_test_strings_{uuid.uuid4().hex[:8]}"
-    out_key = key + "_out"
+    key = posix_shm.checked(f"/mpsd_strings_{uuid.uuid4().hex[:8]}")
+    out_key = posix_shm.checked(key + "_out")
     in_handle = shm.create_shared_memory_region("strings_in", key, len(serialized))
     out_handle = shm.create_shared_memory_region("strings_out", out_key, 1024)
     try:

@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 from mpsd.daemon.api.tracing import valid_traceparent
 from tests import models
 from tests.conftest import RunningDaemon, free_port, serving, wait_for
+from tests.os_skips import shared_port_fronts
 
 F4 = {"data_type": "TYPE_FP32", "dims": [4]}
 STAGES = {"parse", "checks", "queue", "execute", "input copy", "compute", "output", "response"}
@@ -478,6 +479,7 @@ def test_the_settings_api_follows_tritons_fallbacks_and_messages(
     assert settings_of(client) == settings_of(client, "add_sub")  # nothing of the refused changes applied
 
 
+@shared_port_fronts()
 def test_a_call_through_a_front_process_continues_the_callers_trace(
     tmp_path: Path, receiver: tuple[Receiver, int]
 ) -> None:

@@ -37,7 +37,7 @@ from tritonclient.utils import (
     triton_to_np_dtype,
 )
 
-from tests import models
+from tests import models, posix_shm
 from tests.conftest import RunningDaemon, serving
 from tests.triton_shm import shm
 
@@ -444,7 +444,7 @@ class _Regions:
         self.tag = uuid.uuid4().hex[:8]
 
     def create(self, client: Any, name: str, size: int, data: list[np.ndarray] | None = None) -> Any:
-        key = f"/mpsd_example_{name}_{self.tag}"
+        key = posix_shm.checked(f"/mpsd_ex_{self.tag}_{len(self.handles)}")  # macOS: 31 characters at most
         handle = shm.create_shared_memory_region(name, key, size)
         self.handles.append(handle)
         if data is not None:
