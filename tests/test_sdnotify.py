@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -104,6 +105,22 @@ def test_send_failure_does_not_raise(sock_dir: Path) -> None:
     notifier = SdNotifier({"NOTIFY_SOCKET": str(sock_dir / "missing.sock")})
     assert notifier.enabled
     assert notifier.ready() is False
+    notifier.close()
+
+
+def test_a_manager_that_stops_reading_does_not_stall_the_sender(listener: tuple[socket.socket, str]) -> None:
+    """A notification socket nobody reads fills up (about a dozen datagrams on Linux): the notifier drops
+    what does not fit instead of waiting, since it sends from the daemon's event loop."""
+    _, path = listener
+    notifier = SdNotifier({"NOTIFY_SOCKET": path})
+    results: list[bool] = []
+    sender = threading.Thread(
+        target=lambda: results.extend(notifier.watchdog() for _ in range(500)), daemon=True
+    )
+    sender.start()
+    sender.join(60)  # a bound on a hang, not a timing: 500 non-blocking sends take milliseconds
+    assert not sender.is_alive(), "sd_notify blocked on a full notification socket"
+    assert True in results and False in results
     notifier.close()
 
 

@@ -2,7 +2,8 @@
 
 Without it a `Type=notify` unit cannot tell a loading daemon from a serving one, and the watchdog cannot
 catch a hung main loop. Outside systemd (`NOTIFY_SOCKET` unset, e.g. under launchd) every call is a
-no-op. Sending never raises: losing a status message must not take the daemon down.
+no-op. Sending never raises and never waits: losing a status message must not take the daemon down or
+stall its loop.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class SdNotifier:
             with self._lock:
                 if self._sock is None:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                self._sock.sendto(payload, self._address)
+                # Never wait: it is sent from the event loop, and a service manager that stops reading
+                # (a full socket: EAGAIN, or ENOBUFS on macOS) must not stall the daemon with it.
+                self._sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
         except OSError as exc:
             log.debug("sd_notify send failed", error=str(exc), message=assignments)
             return False
