@@ -40,9 +40,9 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
     from mpsd.worker.calls import Models, install
     from mpsd.worker.compiled import compile_backend, compile_warmup
     from mpsd.worker.device import DeviceUnavailable, limit_host_threads, select_device
-    from mpsd.worker.inference import run_warmup
     from mpsd.worker.op_libraries import load_model
     from mpsd.worker.sequence_state import StateKeeper, model_facing_spec
+    from mpsd.worker.warmup import run_warmup
 
     spec = init.model
     t0 = time.perf_counter()
