@@ -226,7 +226,7 @@ class ResponseCacheConfig(_Strict):
     enable: bool = False
 
 
-class Residency(_Strict):
+class ResidencyConfig(_Strict):
     """When the model is in memory. Unset fields take the daemon's `residency` defaults."""
 
     load: Literal["startup", "on_demand"] | None = None
@@ -304,7 +304,7 @@ class ModelFields(_Strict):
     allow_pickle: bool = False
     model_warmup: list[ModelWarmup] = []
     optimization: Optimization = Optimization()
-    residency: Residency = Residency()
+    residency: ResidencyConfig = ResidencyConfig()
     model_transaction_policy: TransactionPolicy = TransactionPolicy()
     response_cache: ResponseCacheConfig = ResponseCacheConfig()
     # The steps of an ensemble (backend: ensemble), Triton's `ensemble_scheduling`.

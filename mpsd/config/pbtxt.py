@@ -17,7 +17,7 @@ from google.protobuf import text_format  # type: ignore[import-untyped]
 
 from mpsd.config.model_config import (
     ModelConfig,
-    Residency,
+    ResidencyConfig,
 )
 from mpsd.config.model_file import check_config_name, config_problem, validate_model_config
 from mpsd.config.sequence_pbtxt import read_sequence_batching
@@ -34,7 +34,7 @@ MPSD_PREFIX = "mpsd."
 # Written by the ModelConfig RPC about the running workers (`mpsd.instance_group.N.<key>`); read back, they
 # configure nothing, so a config fetched from the daemon converts back.
 REPORTED_PARAMETERS = ("device", "mps_not_used")
-RESIDENCY_FIELDS = tuple(Residency.model_fields)  # mpsd.residency.<field>
+RESIDENCY_FIELDS = tuple(ResidencyConfig.model_fields)  # mpsd.residency.<field>
 
 # Options of Triton's PyTorch backend: they tune libtorch inside Triton and mean nothing to mpsd.
 _TRITON_PYTORCH_OPTIONS = frozenset(
