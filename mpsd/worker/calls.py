@@ -1,8 +1,8 @@
 """Calls from a python model to the repository's other models.
 
 A python model whose `Model.__init__` takes a `models` argument gets a `Models`: `infer` (the outputs),
-`infer_async` (an `InFlightCall`: `result()`, or `await` it in an `async def infer`; several in flight at once)
-and `stream` (a decoupled model's responses, as an iterator or an async iterator). Each call goes to the
+`infer_async` (an `InFlightCall`: `result()`, or `await` it in an `async def infer`; several in flight at
+once) and `stream` (a decoupled model's responses, as an iterator or an async iterator). Each call goes to the
 daemon over the worker's socket, tensors inline (`protocol.Call`), and runs there as a request of the
 called model: its queue and batching, its load on demand, the memory budget, its checks and errors. The
 execution it is made from bounds it: past that execution's deadline, or once nobody waits for it, its calls
