@@ -83,6 +83,7 @@ lint: install
 	$(BIN)/ruff format --check mpsd tests bench
 	$(BIN)/mypy mpsd
 	$(BIN)/lint-imports
+	$(BIN)/vulture
 
 # Overhead benchmarks (bench/README.md); figures land in bench/results/. BENCH_ARGS=--quick: a smoke run.
 bench: install

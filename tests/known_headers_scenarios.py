@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 import mpsd.daemon.api.operations as operations
+import mpsd.daemon.api.pipeline as pipeline
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
@@ -72,7 +73,7 @@ def counted_parses() -> list[str]:
         seen.append(call.id)
         return full(call, *args, **kwargs)
 
-    operations.parse_infer_request = counting  # type: ignore[attr-defined]
+    pipeline.parse_infer_request = counting  # type: ignore[attr-defined]
     return seen
 
 

@@ -60,7 +60,8 @@ def test_compile_applies_to_torch_export_and_python_models_only() -> None:
 ROUND_TRIP = """
 import json, sys
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.pbtxt import config_to_pbtxt, pbtxt_to_dict
+from mpsd.config.pbtxt import pbtxt_to_dict
+from mpsd.config.pbtxt_write import config_to_pbtxt
 configs, pbtxt = json.loads(sys.stdin.read())
 back = [pbtxt_to_dict(config_to_pbtxt(ModelConfig.model_validate(c), "tiny"))[0] for c in configs]
 print(json.dumps([*back, pbtxt_to_dict(pbtxt)[0]]))

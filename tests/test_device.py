@@ -19,6 +19,7 @@ import torch
 
 from mpsd.errors import ConfigError
 from mpsd.worker import device as dev
+from mpsd.worker import host as worker_host
 from mpsd.worker.device import (
     DeviceInfo,
     DeviceUnavailable,
@@ -491,7 +492,7 @@ def test_cuda_pins_shared_memory_and_copies_from_it() -> None:
     region = Region.create(1 << 20)
     try:
         region.buf[:8] = bytes(range(8))
-        pin = dev.host_pinner(torch.device("cuda", 0))
+        pin = worker_host.host_pinner(torch.device("cuda", 0))
         assert pin is not None
         unpin = pin(region.buf)
         assert unpin is not None, "cudaHostRegister refused a shared-memory mapping"
@@ -503,7 +504,7 @@ def test_cuda_pins_shared_memory_and_copies_from_it() -> None:
         del host
         unpin()
         assert not torch.frombuffer(region.buf, dtype=torch.uint8).is_pinned()
-        assert dev.host_pinner(torch.device("cpu")) is None
+        assert worker_host.host_pinner(torch.device("cpu")) is None
     finally:
         region.unlink()
         region.close()
@@ -603,12 +604,12 @@ def test_an_mps_worker_keeps_a_few_host_threads_for_the_operators_that_fall_back
 ) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 10)
     torch.set_num_threads(1)
-    assert dev.limit_host_threads(torch.device("mps")) == 4
+    assert worker_host.limit_host_threads(torch.device("mps")) == 4
     assert torch.get_num_threads() == 4
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # never more than one per core
-    assert dev.limit_host_threads(torch.device("mps")) == 2
+    assert worker_host.limit_host_threads(torch.device("mps")) == 2
     assert torch.get_num_threads() == 2
-    assert dev.host_threads("mps", None) == 1
+    assert worker_host.host_threads("mps", None) == 1
 
 
 @pytest.mark.usefixtures("torch_threads")
@@ -616,9 +617,9 @@ def test_a_cuda_worker_gets_one_host_thread_and_a_thread_setting_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.set_num_threads(2)
-    assert dev.limit_host_threads(torch.device("cuda")) == 1
+    assert worker_host.limit_host_threads(torch.device("cuda")) == 1
     assert torch.get_num_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the model's intra_op_thread_count
-    assert dev.limit_host_threads(torch.device("mps")) is None
-    assert dev.limit_host_threads(torch.device("cpu")) is None
+    assert worker_host.limit_host_threads(torch.device("mps")) is None
+    assert worker_host.limit_host_threads(torch.device("cpu")) is None
     assert torch.get_num_threads() == 1  # left as it was

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONVERT = """
 import json, sys
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.pbtxt import config_to_pbtxt, pbtxt_to_dict
+from mpsd.config.pbtxt import pbtxt_to_dict
+from mpsd.config.pbtxt_write import config_to_pbtxt
 from mpsd.errors import ModelConfigError
 answers = []
 for text in json.loads(sys.stdin.read()):

@@ -45,11 +45,6 @@ def yaml_issue(path: Path, exc: yaml.YAMLError) -> Issue:
     return Issue(str(path), (), f"invalid YAML{where}: {problem}")
 
 
-def describe_yaml_error(path: Path, exc: yaml.YAMLError) -> str:
-    """One line: the file, where in it, and what the parser disliked."""
-    return str(yaml_issue(path, exc))
-
-
 def config_problem(issue: Issue) -> ModelConfigError:
     """The error for one problem of a model config, its message the problem in words."""
     return ModelConfigError(str(issue), issues=(issue,))

@@ -28,7 +28,8 @@ def _source_file(path: Path) -> Path:
 def convert(path: Path, to: str | None) -> tuple[str, tuple[str, ...]]:
     """The converted text and the warnings about ignored fields; ValueError says what is wrong."""
     from mpsd.config.model_file import parse_model_config
-    from mpsd.config.pbtxt import config_to_pbtxt, parse_pbtxt_config
+    from mpsd.config.pbtxt import parse_pbtxt_config
+    from mpsd.config.pbtxt_write import config_to_pbtxt
     from mpsd.config.repository import PBTXT_FILE
 
     source = _source_file(path)

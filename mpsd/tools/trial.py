@@ -35,8 +35,8 @@ def load_and_warm_up(source: ModelSource, version: int, device_type: str = "cpu"
 
     from mpsd.daemon.supervise.launch import model_spec
     from mpsd.worker.autocast import AutocastBackend, check_autocast
-    from mpsd.worker.inference import warmup_mismatch
     from mpsd.worker.op_libraries import load_model
+    from mpsd.worker.warmup import warmup_mismatch
 
     spec = model_spec(source, version)
     device = torch.device(device_type)

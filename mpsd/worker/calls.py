@@ -1,8 +1,8 @@
 """Calls from a python model to the repository's other models.
 
 A python model whose `Model.__init__` takes a `models` argument gets a `Models`: `infer` (the outputs),
-`infer_async` (a `Pending`: `result()`, or `await` it in an `async def infer`; several in flight at once)
-and `stream` (a decoupled model's responses, as an iterator or an async iterator). Each call goes to the
+`infer_async` (an `InFlightCall`: `result()`, or `await` it in an `async def infer`; several in flight at
+once) and `stream` (a decoupled model's responses, as an iterator or an async iterator). Each call goes to the
 daemon over the worker's socket, tensors inline (`protocol.Call`), and runs there as a request of the
 called model: its queue and batching, its load on demand, the memory budget, its checks and errors. The
 execution it is made from bounds it: past that execution's deadline, or once nobody waits for it, its calls
@@ -75,9 +75,9 @@ class Models:
         outputs: Sequence[str] = (),
         timeout_s: float | None = None,
         request_id: str = "",
-    ) -> Pending:
+    ) -> InFlightCall:
         """Send the call and return at once; its answer is `result()` or `await`ed."""
-        return Pending(self._start(model, inputs, version, outputs, timeout_s, request_id, stream=False))
+        return InFlightCall(self._start(model, inputs, version, outputs, timeout_s, request_id, stream=False))
 
     def stream(
         self,
@@ -192,7 +192,7 @@ class _Call:
                 self.inbox.send(p.CallAck(self.msg.call_id, stop=True))
 
 
-class Pending:
+class InFlightCall:
     """A call on its way: `result()` waits for its outputs; in a coroutine, `await` it."""
 
     def __init__(self, call: _Call) -> None:

@@ -15,8 +15,8 @@ import torch
 from mpsd.ipc.protocol import ModelSpec, WarmupTensor
 from mpsd.worker.backends import Backend
 from mpsd.worker.device import synchronize
-from mpsd.worker.inference import sample_value, warmup_inputs
 from mpsd.worker.strings import Value
+from mpsd.worker.warmup import sample_value, warmup_inputs
 
 
 def compile_backend(backend: Backend, spec: ModelSpec) -> None:

@@ -20,8 +20,8 @@ import torch
 from mpsd.ipc.protocol import ModelSpec, WarmupTensor
 from mpsd.worker.backends import Backend
 from mpsd.worker.dtypes import TO_TORCH
-from mpsd.worker.inference import sample_tensor
 from mpsd.worker.strings import Value, tensor_outputs, tensors_of
+from mpsd.worker.warmup import sample_tensor
 
 # Calls on a side stream before a recording: lazy set-up (cuBLAS workspaces, cuDNN plans, the TorchScript
 # executor's profiling runs) must happen before it, as none of it can be recorded.

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from mpsd.errors import Internal
-from mpsd.ipc.protocol import ModelSpec, Piece, RequestParameters, TensorRef, TensorSpec, WarmupTensor
+from mpsd.ipc.protocol import ModelSpec, Piece, RequestParameters, TensorRef, TensorSpec
 from mpsd.ipc.shm import Region
 from mpsd.ipc.strings import DATATYPE as STRINGS
 from mpsd.worker import strings
@@ -42,17 +42,6 @@ class OutputMismatch:
     shape: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True)
-class WarmupMismatch:
-    """A warm-up sample (`label`: "warm-up" or "warm-up 'NAME'") whose outputs do not match the config."""
-
-    label: str
-    outputs: tuple[OutputMismatch, ...]
-
-    def __str__(self) -> str:
-        return f"{self.label}: " + "; ".join(m.message for m in self.outputs)
-
-
 def output_mismatch(spec: TensorSpec, tensor: Value, batched: bool) -> OutputMismatch | None:
     """How the tensor differs from the configured output, or None when it matches."""
     got_type = datatype_of(tensor)
@@ -74,78 +63,6 @@ def check_output(spec: TensorSpec, tensor: Value, batched: bool) -> str | None:
     """Why the tensor does not match the configured output, or None when it does."""
     mismatch = output_mismatch(spec, tensor, batched)
     return None if mismatch is None else mismatch.message
-
-
-def warmup_inputs(spec: ModelSpec, device: torch.device) -> list[Value]:
-    """Zero inputs (empty strings) of the configured shapes (variable dims as 1, a batch of 1 when
-    batching)."""
-    values: list[Value] = []
-    for t in spec.inputs:
-        shape = ([1] if spec.max_batch_size > 0 else []) + [d if d > 0 else 1 for d in t.dims]
-        if t.datatype == STRINGS:
-            values.append(strings.sample(tuple(shape), random=False))
-        else:
-            values.append(torch.zeros(shape, dtype=TO_TORCH[t.datatype], device=device))
-    return values
-
-
-def sample_value(t: WarmupTensor, device: torch.device) -> Value:
-    """A configured warm-up input: `sample_tensor`, or strings (`strings.sample`)."""
-    if t.datatype == STRINGS:
-        return strings.sample(t.shape, t.random)
-    return sample_tensor(t, device)
-
-
-def sample_tensor(t: WarmupTensor, device: torch.device) -> torch.Tensor:
-    """A configured warm-up input: zeros, or random values (uniform [0, 1) floats, small integers)."""
-    dtype = TO_TORCH[t.datatype]
-    if not t.random:
-        return torch.zeros(t.shape, dtype=dtype, device=device)
-    if dtype.is_floating_point:
-        values = torch.rand(t.shape)
-    else:
-        values = torch.randint(0, 2 if dtype == torch.bool else 8, t.shape)
-    return values.to(dtype).to(device)
-
-
-def _warmup_runs(
-    spec: ModelSpec, device: torch.device, default: bool = True
-) -> Iterator[tuple[str, list[Value]]]:
-    if not spec.warmup and default:
-        yield "warm-up", warmup_inputs(spec, device)
-    for sample in spec.warmup:
-        for _ in range(sample.count):
-            yield f"warm-up '{sample.name}'", [sample_value(t, device) for t in sample.inputs]
-
-
-def warmup_mismatch(
-    spec: ModelSpec, backend: Backend, device: torch.device, default: bool = True
-) -> WarmupMismatch | None:
-    """Run the configured samples (else, with `default`, one request of zeros), checking every output
-    against the config (dims, datatype); the first sample whose outputs do not match, or None."""
-    stream = getattr(backend, "stream", None) if spec.decoupled else None
-    for label, inputs in _warmup_runs(spec, device, default):
-        with torch.inference_mode():
-            # A decoupled model's every response is checked; it may also answer with none.
-            responses = list(stream(inputs)) if stream is not None else [backend(inputs)]
-            synchronize(device)
-        for outputs in responses:
-            mismatches = tuple(
-                m
-                for o in spec.outputs
-                if (m := output_mismatch(o, outputs[o.name], spec.max_batch_size > 0)) is not None
-            )
-            if mismatches:
-                return WarmupMismatch(label, mismatches)
-    return None
-
-
-def run_warmup(spec: ModelSpec, backend: Backend, device: torch.device, default: bool = True) -> None:
-    """Warm the model up before READY (`default`: with a request of zeros when no sample is configured);
-    ValueError (`label: output ...; output ...`) when an output does not match the config."""
-    mismatch = warmup_mismatch(spec, backend, device, default)
-    if mismatch is not None:
-        raise ValueError(str(mismatch))
 
 
 @dataclass

@@ -39,10 +39,11 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
     from mpsd.worker.autocast import AutocastBackend, check_autocast
     from mpsd.worker.calls import Models, install
     from mpsd.worker.compiled import compile_backend, compile_warmup
-    from mpsd.worker.device import DeviceUnavailable, limit_host_threads, select_device
-    from mpsd.worker.inference import run_warmup
+    from mpsd.worker.device import DeviceUnavailable, select_device
+    from mpsd.worker.host import limit_host_threads
     from mpsd.worker.op_libraries import load_model
     from mpsd.worker.sequence_state import StateKeeper, model_facing_spec
+    from mpsd.worker.warmup import run_warmup
 
     spec = init.model
     t0 = time.perf_counter()
@@ -101,7 +102,7 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
 def _map_arenas(refs: tuple[p.ArenaRef, ...], device: torch.device) -> Arenas:
     """The fronts' arenas this worker inherited, mapped (and page-locked on CUDA) before it says Ready: a
     failure is a failed load with its reason, not a worker that dies serving."""
-    from mpsd.worker.device import host_pinner
+    from mpsd.worker.host import host_pinner
 
     try:
         return Arenas(refs, host_pinner(device))

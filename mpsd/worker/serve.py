@@ -52,7 +52,7 @@ class Serving:
         arenas: Arenas | None = None,
         inbox: Inbox | None = None,
     ) -> None:
-        from mpsd.worker.device import host_pinner
+        from mpsd.worker.host import host_pinner
         from mpsd.worker.profiling import Profiler
 
         self.sock = sock

@@ -10,7 +10,7 @@ from google.protobuf import text_format  # type: ignore[import-untyped]
 from google.protobuf.descriptor import FieldDescriptor
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.config.pbtxt import (
+from mpsd.config.pbtxt_write import (
     write_cuda_graphs,
     write_dynamic_batching,
     write_ensemble,

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 import structlog
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.dataplane.calls import Chain
 from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.dataplane.lane import Lane
 from mpsd.daemon.dataplane.marshal import BatchTensors
@@ -198,6 +199,24 @@ class VersionPlane:
     async def execute(self, batch: Batch, channel: Channel) -> None:
         """Run a batch (one or more requests) on a worker's channel and answer every future, whatever
         happens."""
+        traced = self._dequeued(batch)
+        timings = Timings()
+        execution = self._execution(batch, timings) if traced else None
+        try:
+            waiting = [item.future for item in batch]
+            tensors = self._tensors(batch, waiting, execution)
+            latest, sink, chain = _latest(batch), self._sink(batch), _chain(batch)
+            outputs = await channel.infer_batch(tensors, timings, waiting, latest, sink, chain)
+        except MpsdError as exc:
+            self._failed(batch, channel, exc, execution)
+            raise
+        except BaseException as exc:
+            self._aborted(batch, exc, execution)
+            raise
+        self._answer(batch, outputs, timings, execution)
+
+    def _dequeued(self, batch: Batch) -> bool:
+        """Each request's time in the queue, which ends here; whether any of them is traced."""
         now = time.perf_counter_ns()
         traced = False
         for item in batch:
@@ -205,48 +224,53 @@ class VersionPlane:
             self.stats.queue.add(item.timings.queue_ns)
             if item.request.trace is not None:
                 traced = True
-        timings = Timings()
-        execution = self._execution(batch, timings) if traced else None
-        try:
-            deadlines = [item.deadline for item in batch]
-            latest = None if None in deadlines else max(d for d in deadlines if d is not None)
-            waiting = [item.future for item in batch]
-            tensors: Tensors[list[tuple[OutputTensor, ...]]] = self.tensors_type(
-                [item.request for item in batch], waiting
+        return traced
+
+    def _tensors(
+        self, batch: Batch, waiting: list[asyncio.Future[InferResult]], execution: ExecutionTrace | None
+    ) -> Tensors[list[tuple[OutputTensor, ...]]]:
+        """How the batch is laid out in the worker's regions and read back (`marshal.py`), traced or not."""
+        tensors: Tensors[list[tuple[OutputTensor, ...]]] = self.tensors_type(
+            [item.request for item in batch], waiting
+        )
+        return tensors if execution is None else TracedTensors(tensors, execution)
+
+    def _failed(
+        self, batch: Batch, channel: Channel, exc: MpsdError, execution: ExecutionTrace | None
+    ) -> None:
+        """The execution failed: every request gets its error, and the log says why (a death is logged
+        once, as "worker died"; a request nobody waited for any more, not at all)."""
+        if execution is not None:
+            execution.failed(exc)
+        fail_all(batch, exc)
+        skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited
+        if not isinstance(exc, WorkerDied) and not skipped:
+            oom = exc.code is ErrorCode.RESOURCE_EXHAUSTED
+            log.warning(
+                "out of memory" if oom else "request failed",
+                model=self.name,
+                version=self.version,
+                worker=channel.label,
+                pid=channel.pid,
+                code=exc.code.value,
+                error=exc.message,
             )
-            if execution is not None:
-                tensors = TracedTensors(tensors, execution)
-            chain = batch[0].request.chain
-            if len(batch) > 1:  # a call from this execution may not reach any of the batch's chains
-                chain = chain.union(*(item.request.chain for item in batch))
-            outputs = await channel.infer_batch(tensors, timings, waiting, latest, self._sink(batch), chain)
-        except MpsdError as exc:
-            if execution is not None:
-                execution.failed(exc)
-            fail_all(batch, exc)
-            skipped = exc.code in (ErrorCode.CANCELLED, ErrorCode.DEADLINE_EXCEEDED)  # nobody waited
-            if not isinstance(exc, WorkerDied) and not skipped:  # a death is logged once, as "worker died"
-                oom = exc.code is ErrorCode.RESOURCE_EXHAUSTED
-                log.warning(
-                    "out of memory" if oom else "request failed",
-                    model=self.name,
-                    version=self.version,
-                    worker=channel.label,
-                    pid=channel.pid,
-                    code=exc.code.value,
-                    error=exc.message,
-                )
-            raise
-        except BaseException as exc:
-            if execution is not None:
-                execution.failed(exc)
-            fail_all(
-                batch,
-                Unavailable(
-                    f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})"
-                ),
-            )
-            raise
+
+    def _aborted(self, batch: Batch, exc: BaseException, execution: ExecutionTrace | None) -> None:
+        """The execution was interrupted (cancelled, or a bug): every request is answered Unavailable."""
+        if execution is not None:
+            execution.failed(exc)
+        why = f"model '{self.name}' version {self.version}: request aborted ({type(exc).__name__})"
+        fail_all(batch, Unavailable(why))
+
+    def _answer(
+        self,
+        batch: Batch,
+        outputs: list[tuple[OutputTensor, ...]] | None,
+        timings: Timings,
+        execution: ExecutionTrace | None,
+    ) -> None:
+        """The execution's statistics, and each request's result with its timings."""
         rows = sum(item.request.batch_size for item in batch)
         if execution is not None:
             execution.done(timings.worker_span, timings.device_compute_ns, _phases(timings))
@@ -316,3 +340,18 @@ def _phases(timings: Timings) -> dict[str, int]:
         "compute_infer_ns": timings.compute_infer_ns,
         "compute_output_ns": timings.compute_output_ns,
     }
+
+
+def _latest(batch: Batch) -> float | None:
+    """The batch's deadline: the latest of its requests' (None: one of them has none)."""
+    deadlines = [item.deadline for item in batch]
+    return None if None in deadlines else max(d for d in deadlines if d is not None)
+
+
+def _chain(batch: Batch) -> Chain:
+    """The ensemble calls the batch's requests came through: a call from this execution may not reach any
+    of them."""
+    chain = batch[0].request.chain
+    if len(batch) > 1:
+        chain = chain.union(*(item.request.chain for item in batch))
+    return chain

@@ -1,11 +1,8 @@
-"""A model version's request queue, and dynamic batching on top of it.
+"""A model version's request queue: what waits, in which order, and until when.
 
-Instances pull work when they are free, so a batch always goes to an idle instance. With dynamic
-batching, compatible requests (same datatypes and same shapes apart from the batch dimension) are taken
-in arrival order up to `max_batch_size` rows, waiting at most `max_queue_delay_microseconds` for more.
-Incompatible requests are never mixed; they wait for a batch of their own. With no queue delay, a batch
-short of full goes once the daemon's loop has settled (`mpsd.net.settle`): the requests already on their
-way join it instead of each taking an execution of its own.
+Instances pull work when they are free, so a batch always goes to an idle instance; which queued requests
+form the batch, and when it goes, is batch forming's (`batching.py`), whose methods `RequestQueue`
+inherits.
 
 Priority levels order the queue and each level's queue policy applies (size limit, timeout, REJECT or
 DELAY: `levels.py`); a model with one level and no DELAY has the plain first-in first-out queue.
@@ -16,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
-import operator
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.dataplane.batching import BatchForming, disarm
 from mpsd.daemon.dataplane.levels import Levels, Policy, Sizes, place, queue_full, timeout_expired
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, Timings
 from mpsd.daemon.dataplane.streaming import ResponseStream
@@ -61,7 +57,7 @@ class Pending:
         return (key, self.request.parameters) if self.request.parameters else key
 
 
-class RequestQueue:
+class RequestQueue(BatchForming[Pending]):
     """`settle` waits until the requests already on their way have arrived (the loop's, by default).
     `clock` is the time deadlines are in, `clock_ns` the one requests are stamped with on arrival
     (`Pending.enqueued_ns`): tests drive both from an event loop's virtual time."""
@@ -100,11 +96,6 @@ class RequestQueue:
         self._arrived = asyncio.Event()
         self._settle = settle
         self._gathering = 0  # requests that skipped the queue and wait for others to join them
-
-    @property
-    def gathers(self) -> bool:
-        """Batching with no queue delay: a short batch waits for the loop to settle, and no longer."""
-        return self.batching and self.delay_s <= 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -172,7 +163,7 @@ class RequestQueue:
             self._delay(item)
 
     def _delay(self, item: Pending) -> None:
-        _disarm([item])
+        disarm([item])
         item.delayed = True
         place(self._items, item)
         self._arm(item)  # for its deadline, if it has one
@@ -203,7 +194,7 @@ class RequestQueue:
         self._items.clear()
         self._sizes.count(())
         self._rows = 0
-        _disarm(items)
+        disarm(items)
         return items
 
     def _arm(self, item: Pending) -> None:
@@ -251,10 +242,10 @@ class RequestQueue:
         delays = self._delays
         for item in self._items:
             if item.future.done():
-                _disarm([item])
+                disarm([item])
                 continue
             if item.deadline is not None and now >= item.deadline:
-                _disarm([item])
+                disarm([item])
                 self._expired(item)
                 continue
             if delays and item.delay_at is not None and not item.delayed and now >= item.delay_at:
@@ -267,122 +258,9 @@ class RequestQueue:
         self._rows = sum(item.request.batch_size for item in self._items)
         self._sizes.count(self._items)
 
-    def _form(self) -> tuple[list[Pending], int]:
-        """The next batch: the oldest request plus later compatible ones, up to max rows."""
-        head = self._items[0]
-        return self._joining([head], head.request.batch_size, list(self._items)[1:])
-
-    def _joining(
-        self, batch: list[Pending], rows: int, candidates: Iterable[Pending]
-    ) -> tuple[list[Pending], int]:
-        """`batch` (`rows` rows) with the candidates that fit it, in order, up to max rows."""
-        if self.batching:
-            key = batch[0].key
-            for item in candidates:
-                if rows >= self.max_rows:
-                    break
-                if item.key == key and rows + item.request.batch_size <= self.max_rows:
-                    batch.append(item)
-                    rows += item.request.batch_size
-        return batch, rows
-
-    def _take(self, batch: list[Pending], rows: int) -> None:
-        """Remove queued members of `batch` (`rows` rows of them)."""
-        items, n = self._items, len(batch)
-        if n <= len(items) and all(map(operator.is_, itertools.islice(items, n), batch)):
-            # The usual case, the batch is the head of the queue: cut it off without a Python-level loop.
-            self._items = deque(itertools.islice(items, n, None))
-        else:
-            taken = {id(i) for i in batch}
-            self._items = deque(i for i in items if id(i) not in taken)
-        self._rows -= rows
-        if self._sizes.counted:
-            for item in batch:
-                self._sizes.remove(item)
-        _disarm(batch)
-        if self._items:
-            self._arrived.set()  # what is left, for another instance's dispatcher
-
-    async def gather(self, batch: list[Pending]) -> list[Pending]:
-        """`batch`, which skipped the queue for a free instance, with the compatible requests that arrive
-        while the loop settles (`gathers`); meanwhile arrivals queue behind it."""
-        rows = sum(item.request.batch_size for item in batch)
-        if not self.gathers or rows >= self.target_rows:
-            return batch
-        self._gathering += 1
-        try:
-            await self._settle()
-        finally:
-            self._gathering -= 1
-        self._prune()
-        own = len(batch)
-        batch, total = self._joining(list(batch), rows, self._items)
-        self._take(batch[own:], total - rows)
-        return batch
-
-    async def next_batch(self, partial: Callable[[], bool] | None = None) -> list[Pending]:
-        """Wait for work and return it; with batching, wait up to the queue delay for a fuller batch.
-
-        `partial`: whether a batch short of the target may go now that its delay is over. While it says
-        no (its instance is still running another execution, whose end the caller signals with `wake`),
-        only a full batch goes: requests keep gathering meanwhile, instead of a small batch waiting behind
-        the running one with no gain in latency.
-        """
-        settled = False  # a short batch waits for one settle of the loop (`gathers`)
-        while True:
-            self._prune()
-            if not self._items:
-                await self._wait(1)
-                continue
-            head = self._items[0]
-            # Fewer rows queued than a full batch: short for certain, not worth forming yet.
-            batch: list[Pending] | None = None
-            short = self.batching and self._rows < self.target_rows
-            if not short:
-                batch, rows = self._form()
-                short = self.batching and rows < self.target_rows
-            remaining = 0.0
-            if short and self.delay_s > 0:
-                remaining = self.delay_s - (self._clock_ns() - head.enqueued_ns) / 1e9
-            if remaining <= 0 and (not short or partial is None or partial()):
-                if short and self.gathers and not settled:
-                    settled = True
-                    await self._settle()
-                    continue
-                if batch is None:
-                    batch, rows = self._form()
-                self._take(batch, rows)
-                return batch
-            wanted = self._rows + 1 if batch is not None else self.target_rows
-            if remaining <= 0:
-                await self._wait(wanted)  # a fuller batch, or `wake`
-                continue
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wait(wanted), remaining)
-
-    async def _wait(self, rows: int) -> None:
-        """Until `rows` rows are queued, something is put back, or `wake`."""
-        self._waiting.append(rows)
-        self._arrived.clear()
-        try:
-            await self._arrived.wait()
-        finally:
-            self._waiting.remove(rows)
-
-    def wake(self) -> None:
-        """Have a waiting `next_batch` look again (its `partial` may say yes now)."""
-        self._arrived.set()
-
 
 def _rank(item: Pending) -> int:
     return item.rank
-
-
-def _disarm(items: Iterable[Pending]) -> None:
-    for item in items:
-        if item.timer is not None:
-            item.timer.cancel()
-            item.timer = None
 
 
 def fail_all(items: Iterable[Pending], error: MpsdError) -> None:
