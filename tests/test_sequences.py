@@ -365,14 +365,17 @@ def test_a_sequence_beyond_the_slots_waits_for_one(daemon: RunningDaemon) -> Non
     """acc_one has one slot (max_batch_size 1): a second sequence waits in the backlog, as in Triton, and
     runs once the first ends."""
     client = daemon.client
+    before = len(_executions(daemon))
     assert _step(client, "acc_one", 401, 5, start=True) == 5
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(_step, client, "acc_one", 402, 7, True)
+        wait_for(lambda: _metric(daemon, "mpsd_sequences_live", "acc_one") == 2, 30, "402 in the daemon")
         assert _step(client, "acc_one", 401, 5) == 10
-        assert not waiting.done()  # the first sequence still holds the slot
         assert _step(client, "acc_one", 401, 5, end=True) == 15
         assert waiting.result(timeout=30) == 7
     assert _step(client, "acc_one", 402, 1, end=True) == 8
+    runs = [ids for _, _, ids in _executions(daemon)[before:] if set(ids) & {401, 402}]
+    assert runs == [[401], [401], [401], [402], [402]]  # 402's start ran only once 401 had ended
 
 
 def _metric(daemon: RunningDaemon, name: str, model: str) -> float:
