@@ -2,7 +2,8 @@
 models (python, TorchScript, python) answers what the three models answer called one after the other;
 independent branches run at the same time (the models log when they run); ensemble requests batch in a
 step model with its other traffic; a step model that loads on demand is loaded by the ensemble's request;
-a failing step is named; a decoupled last step streams the ensemble's responses."""
+a failing step is named. A decoupled last step streaming the ensemble's responses, and a failing step's
+status code on the wire, are in test_ensemble_streaming.py."""
 
 from __future__ import annotations
 
