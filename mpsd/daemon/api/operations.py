@@ -22,13 +22,14 @@ from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.classification import classify, requested
 from mpsd.daemon.api.client_shm import ClientRegion, ClientShmRegistry
 from mpsd.daemon.api.cuda_shm import CudaRegion, open_region
-from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request, queue_deadline
+from mpsd.daemon.api.parse import call_deadline, check_name, parse_infer_request
 from mpsd.daemon.api.response_cache import ResponseCache, request_key
 from mpsd.daemon.api.trace_settings import Update
 from mpsd.daemon.api.tracing import Incoming, Tracing, acquire_traced, checked_traced, traced_stream
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.overrides import LoadParameters
 from mpsd.daemon.core.registry import IndexRow, Registry
+from mpsd.daemon.core.requests import Deadline
 from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
 from mpsd.daemon.dataplane.tracing import RequestTrace
@@ -182,7 +183,8 @@ class Operations:
         check_name("model", call.model)
         trace = self.tracing.begin_call(call, came) if came is not None else None
         try:
-            client, deadline = deadline, deadline_of(call, deadline)
+            limits = call_deadline(call, deadline)
+            deadline = limits.bounded
             if trace is None:
                 mv = await self.registry.acquire(call.model, call.version, deadline)
             else:
@@ -198,11 +200,10 @@ class Operations:
                         parsed = parse_infer_request(call, mv.config, shm)
                     else:
                         parsed = checked_traced(call, mv.config, shm, trace)
-                    deadline = queue_deadline(parsed, mv.config, client, deadline)
+                    deadline = limits.queue(parsed, mv.config)
                     if parsed.sequence is not None and not parsed.sequence.start:
                         mv = self._continuing(mv, parsed)
-                    cached = mv.config.response_cache.enable and self.response_cache is not None
-                    if cached and not shm.outputs and parsed.sequence is None:  # never a sequence's step
+                    if parsed.cacheable and self.response_cache is not None:
                         result = await self._cached(mv, parsed, deadline)
                     else:
                         if learn is not None:  # never for a cached model: the known-header path skips it
@@ -268,7 +269,8 @@ class Operations:
             parsed = bind(mv.config)
             if parsed is None:
                 return None
-            return Answered(await mv.plane.infer(parsed, deadline), frozenset())
+            queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
+            return Answered(await mv.plane.infer(parsed, queued), frozenset())
         finally:
             self.registry.touch(model)
 
@@ -295,15 +297,15 @@ class Operations:
 
     async def _stream(self, call: InferCall, deadline: float | None, trace: RequestTrace | None) -> Responses:
         check_name("model", call.model)
-        client, deadline = deadline, deadline_of(call, deadline)
-        mv = await acquire_traced(self.registry, call, deadline, trace)
+        limits = call_deadline(call, deadline)
+        mv = await acquire_traced(self.registry, call, limits.bounded, trace)
         try:
             with self.client_shm.lease() as shm:
                 parsed = checked_traced(call, mv.config, shm, trace)
                 if parsed.sequence is not None and not parsed.sequence.start:
                     mv = self._continuing(mv, parsed)
                 wanted = requested(call)
-                responses = mv.plane.stream(parsed, queue_deadline(parsed, mv.config, client, deadline))
+                responses = mv.plane.stream(parsed, limits.queue(parsed, mv.config))
                 try:
                     async for result in responses:
                         if wanted:
