@@ -8,19 +8,19 @@ the expected and the received value.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from mpsd.config.model_config import ModelConfig
+from mpsd.config.model_config import InputConfig, ModelConfig
 from mpsd.daemon.api.call import TYPED_CONTENTS, InferCall, InputCall, OutputCall, Params, RawEntry
 from mpsd.daemon.api.classification import PARAM as CLASSIFICATION
 from mpsd.daemon.api.classification import class_count
-from mpsd.daemon.api.client_shm import ShmLease, shm_ref
+from mpsd.daemon.api.client_shm import ShmLease, ShmRef, shm_ref
 from mpsd.daemon.api.sequence_params import sequence_step
 from mpsd.daemon.api.values import Values, typed_bytes
+from mpsd.daemon.core import requests
 from mpsd.daemon.core.inputs import (
     check_all_given,
     check_bytes,
@@ -46,8 +46,8 @@ TYPED_FIELDS: dict[str, tuple[str, Any]] = {
 _KNOWN_OUTPUT_PARAMS = {"binary_data"}
 _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
 # Request parameters Triton clients send, with the value kinds each may have. `timeout` (microseconds) bounds
-# the time to the start of the execution (`deadline_of`), or is the queue's timeout where the request's
-# priority level lets it override the level's (`queue_deadline`); `priority` is the request's priority level
+# the time to the start of the execution (`call_deadline`), or is the queue's timeout where the request's
+# priority level lets it override the level's (`Deadline.queue`); `priority` is the request's priority level
 # (the queue's, dataplane/levels.py); the sequence ones place a request of a model with sequence batching in
 # its sequence (`sequence_params`), and mean nothing to other models, as in Triton; the others are accepted.
 # Any other key is the model's own: a python model gets it (`infer(inputs, parameters)`), and any other model
@@ -106,27 +106,12 @@ def check_request_fields(call: InferCall, own: bool = False) -> RequestParameter
     return tuple(sorted((k, v.value) for k, v in call.parameters.items() if k not in REQUEST_PARAMS))
 
 
-def deadline_of(call: InferCall, deadline: float | None) -> float | None:
-    """The earlier of the client's deadline (time.monotonic()) and the call's `timeout` parameter
-    (microseconds from now, 0 for none): the time by which the request must have started."""
+def call_deadline(call: InferCall, client: float | None) -> requests.Deadline:
+    """The call's deadlines: the client's (time.monotonic()), and the earlier of that and the call's
+    `timeout` parameter (microseconds from now, 0 for none), by when it must have started."""
     timeout = call.parameters.get("timeout")
     micros = timeout.integer() if timeout is not None else None
-    if micros is None or micros <= 0:
-        return deadline
-    limit = time.monotonic() + micros / 1e6
-    return limit if deadline is None else min(deadline, limit)
-
-
-def queue_deadline(
-    request: InferRequest, config: ModelConfig, client: float | None, bounded: float | None
-) -> float | None:
-    """The deadline the request queues with: `bounded` (`deadline_of`), or only the client's own where its
-    priority level lets its `timeout` override the level's (the queue applies it then, with the level's
-    timeout action, as Triton does)."""
-    db = config.dynamic_batching
-    if request.timeout_us and db is not None and db.policy(db.level(request.priority)).allow_timeout_override:
-        return client
-    return bounded
+    return requests.Deadline.of(client, micros or 0)
 
 
 def _integer(call: InferCall, key: str) -> int:
@@ -178,28 +163,56 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
     bound in `shm`, which holds those regions until the response is built. The call's raw contents are
     views cut out of a gRPC request's wire bytes (`wire_split`), or, from the HTTP adapter, an input's body
-    bytes or its JSON elements (`Values`).
+    bytes or its JSON elements (`Values`). What the request carries beyond its tensors (priority, timeout,
+    parameters, cache eligibility) is decided by `core.requests`, as for every other source.
     """
-    model = call.model
-    parameters = check_request_fields(call, own=config.backend == "python")
-    configured = config.input_by_name()
-    max_batch = config.max_batch_size
+    terms = call_terms(call, config)
+    _check_raw(call)
+    inputs, batch = _parsed_inputs(call, config, shm)
+    outputs = _requested_outputs(call, config, shm)
+    sequence = None
+    if config.sequence_batching is not None:
+        sequence = sequence_step(call, call.model, batch)
+    return requests.from_client(
+        config, call.model, call.version, call.id, inputs, outputs, batch, terms, sequence,
+        shm_outputs=bool(shm is not None and shm.outputs),
+    )  # fmt: skip
+
+
+def call_terms(call: InferCall, config: ModelConfig) -> requests.Terms:
+    """The call's checked id and parameters, as the terms of its request."""
+    parameters = check_request_fields(call, own=requests.reads_parameters(config))
+    if not call.parameters:
+        return requests.NO_TERMS
+    return requests.Terms(_integer(call, "priority"), _integer(call, "timeout"), parameters)
+
+
+def _check_raw(call: InferCall) -> None:
+    """Raw contents are all or nothing: one entry per input not in shared memory, and no typed contents."""
     raw: Sequence[RawEntry] = call.raw
-    in_request = sum(not (t.parameters and set(t.parameters) & _SHM_PARAMS) for t in call.inputs)
-    if raw:  # Triton's check and words, before any count: the mix is what is wrong
-        mixed = next((t.name for t in call.inputs if not _in_shm(t) and _typed_used(t)), None)
-        if mixed is not None:
-            raise InvalidArgument(
-                f"contents field must not be specified when using raw_input_contents for '{mixed}' "
-                f"for model '{model}'"
-            )
-    if raw and len(raw) != in_request:
+    if not raw:
+        return
+    mixed = next((t.name for t in call.inputs if not _in_shm(t) and _typed_used(t)), None)
+    if mixed is not None:  # Triton's check and words, before any count: the mix is what is wrong
+        raise InvalidArgument(
+            f"contents field must not be specified when using raw_input_contents for '{mixed}' "
+            f"for model '{call.model}'"
+        )
+    in_request = sum(not _in_shm(t) for t in call.inputs)
+    if len(raw) != in_request:
         where = " not in shared memory" if in_request < len(call.inputs) else ""
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries but the request has {in_request} inputs{where}; "
             "when raw contents are used every input must have one"
         )
-    next_raw = 0
+
+
+def _parsed_inputs(
+    call: InferCall, config: ModelConfig, shm: ShmLease | None
+) -> tuple[tuple[InputTensor, ...], int]:
+    """The call's inputs, each checked against the config, in config order; and the batch size."""
+    configured = config.input_by_name()
+    raw = iter(call.raw)
     seen: dict[str, InputTensor] = {}
     batch: int | None = None
     for tensor in call.inputs:
@@ -209,67 +222,66 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
             raise InvalidArgument(f"duplicate input '{name}'")
         cfg = configured.get(name)
         if cfg is None:
-            raise unknown_input(model, name, configured)
-        ref = None
-        if tensor.parameters:
-            _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
-            ref = shm_ref(f"input '{name}'", tensor.parameters)
-        if ref is not None and shm is None:
-            raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
-        shape = tensor.shape
-        check_input(model, cfg, tensor.datatype, shape, max_batch)
-        if max_batch > 0:
-            if batch is not None and shape[0] != batch:
+            raise unknown_input(call.model, name, configured)
+        ref = _input_ref(tensor, shm)
+        check_input(call.model, cfg, tensor.datatype, tensor.shape, config.max_batch_size)
+        if config.max_batch_size > 0:
+            if batch is not None and tensor.shape[0] != batch:
                 raise InvalidArgument(
-                    f"input '{name}': batch size {shape[0]} differs from the other inputs' batch size {batch}"
+                    f"input '{name}': batch size {tensor.shape[0]} differs from the other inputs' batch size "
+                    f"{batch}"
                 )
-            batch = shape[0]
-        count = math.prod(shape)
-        itemsize = cfg.itemsize
-        nbytes = count * itemsize if itemsize is not None else None
-        data: bytes | memoryview | Deferred
-        if ref is not None and shm is not None:
-            if _typed_used(tensor):
-                raise InvalidArgument(f"input '{name}': data is given both in shared memory and in contents")
-            if nbytes is None:  # strings are checked now, so they are read now
-                place = shm.input(f"input '{name}'", ref, ref.byte_size)
-                data = memoryview(bytearray(len(place)))
-                place.read_into(data)
-                check_strings(name, data, count)
-            else:
-                data = shm.input(f"input '{name}'", ref, nbytes)
-        elif raw:
-            entry = raw[next_raw]
-            next_raw += 1
-            data = (
-                entry.encode(f"input '{name}'", cfg.wire_datatype, count)
-                if isinstance(entry, Values)
-                else entry
-            )
-            if nbytes is None:
-                check_strings(name, data, count)
-            else:
-                check_bytes(name, cfg.wire_datatype, shape, itemsize, len(data))
-        else:
-            data = _typed_bytes(name, cfg.wire_datatype, tensor, count)
-        seen[name] = InputTensor(name, cfg.wire_datatype, tuple(shape), data)
-    check_all_given(model, configured, seen)
-    outputs = _requested_outputs(call, config, shm)
-    sequence = None
-    if config.sequence_batching is not None:
-        sequence = sequence_step(call, model, batch or 1)
-    return InferRequest(
-        model=model,
-        version=call.version,
-        id=call.id,
-        inputs=tuple(seen[n] for n in configured),
-        outputs=outputs,
-        batch_size=batch or 1,
-        parameters=parameters,
-        sequence=sequence,
-        priority=_integer(call, "priority") if call.parameters else 0,
-        timeout_us=_integer(call, "timeout") if call.parameters else 0,
-    )
+            batch = tensor.shape[0]
+        seen[name] = InputTensor(
+            name, cfg.wire_datatype, tuple(tensor.shape), _input_data(tensor, cfg, raw, shm, ref)
+        )
+    check_all_given(call.model, configured, seen)
+    return tuple(seen[n] for n in configured), batch or 1
+
+
+def _input_ref(tensor: InputCall, shm: ShmLease | None) -> ShmRef | None:
+    """Where in a client's shared memory the input is, if it is."""
+    if not tensor.parameters:
+        return None
+    name = tensor.name
+    _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
+    ref = shm_ref(f"input '{name}'", tensor.parameters)
+    if ref is not None and shm is None:
+        raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
+    return ref
+
+
+def _input_data(
+    tensor: InputCall, cfg: InputConfig, raw: Iterator[RawEntry], shm: ShmLease | None, ref: ShmRef | None
+) -> bytes | memoryview | Deferred:
+    """An input's bytes: from the client's shared memory, its raw contents entry, or its typed contents."""
+    name = tensor.name
+    count = math.prod(tensor.shape)
+    if ref is not None and shm is not None:
+        if _typed_used(tensor):
+            raise InvalidArgument(f"input '{name}': data is given both in shared memory and in contents")
+        return _shm_data(name, cfg, shm, ref, count)
+    entry = next(raw, None)
+    if entry is None:
+        return _typed_bytes(name, cfg.wire_datatype, tensor, count)
+    data = entry.encode(f"input '{name}'", cfg.wire_datatype, count) if isinstance(entry, Values) else entry
+    if cfg.itemsize is None:
+        check_strings(name, data, count)
+    else:
+        check_bytes(name, cfg.wire_datatype, tensor.shape, cfg.itemsize, len(data))
+    return data
+
+
+def _shm_data(name: str, cfg: InputConfig, shm: ShmLease, ref: ShmRef, count: int) -> memoryview | Deferred:
+    """An input in a client's shared memory: strings are checked now, so they are read now; other bytes
+    are read when the batch is assembled."""
+    if cfg.itemsize is None:
+        place = shm.input(f"input '{name}'", ref, ref.byte_size)
+        data = memoryview(bytearray(len(place)))
+        place.read_into(data)
+        check_strings(name, data, count)
+        return data
+    return shm.input(f"input '{name}'", ref, count * cfg.itemsize)
 
 
 def _requested_outputs(call: InferCall, config: ModelConfig, shm: ShmLease | None) -> tuple[str, ...]:

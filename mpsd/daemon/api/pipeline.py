@@ -18,11 +18,12 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.classification import classify, requested
 from mpsd.daemon.api.client_shm import ClientShmRegistry
-from mpsd.daemon.api.parse import check_name, deadline_of, parse_infer_request, queue_deadline
+from mpsd.daemon.api.parse import call_deadline, check_name, parse_infer_request
 from mpsd.daemon.api.response_cache import ResponseCache, request_key
 from mpsd.daemon.api.tracing import Incoming, Tracing, acquire_traced, checked_traced, traced_stream
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import Registry
+from mpsd.daemon.core.requests import Deadline
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
 from mpsd.daemon.dataplane.tracing import RequestTrace
 from mpsd.errors import MpsdError, Unimplemented
@@ -63,7 +64,8 @@ class Pipeline:
         check_name("model", call.model)
         trace = self.tracing.begin_call(call, came) if came is not None else None
         try:
-            client, deadline = deadline, deadline_of(call, deadline)
+            limits = call_deadline(call, deadline)
+            deadline = limits.bounded
             if trace is None:
                 mv = await self.registry.acquire(call.model, call.version, deadline)
             else:
@@ -79,11 +81,10 @@ class Pipeline:
                         parsed = parse_infer_request(call, mv.config, shm)
                     else:
                         parsed = checked_traced(call, mv.config, shm, trace)
-                    deadline = queue_deadline(parsed, mv.config, client, deadline)
+                    deadline = limits.queue(parsed, mv.config)
                     if parsed.sequence is not None and not parsed.sequence.start:
                         mv = self._continuing(mv, parsed)
-                    cached = mv.config.response_cache.enable and self.response_cache is not None
-                    if cached and not shm.outputs and parsed.sequence is None:  # never a sequence's step
+                    if parsed.cacheable and self.response_cache is not None:
                         result = await self._cached(mv, parsed, deadline)
                     else:
                         if learn is not None:  # never for a cached model: the known-header path skips it
@@ -149,7 +150,8 @@ class Pipeline:
             parsed = bind(mv.config)
             if parsed is None:
                 return None
-            return Answered(await mv.plane.infer(parsed, deadline), frozenset())
+            queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
+            return Answered(await mv.plane.infer(parsed, queued), frozenset())
         finally:
             self.registry.touch(model)
 
@@ -176,15 +178,15 @@ class Pipeline:
 
     async def _stream(self, call: InferCall, deadline: float | None, trace: RequestTrace | None) -> Responses:
         check_name("model", call.model)
-        client, deadline = deadline, deadline_of(call, deadline)
-        mv = await acquire_traced(self.registry, call, deadline, trace)
+        limits = call_deadline(call, deadline)
+        mv = await acquire_traced(self.registry, call, limits.bounded, trace)
         try:
             with self.client_shm.lease() as shm:
                 parsed = checked_traced(call, mv.config, shm, trace)
                 if parsed.sequence is not None and not parsed.sequence.start:
                     mv = self._continuing(mv, parsed)
                 wanted = requested(call)
-                responses = mv.plane.stream(parsed, queue_deadline(parsed, mv.config, client, deadline))
+                responses = mv.plane.stream(parsed, limits.queue(parsed, mv.config))
                 try:
                     async for result in responses:
                         if wanted:

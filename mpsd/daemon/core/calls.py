@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from mpsd.daemon.core import requests
 from mpsd.daemon.core.ensemble import StepModels
 from mpsd.daemon.core.inputs import check_output, named_inputs
 from mpsd.daemon.core.model_version import ModelVersion
@@ -58,16 +59,14 @@ class ModelCalls:
         """Run the call until it is answered, its deadline passes, or its caller ends."""
         if caller.ended.done():
             raise caller.ended.result()
-        deadline = caller.deadline
+        limits = requests.Deadline.of(caller.deadline, call.timeout_us)
+        deadline = limits.bounded
         past = f"call to model '{call.model}': the deadline of the request to model '{caller.model}' passed"
-        if call.timeout_us > 0:
-            limit = time.monotonic() + call.timeout_us / 1e6
-            if deadline is None or limit < deadline:
-                deadline = limit
-                past = f"call to model '{call.model}': its timeout of {call.timeout_us} us passed"
+        if deadline != caller.deadline:
+            past = f"call to model '{call.model}': its timeout of {call.timeout_us} us passed"
         if deadline is not None and deadline <= time.monotonic():
             raise DeadlineExceeded(f"{past} before it was made")
-        work = asyncio.ensure_future(self._run(call, caller, link, deadline))
+        work = asyncio.ensure_future(self._run(call, caller, link, limits))
         try:
             timeout = None if deadline is None else deadline - time.monotonic()
             either: set[asyncio.Future[Any]] = {work, caller.ended}
@@ -83,10 +82,11 @@ class ModelCalls:
             raise caller.ended.result()
         raise DeadlineExceeded(past)
 
-    async def _run(self, call: p.Call, caller: Caller, link: CallLink, deadline: float | None) -> None:
-        mv = await self.models.acquire(call.model, call.version, deadline)
+    async def _run(self, call: p.Call, caller: Caller, link: CallLink, limits: requests.Deadline) -> None:
+        mv = await self.models.acquire(call.model, call.version, limits.bounded)
         try:
             request = self._request(call, mv, caller)
+            deadline = limits.queue(request, mv.config)
             decoupled = mv.config.model_transaction_policy.decoupled
             if decoupled and call.stream:
                 await self._stream(call, mv, request, deadline, link)
@@ -147,15 +147,10 @@ class ModelCalls:
         for name in call.outputs:
             check_output(mv.name, name, known, named)
             named.append(name)
-        return InferRequest(
-            model=mv.name,
-            version=str(mv.version),
-            id=call.request_id,
-            inputs=inputs,
-            outputs=tuple(named) or tuple(known),
-            batch_size=batch,
-            chain=path,
-        )
+        return requests.from_call(
+            config, mv.name, mv.version, call.request_id, inputs, tuple(named) or tuple(known), batch,
+            call.timeout_us, path,
+        )  # fmt: skip
 
 
 def _tensors(outputs: Sequence[OutputTensor]) -> tuple[p.CallTensor, ...]:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from mpsd.config.ensemble import EnsembleStep, step_label
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.core import requests
 from mpsd.daemon.core.inputs import check_input
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.dataplane.plane import VersionPlane
@@ -193,9 +194,11 @@ class EnsemblePlane(VersionPlane):
         trace = request.trace
         if trace is not None:  # each step a span, the parent of its model's request's
             trace = trace.nested("step", step=index, model_name=step.model_name)
+        limits = requests.Deadline.of(deadline, request.timeout_us)  # the step's own, as a request's
         try:
-            mv = await self.models.acquire(step.model_name, version, deadline)
+            mv = await self.models.acquire(step.model_name, version, limits.bounded)
             step_request = self._request(index, step, mv, request, tensors)
+            deadline = limits.queue(step_request, mv.config)
             if trace is not None:
                 step_request = dataclasses.replace(step_request, trace=trace)
             if mv.config.model_transaction_policy.decoupled:
@@ -250,15 +253,9 @@ class EnsemblePlane(VersionPlane):
                 raise MpsdError(f"{exc.message} (ensemble tensor '{source}')", exc.code) from None
             inputs.append(InputTensor(name, t.datatype, t.shape, t.data))
         batch = inputs[0].shape[0] if batched and inputs and inputs[0].shape else 1
-        return InferRequest(
-            model=step.model_name,
-            version=str(mv.version),
-            id=request.id,
-            inputs=tuple(inputs),
-            outputs=tuple(step.output_map),
-            batch_size=batch,
-            chain=request.chain | {(self.name, self.version)},  # a step's model may not call the ensemble
-            priority=request.priority,  # each step's model places it on its own levels, as Triton does
+        chain = request.chain | {(self.name, self.version)}  # a step's model may not call the ensemble
+        return requests.for_step(
+            config, step.model_name, mv.version, request, tuple(inputs), tuple(step.output_map), batch, chain
         )
 
 

@@ -61,6 +61,8 @@ class InferRequest:
     # the request's priority level and that level's timeout from them (dataplane/levels.py).
     priority: int = 0
     timeout_us: int = 0
+    # Whether the response cache may answer it; decided where every request is built (core/requests.py).
+    cacheable: bool = False
 
 
 @dataclass(frozen=True)

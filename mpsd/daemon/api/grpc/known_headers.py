@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.parse import MAX_ID
+from mpsd.daemon.core import requests
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.ipc import strings
 
@@ -46,6 +47,7 @@ class KnownHeader:
     outputs: tuple[str, ...]
     batch_size: int
     raw_count: int
+    terms: requests.Terms = requests.NO_TERMS  # of the request it was learned from
 
     def bind(self, raw: Sequence[bytes | memoryview], request_id: str) -> InferRequest | None:
         """The request with these tensor bytes and this id; None when they do not fit the header (the full
@@ -58,9 +60,10 @@ class KnownHeader:
             if len(data) != known.nbytes:
                 return None
             inputs.append(InputTensor(known.name, known.datatype, known.shape, data))
-        return InferRequest(
-            self.model, self.version, request_id, tuple(inputs), self.outputs, self.batch_size
-        )
+        return requests.from_known_header(
+            self.config, self.model, self.version, request_id, tuple(inputs), self.outputs, self.batch_size,
+            self.terms,
+        )  # fmt: skip
 
 
 def known_id(raw_id: bytes | None) -> str | None:
@@ -101,6 +104,7 @@ def known_header(call: InferCall, parsed: InferRequest, config: ModelConfig) -> 
         parsed.outputs,
         parsed.batch_size,
         len(call.inputs),
+        requests.terms_of(parsed),
     )
 
 
