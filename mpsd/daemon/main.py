@@ -28,7 +28,7 @@ from mpsd.daemon.awake import StayAwake
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.watcher import watch_repository
-from mpsd.daemon.open_files import raise_and_log
+from mpsd.daemon.open_files import raise_open_files, tell
 from mpsd.daemon.ports import Ports
 from mpsd.daemon.sdnotify import SdNotifier
 from mpsd.daemon.shutdown import (
@@ -129,7 +129,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._hup.set)
-        raise_and_log(self.config.open_files)  # before the first connection, worker or region
+        self.open_files = raise_open_files(self.config.open_files)  # before any connection, worker or region
         accept_errors.install(loop)  # out of descriptors all the same: one event a second, not thousands
         removed = shm.cleanup_stale()
         if removed:
@@ -165,6 +165,7 @@ class Daemon:
             await endpoint.start()
         await self.metrics.start()
         await self.awake.start()
+        tell(self.open_files)
         front_ports = list(fronts.ports) if fronts is not None else []
         log.info(
             "listening",

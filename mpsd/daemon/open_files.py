@@ -71,9 +71,10 @@ def raise_open_files(target: int, get: Get = _get, set_limit: Set = _set) -> Ope
     return OpenFiles(soft, get()[0], finite_hard, target)
 
 
-def raise_and_log(target: int) -> OpenFiles:
-    """`raise_open_files`, told in one event: the limit before and after, or why it stayed."""
-    done = raise_open_files(target)
+def tell(done: OpenFiles) -> None:
+    """What `raise_open_files` did, in one event: the limit before and after, or why it stayed. Told once the
+    daemon listens, so a start refused at once (a port in use) stays the one line that says why."""
+    target = done.target
     fields = {
         "before": done.before,
         "after": done.after,
@@ -84,4 +85,3 @@ def raise_and_log(target: int) -> OpenFiles:
         log.warning("open file limit not raised", reason=done.error, **fields)
     else:
         log.info("open file limit", **fields)
-    return done
