@@ -4,7 +4,8 @@ A load that changes a running model is not admitted by the daemon's residency (d
 config rolls out beside the old one and is never refused for memory, so the tuner refuses such trials
 itself. It counts what other models hold, the running config (it serves until the new one is ready, unless
 only the instance count changes: then workers are added or removed in place), and the new config's
-instances at the largest size one of this model's workers has reported so far. Nothing is evicted for a
+instances at their declared or capped footprint, else the largest size one of this model's workers has
+reported so far. Nothing is evicted for a
 trial, pinned or not: a trial that does not fit beside what is loaded is reported as refused.
 """
 
@@ -36,7 +37,9 @@ class Budget:
             budget = next((b for b in listing.budgets if b.device == device), None)
             if budget is None or not budget.HasField("budget_bytes"):
                 continue
-            per_instance = max(self.largest_worker, held // max(running.instances, 1))
+            per_instance = held // max(running.instances, 1)
+            if mine.footprint_basis not in ("declared", "cap"):  # what the daemon counts, else measured
+                per_instance = max(per_instance, self.largest_worker)
             if per_instance <= 0:
                 continue
             others = budget.resident_bytes - held

@@ -106,16 +106,18 @@ def _finish(
         for line in summary(best, baseline, objective):
             print(line)
     changed = complete and best is not None and baseline is not None and best.settings != baseline.settings
-    if opts.write and changed and best is not None and opts.repository is not None:
-        path = write_settings(opts.repository / opts.model, best.settings, batching(served), cuda)
-        print(f"wrote {path}")
-    elif opts.write and complete:
-        print("the config as it is did best: nothing written")
-    elif complete:
-        print("not written (--write writes it to the model's config)")
-    if measurer.overridden or (opts.write and changed):
-        daemon.load(None, 600.0)  # the repository's config (written or not) serves again
-        print(f"{opts.model} serves its repository config again", file=sys.stderr)
+    try:
+        if opts.write and changed and best is not None and opts.repository is not None:
+            path = write_settings(opts.repository / opts.model, best.settings, batching(served), cuda)
+            print(f"wrote {path}")
+        elif opts.write and complete:
+            print("the config as it is did best: nothing written")
+        elif complete:
+            print("not written (--write writes it to the model's config)")
+    finally:
+        if measurer.overridden:
+            daemon.load(None, 600.0)  # the repository's config (written or not) serves again
+            print(f"{opts.model} serves its repository config again", file=sys.stderr)
 
 
 def _progress(line: str) -> None:
