@@ -1,7 +1,7 @@
 """The `mpsd` command line. Errors are one readable line plus a hint; `--debug` shows tracebacks.
 
 One module per command group parses its arguments and reports its errors: serve, ops (status, logs, health,
-reload, profile), tools (validate, infer, models, init-model), convert (convert-config), doctor and
+reload, profile), tools (validate, infer, models, init-model), tune, convert (convert-config), doctor and
 service. What the commands do lives with the code they drive (mpsd.tools, mpsd.service, mpsd.daemon).
 """
 
@@ -28,10 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     from mpsd.cli.ops import add_ops_parsers
     from mpsd.cli.serve import add_serve_parser
     from mpsd.cli.tools import add_tool_parsers
+    from mpsd.cli.tune import add_tune_parser
 
     add_serve_parser(sub)
     add_ops_parsers(sub)
     add_tool_parsers(sub)
+    add_tune_parser(sub)
     add_convert_parser(sub)
     add_doctor_parser(sub)
     try:
