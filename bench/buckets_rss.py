@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-import tritonclient.grpc as grpcclient
 import yaml
 
-from bench.common import is_front, machine_info, start_mpsd
+from bench.common import Server, is_front, machine_info, start_mpsd
+from mpsd.proto import grpc_service_pb2 as pb
 
 FEATURES = 16
 SIZES = [16, 32, 64, 128, 256]
@@ -80,15 +80,17 @@ def worker_rss(server_pid: int, model: str) -> int:
     raise RuntimeError(f"no worker for {model}")
 
 
-def run(client: grpcclient.InferenceServerClient, pid: int, model: str, lengths: list[int]) -> dict[str, Any]:
+def run(server: Server, model: str, lengths: list[int]) -> dict[str, Any]:
+    pid = server.pid
     samples = [(0, worker_rss(pid, model))]
     every = max(1, len(lengths) // 20)
     t0 = time.perf_counter()
     for i, length in enumerate(lengths, 1):
         x = np.random.default_rng(i).standard_normal((1, length, FEATURES)).astype(np.float32)
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        client.infer(model, [inp])
+        request = pb.ModelInferRequest(model_name=model)
+        request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+        request.raw_input_contents.append(x.tobytes())
+        server.stub.ModelInfer(request, timeout=30)
         if i % every == 0:
             samples.append((i, worker_rss(pid, model)))
     seconds = time.perf_counter() - t0
@@ -128,12 +130,11 @@ def main() -> None:
         server = start_mpsd(repo, work, front_processes="0")
         try:
             server.wait_ready()
-            client = grpcclient.InferenceServerClient(server.address)
             result = {
                 "machine": {**machine_info(), "host": socket.gethostname()},
                 "sizes": SIZES,
-                "bucketed": run(client, server.pid, "bucketed", lengths),
-                "plain": run(client, server.pid, "plain", lengths),
+                "bucketed": run(server, "bucketed", lengths),
+                "plain": run(server, "plain", lengths),
             }
         finally:
             server.stop()

@@ -34,6 +34,12 @@ return {'y': x * 2, 'mean': ((x * weights).sum(1, keepdim=True) / weights.sum(1,
 
 SIZES = [4, 8, 16]
 
+# The same without batching: x is one vector, bucketed along its only dim (0).
+SINGLE = """
+x, weights = inputs['x'], inputs['MASK'].to(inputs['x'].dtype)
+return {'y': x * 2, 'mean': (x * weights).sum(0, keepdim=True) / weights.sum(0, keepdim=True)}
+"""
+
 
 def config(log: Path, buckets: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
     return {
@@ -68,6 +74,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDa
     models.python_model(
         repo, "batched", MASKED_MEAN, config=config(tmp / "batched.log", BUCKETS, dynamic_batching=batching)
     )
+    single = {**config(tmp / "single.log", None), "max_batch_size": 0}
+    single["shape_buckets"] = {
+        "inputs": {"x": {"dim": 0, "sizes": [4, 8], "pad_value": 5}},
+        "mask_input": {"name": "MASK", "data_type": "TYPE_BOOL"},
+        "outputs": {"y": {"dim": 0, "follows": "x"}},
+    }
+    models.python_model(repo, "single", SINGLE, config=single)
     with serving(repo, tmp / "daemon.log") as running:
         yield running, tmp
 
@@ -95,6 +108,15 @@ def test_a_padded_request_answers_as_the_unpadded_one(daemon: tuple[RunningDaemo
     seen = shapes(tmp / "bucketed.log")
     assert {s["x"][1] for s in seen} == set(SIZES), seen  # warm-up and requests: the buckets only
     assert all(s["mask"] == s["x"] for s in seen), seen
+
+
+def test_without_batching_the_first_dim_is_bucketed(daemon: tuple[RunningDaemon, Path]) -> None:
+    running, _ = daemon
+    for length in (1, 3, 6, 8):
+        values = np.arange(length, dtype=np.float32) - 2
+        result = running.client.infer("single", x(values))
+        np.testing.assert_array_equal(result.as_numpy("y"), values * 2)
+        np.testing.assert_allclose(result.as_numpy("mean"), [values.mean()], rtol=1e-6)
 
 
 def test_requests_of_different_lengths_share_an_execution(daemon: tuple[RunningDaemon, Path]) -> None:
