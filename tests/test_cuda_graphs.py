@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.ipc.protocol import ModelSpec, TensorSpec
+from mpsd.ipc.protocol import BucketSpec, ModelSpec, TensorSpec
 from mpsd.worker.cuda_graphs import GraphedBackend, graph_size
 from tests import models
 from tests.conftest import RunningDaemon, serving
@@ -66,7 +66,7 @@ def test_graph_spec_names_the_sizes() -> None:
         ({"max_batch_size": 0}, "needs max_batch_size > 0"),
         (
             {"input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3, -1]}]},
-            "needs fixed input dims; variable (-1) in: x",
+            "needs fixed input dims (or shape_buckets for them); variable (-1) in: x",
         ),
         (
             {"input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3], "optional": True}]},
@@ -172,6 +172,48 @@ def test_batches_replay_the_smallest_graph_and_match_the_model() -> None:
         torch.testing.assert_close(graphed([big])["y"], module(big), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(graphed([big.cpu()])["y"], module(big), rtol=1e-4, atol=1e-4)
         assert model.calls == recorded + 2, "a batch larger than every graph runs the model itself"
+
+
+class MaskedSum(nn.Module):
+    """Each row's sum over its real positions (the mask's), times a weight: rows do not depend on padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(3.0))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (x * mask.to(x.dtype)).sum(1, keepdim=True) * self.weight
+
+
+@needs_cuda
+def test_a_bucketed_model_has_a_graph_per_batch_size_and_bucket() -> None:
+    module = torch.jit.script(MaskedSum().eval().cuda())
+    model = Counting(module)
+    spec = ModelSpec(
+        name="masked",
+        version=1,
+        backend="torchscript",
+        model_path="",
+        max_batch_size=4,
+        inputs=(TensorSpec("x", "FP32", (-1,)), TensorSpec("MASK", "INT64", (-1,))),
+        outputs=(TensorSpec("y", "FP32", (1,)),),
+        cuda_graph_batch_sizes=(2, 4),
+        buckets=(BucketSpec(0, 1, (4, 8)),),
+        mask_follows=0,
+    )
+    with torch.inference_mode():
+        graphed = GraphedBackend(model, spec, torch.device("cuda"))
+        assert sorted(graphed._graphs) == [(2, (4,)), (2, (8,)), (4, (4,)), (4, (8,))]
+        recorded = model.calls
+        for rows, length in ((3, 8), (1, 4), (4, 4), (2, 8)):
+            x = torch.randn(rows, length, device="cuda")
+            mask = (torch.arange(length, device="cuda") < length - 1).to(torch.int64).expand(rows, length)
+            got = graphed([x, mask.contiguous()])["y"].clone()
+            torch.testing.assert_close(got, module(x, mask), rtol=1e-4, atol=1e-4)
+        assert model.calls == recorded, "a batch padded to a bucket must replay its graph"
+        odd = torch.randn(2, 5, device="cuda")  # not a bucket: the model itself
+        graphed([odd, torch.ones(2, 5, dtype=torch.int64, device="cuda")])
+        assert model.calls == recorded + 1
 
 
 @needs_cuda

@@ -14,6 +14,7 @@ from pydantic_core import ErrorDetails
 
 from mpsd.config.ensemble import graph_problem
 from mpsd.config.model_schema import DATATYPES_BY_CONFIG, DynamicBatching, ModelFields, Optimization
+from mpsd.config.shape_buckets import check_buckets
 
 # Backends whose model torch.compile can compile at load (optimization.compile).
 COMPILABLE = ("torch_export", "python")
@@ -54,10 +55,15 @@ def _check_graphs(config: ModelFields) -> None:
     if config.backend == "python":
         # Python code around the tensors would run once, when recorded, and never again.
         raise ValueError("optimization.cuda.graphs is for torchscript and torch_export models, not python")
-    variable = [t.name for t in config.input if -1 in t.dims]
+    # A bucketed dim has a few sizes, each recorded: only dims no bucket fixes must be fixed.
+    bucketed = {n: b.dim - 1 for n, b in config.shape_buckets.inputs.items()} if config.shape_buckets else {}
+    variable = [
+        t.name for t in config.input if -1 in [d for i, d in enumerate(t.dims) if bucketed.get(t.name) != i]
+    ]
     if variable:
         raise ValueError(
-            "optimization.cuda.graphs needs fixed input dims; variable (-1) in: " + ", ".join(variable)
+            "optimization.cuda.graphs needs fixed input dims (or shape_buckets for them); variable (-1) in: "
+            + ", ".join(variable)
         )
     optional = [t.name for t in config.input if t.optional]
     if optional:
@@ -348,5 +354,9 @@ def check(config: ModelFields) -> None:
     _check_sequence(config)
     _check_openai(config)
     _check_warmup(config)
+    try:
+        check_buckets(config)
+    except ValueError as exc:
+        raise RuleError(("shape_buckets",), str(exc)) from None
     _check_graphs(config)
     _check_compile(config)

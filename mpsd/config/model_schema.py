@@ -9,6 +9,7 @@ incident waiting to happen. The rules across fields are `model_rules.py`'s; `Mod
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -285,6 +286,52 @@ class ModelWarmup(_Strict):
     count: Annotated[int, Field(ge=1)] = 1
 
 
+class BucketedInput(_Strict):
+    """One variable dimension of an input and the sizes it is padded to (an mpsd extension)."""
+
+    # The dimension's index in the tensor as the model gets it: with batching, 0 is the batch dimension
+    dim: Annotated[int, Field(ge=0)]
+    sizes: Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1)]
+    pad_value: float = 0
+
+    @field_validator("sizes")
+    @classmethod
+    def _ascending(cls, sizes: list[int]) -> list[int]:
+        if any(a >= b for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"sizes must be strictly ascending: {sizes}")
+        return sizes
+
+
+class BucketedOutput(_Strict):
+    """An output dimension as long as a bucketed input's: cut back to each request's real length."""
+
+    dim: Annotated[int, Field(ge=0)]
+    follows: Annotated[str, Field(min_length=1)]
+
+
+class MaskInput(_Strict):
+    """An input the daemon makes: 1 at a bucketed input's real positions, 0 at its padding."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    # the bucketed input whose positions it marks; may be left out when one input is bucketed
+    follows: Annotated[str, Field(min_length=1)] | None = None
+    data_type: DataType = "TYPE_INT64"
+
+
+class ShapeBuckets(_Strict):
+    """`shape_buckets`: variable input dims padded to a few sizes, so requests of different lengths share
+    batches, CUDA graphs and compiled graphs (docs/configuration.md)."""
+
+    inputs: Annotated[dict[str, BucketedInput], Field(min_length=1)]
+    mask_input: MaskInput | None = None
+    outputs: dict[str, BucketedOutput] = {}
+
+    @field_validator("mask_input", mode="before")
+    @classmethod
+    def _mask_by_name(cls, value: object) -> object:
+        return {"name": value} if isinstance(value, str) else value
+
+
 class ModelFields(_Strict):
     """A model's config's fields, as read from `<repo>/<model>/config.yaml` (or mapped from `config.pbtxt`):
     `ModelConfig` (`model_config.py`) is these, checked by the rules across fields (`model_rules.py`)."""
@@ -316,6 +363,8 @@ class ModelFields(_Strict):
     openai: OpenAIConfig | None = None
     # Triton's stateful sequences (mpsd/config/sequence.py)
     sequence_batching: SequenceBatching | None = None
+    # Variable input dims padded to fixed sizes (an mpsd extension; mpsd/config/shape_buckets.py)
+    shape_buckets: ShapeBuckets | None = None
 
     @field_validator("parameters", mode="before")
     @classmethod

@@ -63,6 +63,16 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class BucketSpec:
+    """A bucketed input dim (`shape_buckets`): `input` is its index in ModelSpec.inputs, `dim` counts the
+    batch dimension (when batching) as 0, and `sizes` are what the daemon pads it to."""
+
+    input: int
+    dim: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything a worker needs to load one version of a model."""
 
@@ -92,6 +102,10 @@ class ModelSpec:
     sequence: bool = False
     states: tuple[StateSpec, ...] = ()
     dynamic_batching: bool = False  # configured (a Triton python model's config shows it to the model)
+    # Shape buckets: warm-up (and CUDA graphs) cover each size; the mask input, the daemon's, is the last of
+    # `inputs` and marks the positions of `buckets[mask_follows]` (-1: no mask input)
+    buckets: tuple[BucketSpec, ...] = ()
+    mask_follows: int = -1
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from mpsd.ipc.protocol import ModelSpec, WarmupTensor
 from mpsd.worker.backends import Backend
 from mpsd.worker.device import synchronize
 from mpsd.worker.strings import Value
-from mpsd.worker.warmup import sample_value, warmup_inputs
+from mpsd.worker.warmup import bucket_shapes, sample_value, warmup_inputs
 
 
 def compile_backend(backend: Backend, spec: ModelSpec) -> None:
@@ -36,11 +36,19 @@ def compile_inputs(spec: ModelSpec, device: torch.device, batch: int) -> list[Va
     ]
 
 
+def _compile_runs(spec: ModelSpec, device: torch.device) -> list[list[Value]]:
+    """The inputs compiled at: each compile batch size (or the one warm-up request) at each bucket."""
+    if spec.buckets:
+        sizes = spec.compile_batch_sizes or (1,)
+        return [warmup_inputs(spec, device, s, b) for b in sizes for s in bucket_shapes(spec)]
+    runs = [compile_inputs(spec, device, b) for b in spec.compile_batch_sizes]
+    return runs or [warmup_inputs(spec, device)]
+
+
 def compile_warmup(spec: ModelSpec, backend: Backend, device: torch.device) -> float:
     """Run the model at every compile batch size; returns the milliseconds it took (the compile time)."""
     t0 = time.perf_counter()
-    runs = [compile_inputs(spec, device, b) for b in spec.compile_batch_sizes]
-    runs = runs or [warmup_inputs(spec, device)]
+    runs = _compile_runs(spec, device)
     with torch.inference_mode():
         for inputs in runs:
             backend(inputs)

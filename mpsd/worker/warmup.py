@@ -8,6 +8,7 @@ trial runs the same samples.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,17 +35,32 @@ class WarmupMismatch:
         return f"{self.label}: " + "; ".join(m.message for m in self.outputs)
 
 
-def warmup_inputs(spec: ModelSpec, device: torch.device) -> list[Value]:
-    """Zero inputs (empty strings) of the configured shapes (variable dims as 1, a batch of 1 when
-    batching)."""
+def warmup_inputs(
+    spec: ModelSpec, device: torch.device, bucket: tuple[int, ...] = (), batch: int = 1
+) -> list[Value]:
+    """Zero inputs (empty strings) of the configured shapes (variable dims as 1, a batch of `batch` when
+    batching); `bucket`: each of spec.buckets' dims at that size, and the mask input (the last) all ones."""
+    batched = spec.max_batch_size > 0
+    shapes = [([batch] if batched else []) + [d if d > 0 else 1 for d in t.dims] for t in spec.inputs]
+    for b, size in zip(spec.buckets, bucket, strict=False):
+        shapes[b.input][b.dim] = size
+    if bucket and spec.mask_follows >= 0:
+        b = spec.buckets[spec.mask_follows]
+        shapes[-1] = shapes[b.input][: b.dim + 1]
     values: list[Value] = []
-    for t in spec.inputs:
-        shape = ([1] if spec.max_batch_size > 0 else []) + [d if d > 0 else 1 for d in t.dims]
+    for t, shape in zip(spec.inputs, shapes, strict=True):
         if t.datatype == STRINGS:
             values.append(strings.sample(tuple(shape), random=False))
         else:
             values.append(torch.zeros(shape, dtype=TO_TORCH[t.datatype], device=device))
+    if bucket and spec.mask_follows >= 0 and isinstance(values[-1], torch.Tensor):
+        values[-1].fill_(1)  # every position real: a mask of zeros is no request's
     return values
+
+
+def bucket_shapes(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """Each combination of the buckets' sizes (one per bucketed dim); [()] for a model without buckets."""
+    return list(itertools.product(*(b.sizes for b in spec.buckets)))
 
 
 def sample_value(t: WarmupTensor, device: torch.device) -> Value:
@@ -70,7 +86,11 @@ def _warmup_runs(
     spec: ModelSpec, device: torch.device, default: bool = True
 ) -> Iterator[tuple[str, list[Value]]]:
     if not spec.warmup and default:
-        yield "warm-up", warmup_inputs(spec, device)
+        for bucket in bucket_shapes(spec):  # each shape the daemon pads to: none is met the first time
+            yield (
+                "warm-up" + (f" at bucket {list(bucket)}" if bucket else ""),
+                warmup_inputs(spec, device, bucket),
+            )
     for sample in spec.warmup:
         for _ in range(sample.count):
             yield f"warm-up '{sample.name}'", [sample_value(t, device) for t in sample.inputs]

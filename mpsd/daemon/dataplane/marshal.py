@@ -30,7 +30,7 @@ def _align(n: int) -> int:
 
 def assemble(
     buf: memoryview,
-    refs: Sequence[p.TensorRef],
+    refs: Sequence[p.TensorRef | None],
     requests: Sequence[InferRequest],
     waiting: Sequence[asyncio.Future[Any]],
     place: Place | None = None,
@@ -42,10 +42,12 @@ def assemble(
     A request whose caller is gone (cancelled after the batch was formed) keeps its rows but lends no bytes:
     they may be in a front's arena chunk that is already in use for another call. Bytes in a client's shared
     memory are read here; a request whose bytes cannot be read any more fails alone (its rows stay as they
-    were), when it has a caller to tell.
+    were), when it has a caller to tell. A ref that is None is another's to write (a padded input's).
     """
     pieces: list[p.Piece] = []
     for i, ref in enumerate(refs):
+        if ref is None:
+            continue
         pos = ref.offset
         # Strings are read by the worker in one piece, out of its region.
         in_place = place if ref.datatype != strings.DATATYPE else None

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable
 
 import structlog
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.dataplane.buckets import Buckets
 from mpsd.daemon.dataplane.calls import Chain
 from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.dataplane.lane import Lane
@@ -69,6 +70,7 @@ class VersionPlane:
         self.queue = RequestQueue(config, f"'{name}' version {version}")
         self.lanes: list[VersionLane] = []
         self.flight = InFlight()
+        self.buckets = Buckets(config) if config.shape_buckets is not None else None
 
     def new_lane(self) -> VersionLane:
         return Lane(self.queue, self.execute, self._lane_count, self._lane_down)
@@ -126,7 +128,7 @@ class VersionPlane:
             raise self.refusal()
         start = time.perf_counter_ns()
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        item = Pending(request, future, start, deadline)
+        item = Pending(request, future, start, deadline, shape_key=self._bucketed(request))
         if request.trace is not None:
             request.trace.queued()
         direct = self._free_lane(item)
@@ -148,6 +150,16 @@ class VersionPlane:
             raise
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
+
+    def _bucketed(self, request: InferRequest) -> Hashable | None:
+        """A bucketed model's batching key for the request (None: the plain key); a refusal is counted."""
+        if self.buckets is None:
+            return None
+        try:
+            return self.buckets.admit(request)
+        except MpsdError as exc:
+            self.stats.record_failure(0, exc.code.value)
+            raise
 
     def _admit(self, item: Pending, queued: bool = True) -> None:
         """Into the queue (or, for a direct execution, only its default timeout); a refusal is counted."""
@@ -230,8 +242,11 @@ class VersionPlane:
         self, batch: Batch, waiting: list[asyncio.Future[InferResult]], execution: ExecutionTrace | None
     ) -> Tensors[list[tuple[OutputTensor, ...]]]:
         """How the batch is laid out in the worker's regions and read back (`marshal.py`), traced or not."""
-        tensors: Tensors[list[tuple[OutputTensor, ...]]] = self.tensors_type(
-            [item.request for item in batch], waiting
+        requests = [item.request for item in batch]
+        tensors: Tensors[list[tuple[OutputTensor, ...]]] = (
+            self.tensors_type(requests, waiting)
+            if self.buckets is None
+            else self.buckets.tensors(requests, waiting)
         )
         return tensors if execution is None else TracedTensors(tensors, execution)
 

@@ -42,6 +42,7 @@ class Pending:
     reject_at: float | None = None  # its level's timeout under REJECT (then also its deadline, if earlier)
     delay_at: float | None = None  # its level's timeout under DELAY: it moves behind its level's others
     delayed: bool = False  # moved behind them
+    shape_key: Hashable | None = None  # a bucketed model's key (dataplane/buckets.py): lengths as buckets
 
     @property
     def rank(self) -> int:
@@ -53,6 +54,8 @@ class Pending:
         """Requests with equal keys can share a batch (made once: batches are formed again and again): the
         same datatypes and shapes past the batch dimension, and the same parameters for a model that reads
         them."""
+        if self.shape_key is not None:
+            return self.shape_key
         key = tuple((t.datatype, t.shape[1:]) for t in self.request.inputs)
         return (key, self.request.parameters) if self.request.parameters else key
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from mpsd.config.model_config import InputConfig, ModelConfig, TensorConfig
 from mpsd.config.repository import ModelSource
+from mpsd.config.shape_buckets import mask_follows
 from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.daemon.supervise.placement import InstancePlacement, plan_instances, worker_environment
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.ipc.dtypes import config_to_wire
-from mpsd.ipc.protocol import ModelSpec, StateSpec, TensorSpec, WarmupSample, WarmupTensor
+from mpsd.ipc.protocol import BucketSpec, ModelSpec, StateSpec, TensorSpec, WarmupSample, WarmupTensor
 
 # Variables meant for the daemon alone: a worker that inherited them could talk to systemd as if it were
 # the service's main process.
@@ -31,6 +32,24 @@ def _control_specs(config: ModelConfig) -> tuple[TensorSpec, ...]:
     return tuple(
         TensorSpec(ci.name, config_to_wire(ci.control[0].tensor_type), (1,)) for ci in sb.control_input
     )
+
+
+def _bucket_specs(config: ModelConfig) -> tuple[tuple[BucketSpec, ...], int, tuple[TensorSpec, ...]]:
+    """A bucketed model's buckets, the one its mask input follows (-1: none), and the mask input's spec:
+    after the config's inputs, dims those of the followed input up to the bucketed dim."""
+    sb = config.shape_buckets
+    if sb is None:
+        return (), -1, ()
+    order = [t.name for t in config.input]
+    specs = tuple(BucketSpec(order.index(name), b.dim, tuple(b.sizes)) for name, b in sb.inputs.items())
+    follows = mask_follows(config)
+    if sb.mask_input is None or follows is None:
+        return specs, -1, ()
+    which = list(sb.inputs).index(follows)
+    bucket = specs[which]
+    dims = config.input[bucket.input].dims[: bucket.dim + (0 if config.max_batch_size > 0 else 1)]
+    mask = TensorSpec(sb.mask_input.name, config_to_wire(sb.mask_input.data_type), tuple(dims))
+    return specs, which, (mask,)
 
 
 def state_specs(config: ModelConfig, model_dir: Path) -> tuple[StateSpec, ...]:
@@ -61,6 +80,7 @@ def _warmup_samples(config: ModelConfig) -> tuple[WarmupSample, ...]:
     sequence model's controls as zeros)."""
     samples = []
     controls = _control_specs(config)
+    buckets, follows, mask = _bucket_specs(config)
     for w in config.model_warmup:
         batch = (w.batch_size,) if config.max_batch_size > 0 else ()
         given = [(t, w.inputs[t.name]) for t in config.input if t.name in w.inputs]
@@ -68,6 +88,9 @@ def _warmup_samples(config: ModelConfig) -> tuple[WarmupSample, ...]:
             WarmupTensor(t.name, t.wire_datatype, batch + tuple(data.dims), data.random_data)
             for t, data in given
         ) + tuple(WarmupTensor(c.name, c.datatype, batch + c.dims) for c in controls)
+        if mask:  # zeros, shaped as the followed input's sample up to its bucketed dim
+            b = buckets[follows]
+            tensors += (WarmupTensor(mask[0].name, mask[0].datatype, tensors[b.input].shape[: b.dim + 1]),)
         samples.append(WarmupSample(w.name, tensors, w.count))
     return tuple(samples)
 
@@ -75,13 +98,14 @@ def _warmup_samples(config: ModelConfig) -> tuple[WarmupSample, ...]:
 def model_spec(source: ModelSource, version: int) -> ModelSpec:
     config = source.config
     assert config is not None
+    buckets, follows, mask = _bucket_specs(config)
     return ModelSpec(
         name=source.name,
         version=version,
         backend=config.backend,
         model_path=str(source.path / str(version) / config.model_filename),
         max_batch_size=config.max_batch_size,
-        inputs=tuple(_tensor_spec(t) for t in config.input) + _control_specs(config),
+        inputs=tuple(_tensor_spec(t) for t in config.input) + _control_specs(config) + mask,
         outputs=tuple(_tensor_spec(t) for t in config.output),
         parameters=dict(config.parameters),
         allow_pickle=config.allow_pickle,
@@ -96,6 +120,8 @@ def model_spec(source: ModelSource, version: int) -> ModelSpec:
         sequence=config.sequence_batching is not None,
         states=state_specs(config, source.path),
         dynamic_batching=config.dynamic_batching is not None,
+        buckets=buckets,
+        mask_follows=follows,
     )
 
 
