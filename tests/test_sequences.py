@@ -102,11 +102,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
         (repo / "acc_one" / "config.pbtxt").read_text().replace("max_batch_size: 8", "max_batch_size: 1")
     )
     _state_models(repo)
-    sequence_models.accumulator(repo, "acc_reload")
+    # The reload and residency tests keep a sequence live across a worker's start, which takes seconds on a
+    # loaded machine: their sequences' idle timeout (2 minutes) must not end them meanwhile.
+    long_idle = 120_000_000
+    sequence_models.accumulator(repo, "acc_reload", idle_us=long_idle)
     keep = 'parameters [ { key: "mpsd.residency.load" value: { string_value: "on_demand" } }, '
     keep += '{ key: "mpsd.residency.keep_alive_s" value: { string_value: "1" } } ]\n'
     for name in ("acc_kept", "canary"):
-        pbtxt = sequence_models.accumulator(repo, name) / "config.pbtxt"
+        pbtxt = sequence_models.accumulator(repo, name, idle_us=long_idle) / "config.pbtxt"
         pbtxt.write_text(pbtxt.read_text() + keep)
     cached = sequence_models.accumulator(repo, "acc_cached") / "config.pbtxt"
     cached.write_text(cached.read_text() + "response_cache { enable: true }\n")

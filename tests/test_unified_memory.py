@@ -52,6 +52,7 @@ def loaded_version(source: Any) -> Any:
     return SimpleNamespace(
         config=source.config,
         placements=placements,
+        placements_in_use=lambda: placements,
         label=f"{source.name}/1",
         fingerprint=source.fingerprint,
         instances=[],
