@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 from mpsd import osfacts
 from mpsd.ipc import shm
 from mpsd.ipc.shm_record import RECORD_PREFIX
-from tests import models
+from tests import models, posix_shm
 from tests.conftest import ROOT, RunningDaemon, own_segments, shm_segments, wait_for
 
 
@@ -36,12 +36,8 @@ def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 def exists(name: str) -> bool:
-    try:
-        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDONLY, 0)
-    except FileNotFoundError:
-        return False
-    os.close(fd)
-    return True
+    """A segment named as mpsd records it (with or without its slash), asked of the system."""
+    return posix_shm.exists("/" + name.lstrip("/"))
 
 
 def test_the_longest_name_fits_macos() -> None:
