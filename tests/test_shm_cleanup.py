@@ -121,8 +121,10 @@ def test_a_daemon_killed_with_9_leaves_shared_memory_the_next_one_unlinks_on_mac
     first.wait_ready()
     x = grpcclient.InferInput("x", [1 << 19], "FP32")
     x.set_data_from_numpy(np.ones(1 << 19, np.float32))
-    first.client.async_infer("held", [x], callback=lambda *_: None)
-    wait_for(started.exists, 60, "the request to reach the worker")
+    failed: list[object] = []  # the request's error, should it end before the kill
+    first.client.async_infer("held", [x], callback=lambda result, error: failed.append(error))
+    wait_for(lambda: started.exists() or failed, 60, "the request to reach the worker")
+    assert started.exists(), f"the request ended before reaching the worker: {failed}"
     with osfacts.use(osfacts.DARWIN):
         left = own_segments(first)
     assert left, "the new region is named while the worker holds the request"
