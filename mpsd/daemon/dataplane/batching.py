@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import operator
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Generic, Protocol, TypeVar
@@ -36,7 +37,7 @@ class Batchable(Queued, Protocol):
 Item = TypeVar("Item", bound=Batchable)  # the queue's `Pending`
 
 
-class BatchForming(Generic[Item]):
+class BatchForming(ABC, Generic[Item]):
     """The batch forming half of `RequestQueue`: an instance's dispatcher waits here for its next batch."""
 
     # The queue's, set by `RequestQueue.__init__`.
@@ -58,9 +59,9 @@ class BatchForming(Generic[Item]):
         """Batching with no queue delay: a short batch waits for the loop to settle, and no longer."""
         return self.batching and self.delay_s <= 0
 
+    @abstractmethod
     def _prune(self) -> None:
         """Drop what may not go any more before a batch is formed (the queue's)."""
-        raise NotImplementedError
 
     def _form(self) -> tuple[list[Item], int]:
         """The next batch: the oldest request plus later compatible ones, up to max rows."""
