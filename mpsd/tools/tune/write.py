@@ -14,27 +14,15 @@ import yaml
 
 from mpsd.errors import ModelConfigError
 from mpsd.tools.common import ToolError
+from mpsd.tools.tune.overrides import override
 from mpsd.tools.tune.trials import Settings
 
 
-def _yaml(path: Path, text: str, s: Settings, batching: bool, graphs: bool) -> str:
+def _yaml(path: Path, text: str, s: Settings, _batching: bool, graphs: bool) -> str:
     from mpsd.config.model_file import parse_model_config
 
     raw: dict[str, Any] = yaml.safe_load(text)
-    groups = raw.get("instance_group") or [{}]
-    groups[0]["count"] = s.instances
-    raw["instance_group"] = groups
-    if batching:
-        raw["max_batch_size"] = s.max_batch_size
-        db = raw.get("dynamic_batching") or {}
-        db["max_queue_delay_microseconds"] = s.delay_us
-        db.pop("preferred_batch_size", None)
-        if s.preferred:
-            db["preferred_batch_size"] = list(s.preferred)
-        raw["dynamic_batching"] = db
-    if graphs:
-        cuda = raw.setdefault("optimization", {}).setdefault("cuda", {})
-        cuda["graphs"] = s.cuda_graphs
+    raw.update(override(raw, s, graphs))  # the searched fields, as a trial's load sets them
     new = yaml.safe_dump(raw, sort_keys=False)
     parse_model_config(path, new, path.parent.name)
     return new
