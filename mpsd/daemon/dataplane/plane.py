@@ -128,7 +128,8 @@ class VersionPlane:
             raise self.refusal()
         start = time.perf_counter_ns()
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        item = Pending(request, future, start, deadline, shape_key=self._bucketed(request))
+        shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
+        item = Pending(request, future, start, deadline, shape_key=shape_key)
         if request.trace is not None:
             request.trace.queued()
         direct = self._free_lane(item)
@@ -151,12 +152,10 @@ class VersionPlane:
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
 
-    def _bucketed(self, request: InferRequest) -> Hashable | None:
-        """A bucketed model's batching key for the request (None: the plain key); a refusal is counted."""
-        if self.buckets is None:
-            return None
+    def _bucketed(self, request: InferRequest, buckets: Buckets) -> Hashable:
+        """A bucketed model's batching key for the request (its lengths as buckets); a refusal is counted."""
         try:
-            return self.buckets.admit(request)
+            return buckets.admit(request)
         except MpsdError as exc:
             self.stats.record_failure(0, exc.code.value)
             raise
