@@ -15,10 +15,9 @@ from typing import Any, NoReturn
 
 from google.protobuf import text_format  # type: ignore[import-untyped]
 
-from mpsd.config.model_config import (
-    ModelConfig,
-    ResidencyConfig,
-)
+from mpsd.config.buckets_pbtxt import FORMS as BUCKET_FORMS
+from mpsd.config.buckets_pbtxt import read_bucket_parameter
+from mpsd.config.model_config import ModelConfig, ResidencyConfig
 from mpsd.config.model_file import check_config_name, config_problem, validate_model_config
 from mpsd.config.sequence_pbtxt import read_sequence_batching
 from mpsd.errors import Issue, ModelConfigError
@@ -336,6 +335,8 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
         out.setdefault("optimization", {})["autocast"] = value
         return
     parts = name.split(".")
+    if parts[0] == "shape_buckets" and read_bucket_parameter(name, value, out):
+        return
     if len(parts) == 3 and parts[0] == "instance_group" and parts[2] in ("kind", "memory_fraction"):
         groups = out.setdefault("instance_group", [{}])
         if not parts[1].isdigit() or int(parts[1]) >= len(groups):
@@ -358,7 +359,7 @@ def _mpsd_parameter(key: str, value: str, out: dict[str, Any]) -> None:
         + ", ".join(f"compile.{f}" for f in COMPILE_FIELDS)
         + ", "
         + ", ".join(f"residency.{f}" for f in RESIDENCY_FIELDS)
-        + ")",
+        + f", {BUCKET_FORMS})",
     )
 
 

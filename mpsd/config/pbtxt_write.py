@@ -12,6 +12,7 @@ from typing import Any
 
 from google.protobuf import text_format  # type: ignore[import-untyped]
 
+from mpsd.config.buckets_pbtxt import bucket_parameters
 from mpsd.config.model_config import (
     DynamicBatching,
     InputConfig,
@@ -69,7 +70,7 @@ def config_to_pbtxt(config: ModelConfig, name: str | None = None) -> str:
 
 def _write_parameters(config: ModelConfig, msg: Any) -> None:
     """The model's own parameters, and the mpsd-only settings as `mpsd.*` parameters (memory limits,
-    pickle, residency)."""
+    pickle, residency, shape buckets)."""
     for key, value in config.parameters.items():
         msg.parameters[key].string_value = value
     for field in ("max_device_memory_bytes", "max_rss_bytes"):
@@ -82,6 +83,9 @@ def _write_parameters(config: ModelConfig, msg: Any) -> None:
         if value is not None:
             text = str(value).lower() if isinstance(value, bool) else str(value)
             msg.parameters[f"{MPSD_PREFIX}residency.{field}"].string_value = text
+    if config.shape_buckets is not None:
+        for key, value in bucket_parameters(config.shape_buckets).items():
+            msg.parameters[MPSD_PREFIX + key].string_value = value
 
 
 def _write_warmup(samples: Sequence[ModelWarmup], msg: Any) -> None:
