@@ -47,6 +47,9 @@ class LoadSpec:
     protocol: str = "grpc"  # or "http": `request` is then a whole HTTP/1.1 request, `address` host:port
     # channel options beyond the message sizes (a service config for client-side balancing, for instance)
     options: tuple[tuple[str, Any], ...] = ()
+    # several prepared requests (gRPC, several in flight): each in-flight loop sends them in turn from an
+    # offset of its own, instead of `request` alone (requests of mixed shapes, bench/buckets_gpu.py)
+    requests: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -118,12 +121,15 @@ def _run_async(target: str, spec: LoadSpec, start_at: float) -> Outcome:
             count_from = t_begin + int(spec.warmup_s * 1e9)
             stop_at = count_from + int(spec.duration_s * 1e9)
 
-            async def loop() -> None:
-                request = spec.request
+            async def loop(offset: int) -> None:
+                pool = spec.requests or (spec.request,)
+                sent = offset
                 while True:
                     t0 = time.perf_counter_ns()
                     if t0 >= stop_at:
                         return
+                    request = pool[sent % len(pool)]
+                    sent += 1
                     try:
                         state["response"] = await call(request)
                     except grpc.RpcError as exc:
@@ -135,7 +141,8 @@ def _run_async(target: str, spec: LoadSpec, start_at: float) -> Outcome:
                     if t0 >= count_from and t1 <= stop_at:
                         lat.append(t1 - t0)
 
-            await asyncio.gather(*(loop() for _ in range(spec.concurrency)))
+            offsets = range(os.getpid() * 7919, os.getpid() * 7919 + spec.concurrency * 97, 97)
+            await asyncio.gather(*(loop(offset) for offset in offsets))
 
     asyncio.run(main())
     return lat, state["errors"], state["first_error"], state["response"], state["completed"]

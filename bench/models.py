@@ -110,3 +110,85 @@ def build_startup_repo(repo: Path, models: int) -> None:
     """`models` copies of the small identity model, for start-up time and memory per model."""
     for i in range(models):
         write_model(repo, f"identity_{i}", Identity(), identity_config([1, 16]))
+
+
+class Bottleneck(nn.Module):
+    """ResNet-50's block as torchvision builds it (stride on the 3x3 conv, "ResNet v1.5")."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        width, out = planes, planes * 4
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample: nn.Module = nn.Identity()
+        if stride != 1 or inplanes != out:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return self.relu(y + self.downsample(x))
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 (torchvision's layout, random weights) without torchvision, for machines that lack it;
+    `width` scales every layer's channels (64: the real model, about 4.1 GFLOP per 224x224 image; 8: a
+    stand-in cheap enough for a CPU)."""
+
+    def __init__(self, width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+        blocks: list[nn.Module] = []
+        inplanes = width
+        for i, count in enumerate((3, 4, 6, 3)):
+            planes = width * 2**i
+            for j in range(count):
+                blocks.append(Bottleneck(inplanes, planes, stride=2 if i > 0 and j == 0 else 1))
+                inplanes = planes * 4
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(inplanes, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+        return out
+
+
+class Encoder(nn.Module):
+    """A BERT-like text encoder (torch.nn.TransformerEncoder, random weights): token ids in, the mean of the
+    last layer over the real positions out. `mask` (1 real, 0 padding) is what shape buckets make; without
+    it every position is real, so one module serves with buckets and without."""
+
+    def __init__(
+        self, layers: int = 6, d_model: int = 512, heads: int = 8, vocab: int = 8192, max_len: int = 512
+    ):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(max_len, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        x = self.tokens(ids) + self.positions(positions)
+        if mask is None:
+            weights = torch.ones(ids.shape, dtype=x.dtype, device=ids.device)
+            hidden = self.encoder(x)
+        else:
+            weights = mask.to(x.dtype)
+            hidden = self.encoder(x, src_key_padding_mask=mask == 0)
+        summed = (hidden * weights.unsqueeze(-1)).sum(1)
+        out: torch.Tensor = summed / weights.sum(1, keepdim=True)
+        return out
