@@ -54,7 +54,7 @@ def configs(args: argparse.Namespace, cuda: bool, width: int) -> dict[str, dict[
         **plain,
         "shape_buckets": {"inputs": {"ids": {"dim": 1, "sizes": args.sizes}}, "mask_input": "mask"},
     }
-    if cuda:
+    if cuda and not args.no_graphs:
         buckets["optimization"] = {"cuda": {"graphs": True}}
     return {"plain": plain, "buckets": buckets}
 
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--delay-us", type=int, default=1000, help="the queue delay of both models")
     parser.add_argument("--pool", type=int, default=2048, help="distinct prepared requests the clients cycle")
+    parser.add_argument("--no-graphs", action="store_true", help="buckets without CUDA graphs (on CUDA)")
     args = parser.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
     if args.max_len > args.sizes[-1]:
@@ -201,7 +202,7 @@ def markdown(r: dict[str, Any]) -> str:
     m, s, a = r["machine"], r["settings"], r["answers"]
     plain, buckets = r["summary"]["plain"], r["summary"]["buckets"]
     gain = buckets["throughput"] / plain["throughput"] if plain["throughput"] else float("nan")
-    graphs = "CUDA graphs" if r["device"] == "cuda" else "no CUDA graphs (CPU)"
+    graphs = "CUDA graphs" if r["device"] == "cuda" and not s["no_graphs"] else "no CUDA graphs"
     lines = [
         f"# Shape buckets on {r['device']}: {r['model']}, lengths {s['min_len']}..{s['max_len']}",
         "",

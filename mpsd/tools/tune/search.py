@@ -8,9 +8,10 @@
    one batch (batch size / throughput), moving to a neighbour while that beats the best (a hill climb).
 5. Preferred batch sizes (with a delay only: without one the batcher never waits for a size): halving
    from the batch size, while that helps.
-6. CUDA graphs on or off, where the model runs on CUDA.
-7. A last pass over the neighbours of the best on every axis, repeated while one of them wins, so that an
-   axis fixed early is looked at again once the others have moved.
+6. CUDA graphs flipped once at the best so far, where the model runs on CUDA.
+7. A last pass over the neighbours of the best on every axis but CUDA graphs, repeated (up to
+   POLISH_ROUNDS) while one of them wins, so that an axis fixed early is looked at again once the others
+   have moved.
 
 Every point is measured once (the results are kept by settings); a trial that the memory budget refuses
 or that fails counts as worse than any measured one. On a surface where each setting has one peak given
