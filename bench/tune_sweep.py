@@ -67,6 +67,7 @@ class Plan:
     warmup_s: float
     space: Space
     start: dict[str, Any]  # the served config's searched fields at trial 0
+    limit_s: float | None = None  # the whole run's time, after which the sweep stops
 
 
 def plan(model: str, cuda: bool) -> Plan:
@@ -79,7 +80,7 @@ def plan(model: str, cuda: bool) -> Plan:
         instances=(1, 2), batches=(8, 16, 32, 64), delays_us=(0, 2000), preferred=False, cuda_graphs=cuda
     )
     p99 = 50.0 if model == "resnet50" else 25.0
-    return Plan(64, p99, 2.0, 1.0, space, {"max_batch_size": 64, "delay_us": 0})
+    return Plan(64, p99, 2.0, 1.0, space, {"max_batch_size": 64, "delay_us": 0}, limit_s=360.0)
 
 
 def write_repo(repo: Path, model: str, cuda: bool, tiny: bool, start: dict[str, Any]) -> None:
@@ -173,7 +174,10 @@ def main() -> None:
         "--remeasure", action="store_true", help="the sweep measures the tuner's points again"
     )
     parser.add_argument(
-        "--limit-s", type=float, help="stop the sweep once the run (tuner and sweep) has taken this long"
+        "--limit-s",
+        type=float,
+        help="stop the sweep once the run (tuner and sweep) has taken this long (default 360 s for resnet50 "
+        "and encoder, none for cnn; 0: none)",
     )
     args = parser.parse_args()
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,6 +189,7 @@ def main() -> None:
     p99_ms = args.p99_ms or p.p99_ms
     duration = args.duration or p.duration_s
     warmup = args.warmup or p.warmup_s
+    limit_s = (args.limit_s if args.limit_s is not None else p.limit_s) or None
     remeasure = args.remeasure or args.model == "cnn"  # the CPU runs so far measured every point again
     space, objective = p.space, Objective(p99_ms, 0.02)
     points = list(sweep_order(list(space.points())))
@@ -193,7 +198,8 @@ def main() -> None:
         f"{args.model} on {'cuda' if cuda else 'cpu'}: {len(points)} points, about "
         f"{len(points) * per_trial / 60:.1f} min for the sweep plus the tuner's trials"
         f"{'' if remeasure else ' outside it'} at ~{per_trial:.0f} s a trial "
-        f"({LOAD_GUESS_S[args.model]:g} s load + {warmup:g} s warm-up + {duration:g} s)",
+        f"({LOAD_GUESS_S[args.model]:g} s load + {warmup:g} s warm-up + {duration:g} s)"
+        + (f"; the sweep stops at {limit_s:g} s of the run" if limit_s else ""),
         flush=True,
     )
     model = args.model
@@ -228,7 +234,7 @@ def main() -> None:
                 left_out: list[Settings] = []
                 began = time.monotonic()
                 for settings in points:
-                    if args.limit_s is not None and time.monotonic() - run_began > args.limit_s:
+                    if limit_s is not None and time.monotonic() - run_began > limit_s:
                         left_out.append(settings)
                         continue
                     reused = not remeasure and settings in tuned
@@ -253,6 +259,7 @@ def main() -> None:
             "warmup_s": warmup,
             "space": {**asdict(space), "points": len(points)},
             "sweep_reuses_tuner_trials": not remeasure,
+            "limit_s": limit_s,
             "tuner_s": round(tuner_s, 1),
             "sweep_s": round(sweep_s, 1),
             "sweep_left_out": [asdict(s) for s in left_out],
