@@ -135,7 +135,8 @@ class Bottleneck(nn.Module):
         y = self.relu(self.bn1(self.conv1(x)))
         y = self.relu(self.bn2(self.conv2(y)))
         y = self.bn3(self.conv3(y))
-        return self.relu(y + self.downsample(x))
+        out: torch.Tensor = self.relu(y + self.downsample(x))
+        return out
 
 
 class ResNet50(nn.Module):
