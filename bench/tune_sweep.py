@@ -10,7 +10,10 @@ One daemon; the tuner's search runs first (mpsd.tools.tune's own measurer and se
 then every point of the space is measured the same way. The question: does the tuner's choice reach 0.95x
 of the sweep's best throughput under the p99 bound, with how many trials, and what does it gain over the
 config it started from? On CUDA the space has CUDA graphs on and off (the tuner's only CUDA axis; it does
-not search autocast, and these models are fp16 already).
+not search autocast, and these models are fp16 already). For resnet50 and encoder the load comes from
+bench/loadgen.py's client processes rather than the tuner's threads (`--client`): on an H100, ResNet-50
+through mpsd took about 3,400 images/s from 4 such processes, more than one Python process of 64 threads
+sends, which would make every setting measure the same.
 
 Device time is scarce, so for resnet50 and encoder the sweep reuses the tuner's measurements of the points it
 already has (`--remeasure` measures them again; the cnn's sweep always does), visits the points in an order
@@ -41,9 +44,10 @@ from typing import Any
 import torch
 
 from bench.common import machine_info, start_mpsd
+from bench.loadgen import ClientPool, LoadSpec
 from bench.models import CNN_IMAGE, Encoder, ResNet50, SmallCNN, cnn_config, write_model
 from mpsd.tools.tune.budget import Budget
-from mpsd.tools.tune.daemon import Daemon
+from mpsd.tools.tune.daemon import Daemon, worker_memory
 from mpsd.tools.tune.load import build_request
 from mpsd.tools.tune.measure import DaemonMeasurer, Load
 from mpsd.tools.tune.overrides import start_settings
@@ -144,6 +148,51 @@ def sweep_order(points: list[Settings]) -> Iterator[Settings]:
         yield from sorted(groups[key], key=lambda s: s.instances, reverse=i % 2 == 1)
 
 
+class PoolMeasurer(DaemonMeasurer):
+    """The tuner's measurer (its loads, budget and memory readings) with bench/loadgen.py's client processes
+    (asyncio, prepared bytes) in place of its threads: on a fast GPU one Python process of 64 threads is
+    the bottleneck, and every setting would measure the same. Batch sizes are counted over the warm-up too."""
+
+    def __init__(self, pool: ClientPool, address: str, *args: Any) -> None:
+        super().__init__(*args)
+        self.pool = pool
+        self.address = address
+
+    def _measure(self, settings: Settings) -> Trial:
+        load, processes = self.load, self.pool.size
+        spec = LoadSpec(
+            self.address,
+            self.request.SerializeToString(),
+            max(1, load.concurrency // processes),
+            load.duration_s,
+            load.warmup_s,
+        )
+        before = self.daemon.batch_stats()
+        result = self.pool.run(spec)
+        after = self.daemon.batch_stats()
+        batches = {b: n - before.get(b, 0) for b, n in after.items() if n - before.get(b, 0) > 0}
+        per_worker = worker_memory(self.daemon.workers(), self.daemon.model)
+        self.budget.observe(per_worker)
+        latencies = sorted(result.latencies_ns)
+
+        def pct(q: float) -> float:
+            return (
+                latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] / 1e6 if latencies else 0.0
+            )
+
+        return Trial(
+            settings,
+            throughput=result.throughput,
+            p50_ms=pct(50),
+            p99_ms=pct(99),
+            requests=len(latencies),
+            errors=result.errors,
+            memory_bytes=sum(per_worker) if per_worker else None,
+            batches=batches,
+            failed=result.first_error if result.errors and not latencies else "",
+        )
+
+
 class Timed:
     """The measurer, recording each trial's wall time (its load and its load of requests)."""
 
@@ -174,6 +223,13 @@ def main() -> None:
         "--remeasure", action="store_true", help="the sweep measures the tuner's points again"
     )
     parser.add_argument(
+        "--client",
+        choices=("tuner", "pool"),
+        help="the load: mpsd tune's own (threads in this process) or bench/loadgen.py's client processes "
+        "(default: tuner for cnn, pool for resnet50 and encoder)",
+    )
+    parser.add_argument("--client-processes", type=int, default=4, help="with --client pool (default 4)")
+    parser.add_argument(
         "--limit-s",
         type=float,
         help="stop the sweep once the run (tuner and sweep) has taken this long (default 360 s for resnet50 "
@@ -190,7 +246,10 @@ def main() -> None:
     duration = args.duration or p.duration_s
     warmup = args.warmup or p.warmup_s
     limit_s = (args.limit_s if args.limit_s is not None else p.limit_s) or None
-    remeasure = args.remeasure or args.model == "cnn"  # the CPU runs so far measured every point again
+    remeasure = args.remeasure or args.model == "cnn"
+    client = args.client or (
+        "tuner" if args.model == "cnn" else "pool"
+    )  # the CPU runs so far measured every point again
     space, objective = p.space, Objective(p99_ms, 0.02)
     points = list(sweep_order(list(space.points())))
     per_trial = LOAD_GUESS_S[args.model] + warmup + duration
@@ -207,6 +266,7 @@ def main() -> None:
         work = Path(tmp)
         write_repo(work / "repo", model, cuda, args.tiny, p.start)
         server = start_mpsd(work / "repo", work)
+        pool = ClientPool(args.client_processes) if client == "pool" else None
         try:
             server.wait_ready()
             conn = argparse.Namespace(address=server.address, tls_ca=None, token_file=None)
@@ -218,7 +278,9 @@ def main() -> None:
                 start = start_settings(served)
                 request = build_request(model, daemon.inputs(), True, [], [])
                 load = Load(concurrency, duration, warmup, 60.0, 600.0)
-                measurer = Timed(DaemonMeasurer(daemon, served, request, load, start, cuda, Budget(model)))
+                parts = (daemon, served, request, load, start, cuda, Budget(model))
+                measure = PoolMeasurer(pool, server.address, *parts) if pool else DaemonMeasurer(*parts)
+                measurer = Timed(measure)
                 load_before = os.getloadavg()
                 began = run_began = time.monotonic()
                 search = Search(
@@ -234,16 +296,18 @@ def main() -> None:
                 left_out: list[Settings] = []
                 began = time.monotonic()
                 for settings in points:
-                    if limit_s is not None and time.monotonic() - run_began > limit_s:
+                    reused = not remeasure and settings in tuned  # costs nothing: never left out
+                    if not reused and limit_s is not None and time.monotonic() - run_began > limit_s:
                         left_out.append(settings)
                         continue
-                    reused = not remeasure and settings in tuned
                     sweep[settings] = tuned[settings] if reused else measurer(settings)
                     label = "sweep (tuner's)" if reused else "sweep"
                     print(label, row(sweep[settings], measurer.seconds[settings]), flush=True)
                 sweep_s = time.monotonic() - began
                 load_after = os.getloadavg()
         finally:
+            if pool is not None:
+                pool.close()
             server.stop()
     result = summarize(search, sweep, objective, start)
     result.update(
@@ -254,6 +318,8 @@ def main() -> None:
             "load_average_before": load_before,
             "load_average_after": load_after,
             "concurrency": concurrency,
+            "client": client
+            + (f" ({args.client_processes} processes)" if client == "pool" else " (threads)"),
             "p99_ms": p99_ms,
             "trial_s": duration,
             "warmup_s": warmup,
@@ -332,8 +398,8 @@ def markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
         + (" x preferred sizes" if sp["preferred"] else "")
         + (" x CUDA graphs on/off" if sp["cuda_graphs"] else "")
         + f": {sp['points']} points",
-        f"- Load: {r['concurrency']} clients, {r['warmup_s']:g} s warm-up and {r['trial_s']:g} s measured per"
-        f" trial; bound p99 <= {r['p99_ms']:g} ms"
+        f"- Load: {r['concurrency']} clients ({r['client']}), {r['warmup_s']:g} s warm-up and"
+        f" {r['trial_s']:g} s measured per trial; bound p99 <= {r['p99_ms']:g} ms"
         + (
             "" if r["bound_met_in_sweep"] else " (no point of the sweep met it: compared on throughput alone)"
         ),
