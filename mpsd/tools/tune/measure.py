@@ -23,6 +23,17 @@ class Load:
     warmup_s: float
     request_timeout_s: float
     load_timeout_s: float
+    settle: float = 0.1  # a trial is measured again until two windows' throughputs agree within this
+    max_windows: int = 3
+
+
+def settled(trials: list[Trial], within: float) -> bool:
+    """Whether the last two windows agree: the first after a load often still pays for it (graphs recorded,
+    the old workers draining beside the new, allocator growth), so one window alone can be far off."""
+    if len(trials) < 2:
+        return False
+    a, b = trials[-2].throughput, trials[-1].throughput
+    return abs(a - b) <= within * max(a, b)
 
 
 class DaemonMeasurer:
@@ -64,7 +75,12 @@ class DaemonMeasurer:
             finally:
                 self.overridden = True
             self.running = settings
-        return self._measure(settings)
+        windows = [self._measure(settings)]
+        while len(windows) < self.load.max_windows and not windows[-1].failed:
+            if settled(windows, self.load.settle):
+                break
+            windows.append(self._measure(settings))
+        return windows[-1]
 
     def _measure(self, settings: Settings) -> Trial:
         counts: dict[str, dict[int, int]] = {}
