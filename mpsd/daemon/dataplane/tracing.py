@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from mpsd.config.daemon_config import TraceConfig
@@ -138,6 +139,12 @@ class RequestTrace:
     """One traced request: its span, and its stages as children of it."""
 
     __slots__ = ("_queue", "span", "spans")
+    traced = True
+
+    @property
+    def carried(self) -> RequestTrace:
+        """What the request carries into the data plane (`InferRequest.trace`)."""
+        return self
 
     def __init__(self, spans: Spans, span: Span) -> None:
         self.spans = spans
@@ -191,6 +198,61 @@ class RequestTrace:
         if exc is not None:
             _error(self.span, exc)
         self.span.end()
+
+    async def responses(self, responses: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+        """A stream's responses, each a span from its arrival until the reader asks for the next; the
+        request's span ends with the stream."""
+        index = 0
+        try:
+            async for answered in responses:
+                with self.stage("response", index=index):
+                    yield answered
+                index += 1
+        except BaseException as exc:
+            self.end(exc)
+            raise
+        else:
+            self.end()
+        finally:
+            await responses.aclose()
+
+
+_NOTHING: AbstractContextManager[None] = contextlib.nullcontext()
+
+
+class NoTrace:
+    """The trace stage of a request that is not traced: the same calls as a `RequestTrace`, each doing
+    nothing, so a traced and an untraced request run the same code (one shared instance, `NO_TRACE`)."""
+
+    __slots__ = ()
+    traced = False
+    carried = None
+
+    def stage(
+        self, name: str, start_ns: int | None = None, **attributes: str | int
+    ) -> AbstractContextManager[None]:
+        return _NOTHING
+
+    def answering(self) -> AbstractContextManager[None]:
+        return _NOTHING
+
+    def nested(self, name: str, **attributes: str | int) -> NoTrace:
+        return self
+
+    def end(self, exc: BaseException | None = None) -> None:
+        pass
+
+    def responses(self, responses: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+        return responses
+
+
+NO_TRACE = NoTrace()
+Trace = RequestTrace | NoTrace  # a request's trace stage: its spans, or nothing
+
+
+def stage_of(trace: RequestTrace | None) -> Trace:
+    """The trace stage of a request the data plane carries (`InferRequest.trace`, None: not traced)."""
+    return NO_TRACE if trace is None else trace
 
 
 class ExecutionTrace:

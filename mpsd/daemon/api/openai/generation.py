@@ -190,7 +190,11 @@ class GenerationHandler:
         streamed, include_usage = boolean(body, "stream"), _include_usage(body)
         rest = passed_on(body, CHAT_USED if chat else COMPLETIONS_USED, section, name)
         call = text_call(name, config, section, [text], rest)
-        responses = answers(self.ops, call, config.model_transaction_policy.decoupled)
+        decoupled, span = (
+            config.model_transaction_policy.decoupled,
+            "OpenAI chat" if chat else "OpenAI completions",
+        )
+        responses = answers(self.ops, call, decoupled, request.headers, span)
         reply, progress = Reply(chat, name, echo), Progress(section)
         try:
             if streamed:

@@ -125,7 +125,8 @@ class TranscriptionHandler:
             raise InvalidField("stream", "transcriptions are not streamed: leave 'stream' out")
         rest = passed_on(fields, USED, section, name, response_format=form)
         call = text_call(name, config, section, [audio], rest)
-        responses = answers(self.ops, call, config.model_transaction_policy.decoupled)
+        decoupled = config.model_transaction_policy.decoupled
+        responses = answers(self.ops, call, decoupled, request.headers, "OpenAI transcriptions")
         pieces, text = TextPieces(), []
         try:
             async for answered in responses:
