@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.classification import classify, requested
-from mpsd.daemon.api.client_shm import ClientShmRegistry, ShmLease
+from mpsd.daemon.api.client_shm import ClientShmRegistry
 from mpsd.daemon.api.parse import call_deadline, check_name, parse_infer_request
 from mpsd.daemon.api.tracing import Incoming, Tracing
 from mpsd.daemon.core.model_version import ModelVersion
@@ -69,7 +69,10 @@ class Pipeline:
                 )
             try:
                 with self.client_shm.lease() as shm:  # regions the request names stay open until answered
-                    mv, parsed = self._checked(call, mv, shm, trace)
+                    with trace.stage("checks"):
+                        parsed = parse_infer_request(call, mv.config, shm, trace.carried)
+                    if parsed.sequence is not None and not parsed.sequence.start:
+                        mv = self._continuing(mv, parsed)
                     if learn is not None and not self.stages.caches(parsed):  # a cached one: never known
                         learn(parsed, mv.config)
                     result = await self.stages.infer(mv, parsed, limits.queue(parsed, mv.config))
@@ -84,18 +87,10 @@ class Pipeline:
             trace.end(exc)
             raise
 
-    def _checked(
-        self, call: InferCall, mv: ModelVersion, shm: ShmLease, trace: Trace
-    ) -> tuple[ModelVersion, InferRequest]:
-        """The call checked against its model's config (a span when traced), carrying its trace; and the
-        version that takes it (a replaced one still draining holds a live sequence's requests)."""
-        with trace.stage("checks"):
-            parsed = parse_infer_request(call, mv.config, shm, trace.carried)
-        if parsed.sequence is not None and not parsed.sequence.start:
-            entry = self.registry.entries.get(mv.name)
-            if entry is not None and entry.retiring:
-                mv = entry.continuing(mv, parsed)
-        return mv, parsed
+    def _continuing(self, mv: ModelVersion, request: InferRequest) -> ModelVersion:
+        """Where a request of a live sequence goes: a replaced version still draining holds it, or `mv`."""
+        entry = self.registry.entries.get(mv.name)
+        return entry.continuing(mv, request) if entry is not None and entry.retiring else mv
 
     async def infer_checked(
         self,
@@ -157,7 +152,10 @@ class Pipeline:
         mv = await self.stages.acquire(self.registry, call.model, call.version, limits.bounded, trace)
         try:
             with self.client_shm.lease() as shm:
-                mv, parsed = self._checked(call, mv, shm, trace)
+                with trace.stage("checks"):
+                    parsed = parse_infer_request(call, mv.config, shm, trace.carried)
+                if parsed.sequence is not None and not parsed.sequence.start:
+                    mv = self._continuing(mv, parsed)
                 wanted = requested(call)
                 responses = mv.plane.stream(parsed, limits.queue(parsed, mv.config))
                 try:

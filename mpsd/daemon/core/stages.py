@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Awaitable
 from typing import Protocol
 
 from mpsd.daemon.core.model_version import ModelVersion
@@ -23,7 +23,6 @@ from mpsd.daemon.dataplane.tracing import NO_TRACE, Trace
 
 # Inputs of at least this many bytes are hashed for the response cache on a thread of their own.
 HASH_INLINE_BYTES = 64 * 1024
-_UNTIMED: AbstractContextManager[None] = nullcontext()
 
 
 class Tracer(Protocol):
@@ -43,6 +42,8 @@ class NoTracer:
 
 
 class Loads(Protocol):
+    """The registry as the stages use it."""
+
     async def acquire(self, name: str, version: str, deadline: float | None) -> ModelVersion: ...
 
     def loads_first(self, name: str) -> bool: ...
@@ -55,22 +56,25 @@ class Stages:
         self.cache = cache
         self.tracer: Tracer = tracer if tracer is not None else NoTracer()
 
-    async def acquire(
+    def acquire(
         self, models: Loads, name: str, version: str, deadline: float | None, trace: Trace
-    ) -> ModelVersion:
-        """The model version for a request; a traced request's wait for a load on demand is a span."""
-        with trace.stage("load") if trace.traced and models.loads_first(name) else _UNTIMED:
-            return await models.acquire(name, version, deadline)
+    ) -> Awaitable[ModelVersion]:
+        """The model version for a request; a traced request's wait for a load on demand is a span. (Not a
+        coroutine of its own, as `infer`: an untraced request awaits no more frames than the registry's.)"""
+        waiting = models.acquire(name, version, deadline)
+        return trace.timed("load", waiting) if models.loads_first(name) else waiting
 
     def caches(self, request: InferRequest) -> bool:
         """Whether the response cache answers the request (then the known-header path never learns it)."""
         return request.cacheable and self.cache is not None
 
-    async def infer(self, mv: ModelVersion, request: InferRequest, deadline: float | None) -> InferResult:
+    def infer(
+        self, mv: ModelVersion, request: InferRequest, deadline: float | None
+    ) -> Awaitable[InferResult]:
         """The request's result: from the response cache where it applies, from the model otherwise."""
         if request.cacheable and self.cache is not None:
-            return await self._cached(self.cache, mv, request, deadline)
-        return await mv.plane.infer(request, deadline)
+            return self._cached(self.cache, mv, request, deadline)
+        return mv.plane.infer(request, deadline)
 
     @staticmethod
     async def _cached(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -184,6 +184,14 @@ class RequestTrace:
             raise
         self.end()
 
+    def timed(self, name: str, waiting: Awaitable[T]) -> Awaitable[T]:
+        """`waiting` as a child span (a wait for a load on demand)."""
+        return self._timed(name, waiting)
+
+    async def _timed(self, name: str, waiting: Awaitable[T]) -> T:
+        with self.stage(name):
+            return await waiting
+
     def queued(self) -> None:
         self._queue = self.child("queue")
 
@@ -238,6 +246,9 @@ class NoTrace:
 
     def nested(self, name: str, **attributes: str | int) -> NoTrace:
         return self
+
+    def timed(self, name: str, waiting: Awaitable[T]) -> Awaitable[T]:
+        return waiting
 
     def end(self, exc: BaseException | None = None) -> None:
         pass
