@@ -13,7 +13,7 @@ from mpsd.config.daemon_config import TraceConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.trace_settings import TraceSettings, Update
 from mpsd.daemon.core.registry import Registry
-from mpsd.daemon.dataplane.tracing import NO_TRACE, RequestTrace, Spans, Trace, now_ns
+from mpsd.daemon.dataplane.tracing import NO_TRACE, Spans, Trace, now_ns
 from mpsd.errors import InvalidArgument
 
 TRACEPARENT = "traceparent"
@@ -69,11 +69,11 @@ class Tracing:
         finally:
             self.on = self.settings.on
 
-    def begin(self, model: str, version: str, request_id: str, came: Incoming) -> RequestTrace | None:
+    def begin(self, model: str, version: str, request_id: str, came: Incoming) -> Trace:
         """The request's trace, when it is traced: a traceparent continues the caller's trace (whatever the
         rate and count), other requests are sampled."""
         if not came.sampled and not self.sample(model, came):
-            return None
+            return NO_TRACE
         attributes: dict[str, str | int] = {"model_name": model, "model_version": version or "-1"}
         if request_id:
             attributes["request_id"] = request_id
@@ -86,9 +86,7 @@ class Tracing:
         """A call's trace stage: its spans, with the adapter's reading of it as the first, when it is
         traced; NO_TRACE otherwise."""
         trace = self.begin(call.model, call.version, call.id, came)
-        if trace is None:
-            return NO_TRACE
-        trace.child("parse", came.start_ns).end()
+        trace.mark("parse", came.start_ns)
         return trace
 
     def continued(self, model: str, version: str, request_id: str, parent: str, name: str) -> Trace:
@@ -97,8 +95,7 @@ class Tracing:
         trace level is OFF (`core.stages.Tracer`)."""
         if not parent or not self.on:
             return NO_TRACE
-        trace = self.begin(model, version, request_id, Incoming(parent, now_ns(), name))
-        return NO_TRACE if trace is None else trace
+        return self.begin(model, version, request_id, Incoming(parent, now_ns(), name))
 
     def setting(self, registry: Registry, model: str, update: Update, http: bool) -> dict[str, list[str]]:
         """Triton's TraceSetting: apply `update` to `model`'s setting ("": the global one), then report it.

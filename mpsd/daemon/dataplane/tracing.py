@@ -157,6 +157,10 @@ class RequestTrace:
         context = set_span_in_context(self.span)
         return self.spans.tracer.start_span(name, context=context, start_time=start_ns, attributes=attributes)
 
+    def mark(self, name: str, start_ns: int) -> None:
+        """A child span from `start_ns` until now (the adapter's reading of the request)."""
+        self.child(name, start_ns).end()
+
     def nested(self, name: str, **attributes: str | int) -> RequestTrace:
         """A child span as the trace of a request made for this one (an ensemble's step)."""
         return RequestTrace(self.spans, self.child(name, None, **attributes))
@@ -243,6 +247,9 @@ class NoTrace:
 
     def answering(self) -> AbstractContextManager[None]:
         return _NOTHING
+
+    def mark(self, name: str, start_ns: int) -> None:
+        pass
 
     def nested(self, name: str, **attributes: str | int) -> NoTrace:
         return self
