@@ -109,8 +109,8 @@ class GenerateHandler:
     @rpc("ModelInfer")
     async def generate(self, request: web.Request) -> web.Response:
         """One JSON answer: the model's response (a decoupled model must yield exactly one)."""
+        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate")  # the parse is a span
         infer = await self._parse(request)
-        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate")
         if not self.ops.decoupled(infer.model, infer.version):
             answered = await self.ops.infer(infer, came=came)
             with answered.trace.answering():
@@ -127,13 +127,12 @@ class GenerateHandler:
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `data: {...}` per response, as the model yields it. A client that goes
         away stops the model at its next response."""
+        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate_stream")
         infer = await self._parse(request)
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        decoupled = self.ops.decoupled(infer.model, infer.version)
-        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate_stream")
-        responses = self.ops.answers(infer, decoupled, came)
+        responses = self.ops.answers(infer, self.ops.decoupled(infer.model, infer.version), came)
         started = False
         try:
             async for answered in responses:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import codecs
 import math
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from mpsd.config.model_config import ModelConfig, OpenAIConfig
 from mpsd.daemon.api.call import InferCall, InputCall, OutputCall, Params
 from mpsd.daemon.api.operations import Answered, Operations
-from mpsd.daemon.api.tracing import came_over_http
+from mpsd.daemon.api.tracing import Incoming
 from mpsd.daemon.dataplane.request import InferResult, OutputTensor
 from mpsd.errors import Internal
 from mpsd.ipc import strings
@@ -96,8 +96,8 @@ class TextPieces:
 
 
 def answers(
-    ops: Operations, call: InferCall, decoupled: bool, request: Mapping[str, str], name: str
+    ops: Operations, call: InferCall, decoupled: bool, came: Incoming | None
 ) -> AsyncGenerator[Answered, None]:
     """The responses to a call: a decoupled model's as it yields them, an ordinary model's one; traced as
-    any request is, continuing the trace of a `traceparent` among the HTTP request's `headers`."""
-    return ops.answers(call, decoupled, came_over_http(ops.tracing, request, name))
+    any request is (`came`: what the HTTP request brought to its trace, `came_over_http`)."""
+    return ops.answers(call, decoupled, came)

@@ -108,6 +108,7 @@ class EmbeddingsHandler:
     @method(OPENAI + "Embeddings")
     @counted("embeddings")
     async def create(self, request: web.Request) -> web.StreamResponse:
+        came = came_over_http(self.ops.tracing, request.headers, "OpenAI embeddings")
         body = await json_body(request, self.limit)
         name, config, section = target(self.ops, body, "embeddings")
         request[MODEL_KEY] = name
@@ -120,7 +121,6 @@ class EmbeddingsHandler:
         check_dimensions(dimensions, config.output_by_name()[section.output].dims[-1], section, name)
         parameters = passed_on(body, USED, section, name, input_type="tokens" if tokens else "text")
         parts = chunks(texts, rows_per_call(config, section))
-        came = came_over_http(self.ops.tracing, request.headers, "OpenAI embeddings")
         calls = [
             self.ops.infer(text_call(name, config, section, part, parameters), came=came) for part in parts
         ]
