@@ -1,9 +1,9 @@
 """Every source of requests is traced and cached alike, through one real daemon (traces to a real OTLP/gRPC
 receiver, `tests/test_tracing.py`'s): the answers are the same with tracing on and off whatever the source
 (gRPC, HTTP, /generate, OpenAI's embeddings, an ensemble, a python model's call), toggled with Triton's
-trace-setting RPC; /generate, /generate_stream, OpenAI's embeddings and a model's call each make their spans
-under the request that caused them; and an ensemble's step and a model's call are answered from the
-response cache as a client's request is."""
+trace-setting RPC; /generate, /generate_stream, OpenAI's embeddings and chat, and a model's call each make
+their spans under the request that caused them; and an ensemble's step and a model's call are answered
+from the response cache as a client's request is."""
 
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ def daemon(
     _caller(repo, "caller", "double")
     _caller(repo, "cached_caller", "cached_called")
     openai_models.byte_counts(repo, "embed")
+    openai_models.generator(repo, "chat", "chat", tmp / "words.log")
     trace = {
         "level": ["TIMESTAMPS"],
         "rate": 0,  # only requests that carry a traceparent, unless a test says otherwise
@@ -210,6 +211,23 @@ def test_openai_embeddings_continue_the_callers_trace(
     spans = wait_trace(receiver[0], trace_id, {"OpenAI embeddings", *STAGES})
     check_request_trace(spans, "OpenAI embeddings", span_id, trace_id)
     assert attributes(spans["OpenAI embeddings"][0])["model_name"] == "embed"
+
+
+def test_an_openai_chat_has_a_span_per_response_of_its_decoupled_model(
+    daemon: RunningDaemon,
+    receiver: tuple[Receiver, int],  # noqa: F811
+) -> None:
+    header, trace_id, span_id = traceparent()
+    body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "seed": 1}
+    answer = json.loads(_post(daemon, "/v1/chat/completions", body, {"traceparent": header}))
+    assert answer["usage"]["completion_tokens"] == 3
+    spans = wait_named(receiver[0], trace_id, "3 responses", lambda s: len(s.get("response", [])) == 3)
+    (root,) = spans["OpenAI chat"]
+    assert root.parent_span_id.hex() == span_id
+    assert attributes(root)["model_name"] == "chat"
+    assert sorted(attributes(s)["index"] for s in spans["response"]) == [0, 1, 2]
+    for name in ("parse", "checks", "queue", "execute", "response"):
+        assert all(s.parent_span_id == root.span_id for s in spans[name]), name
 
 
 def test_a_models_call_is_a_child_of_the_calling_execution(
