@@ -30,6 +30,9 @@ class NeverLoads:
     def model_available(self, name: str) -> bool:
         return True
 
+    def loads_first(self, name: str) -> bool:
+        return True
+
 
 def _call(timeout_us: int) -> p.Call:
     return p.Call(call_id=1, req_id=1, model="called", version="", inputs=(), timeout_us=timeout_us)

@@ -102,6 +102,9 @@ class StepModels:
     def model_available(self, name: str) -> bool:
         return name in self.versions
 
+    def loads_first(self, name: str) -> bool:
+        return False
+
 
 def _run(error: MpsdError) -> tuple[MpsdError, SlowPlane]:
     async def body() -> tuple[MpsdError, SlowPlane]:

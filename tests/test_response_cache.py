@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from mpsd.config.model_file import validate_model_config
-from mpsd.daemon.api.response_cache import request_key
+from mpsd.daemon.core.response_cache import request_key
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from tests import models
 from tests.conftest import RunningDaemon, serving

@@ -1,10 +1,10 @@
-"""The response cache's bounds in one process (api/response_cache.py): it holds at most
+"""The response cache's bounds in one process (core/response_cache.py): it holds at most
 `response_cache_bytes` (outputs and keys counted), a hit makes an entry the most recently used, and the
 least recently used entries go first when a new one needs room."""
 
 from __future__ import annotations
 
-from mpsd.daemon.api.response_cache import ResponseCache
+from mpsd.daemon.core.response_cache import ResponseCache
 from mpsd.daemon.dataplane.request import OutputTensor
 
 KEY = 8  # bytes of each key below

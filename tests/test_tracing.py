@@ -607,7 +607,7 @@ from mpsd.config.daemon_config import TraceConfig
 from mpsd.daemon.api.tracing import Tracing, incoming
 tracing = Tracing(TraceConfig(level=["TIMESTAMPS"], rate=0))
 tracing.update("", {"trace_rate": "5", "trace_count": "3"})
-assert tracing.begin("m", "", "", incoming(None, "ModelInfer")) is None  # sampled out
+assert not tracing.begin("m", "", "", incoming(None, "ModelInfer")).traced  # sampled out
 loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
 assert not loaded, loaded
 """

@@ -22,11 +22,11 @@ from mpsd.daemon.api.grpc.health import HealthService, registry_status
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.operations import Operations
-from mpsd.daemon.api.response_cache import ResponseCache
 from mpsd.daemon.api.tracing import Tracing
 from mpsd.daemon.awake import StayAwake
 from mpsd.daemon.core.reconcile import Reconciler
 from mpsd.daemon.core.registry import Registry
+from mpsd.daemon.core.response_cache import ResponseCache
 from mpsd.daemon.core.watcher import watch_repository
 from mpsd.daemon.open_files import raise_open_files, tell
 from mpsd.daemon.ports import Ports
@@ -101,6 +101,7 @@ class Daemon:
             if config.response_cache_bytes
             else None,
             tracing=Tracing(config.trace),
+            stages=self.registry.rollout.stages,
         )
         self.servicer = InferenceServicer(self.ops)
         self.ports = Ports(config, self.ops, self.servicer, self.health, self.admin, self.metrics)

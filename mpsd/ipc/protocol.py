@@ -398,6 +398,7 @@ class Call:
     stream: bool = False
     timeout_us: int = 0  # the call's own limit (microseconds from now), within the execution's deadline
     request_id: str = ""
+    trace: str = ""  # the calling execution's span as a W3C traceparent (its Infer frame's); "": not traced
 
 
 @dataclass(frozen=True)

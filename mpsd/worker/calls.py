@@ -122,8 +122,9 @@ class Models:
         number = "" if version in ("", -1, None) else str(version)
         timeout_us = 0 if timeout_s is None else max(1, math.ceil(timeout_s * 1e6))
         msg = p.Call(
-            self._ids, inbox.req_id, model, number, tensors, tuple(outputs), stream, timeout_us, request_id
-        )
+            self._ids, inbox.req_id, model, number, tensors, tuple(outputs), stream, timeout_us, request_id,
+            inbox.trace,
+        )  # fmt: skip
         call = _Call(inbox, msg, self._device)
         inbox.calls[msg.call_id] = call
         inbox.send(msg)

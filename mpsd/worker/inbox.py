@@ -40,6 +40,7 @@ class Inbox:
         self.early: deque[object] = deque()
         self.calls: dict[int, Waiting] = {}
         self.req_id = 0
+        self.trace = ""  # that execution's span as a traceparent, for its calls ("": not traced)
         self.closed = False
         self.stops: list[int] = []  # streams dropped without `close`: their stop goes with the next send
         self._watchers = 0

@@ -157,6 +157,7 @@ class Serving:
         waited_ns = _waited_ns(msg)
         inputs = self._claim(msg)
         self.inbox.req_id = msg.req_id  # the model's calls are made from this execution
+        self.inbox.trace = msg.trace  # and are traced under it when it is
         views = self.regions.views(_INPUT_ROLES[msg.slot])
         if msg.sequence:  # a sequence model's rows: the slots whose implicit state they take and give back
             from mpsd.worker.sequence_state import StateKeeper
@@ -209,6 +210,7 @@ class Serving:
             waited_ns = _waited_ns(msg)
             inputs = self._claim(msg)
             self.inbox.req_id = msg.req_id
+            self.inbox.trace = msg.trace
             return self._stream(msg, inputs, waited_ns)
         return self._answer(msg, self._launch(msg))
 

@@ -22,12 +22,13 @@ from mpsd.daemon.api.cuda_shm import CudaRegion, open_region
 from mpsd.daemon.api.parse import check_name
 from mpsd.daemon.api.pipeline import Answered as Answered  # the adapters' result type, from here too
 from mpsd.daemon.api.pipeline import Pipeline
-from mpsd.daemon.api.response_cache import ResponseCache
 from mpsd.daemon.api.trace_settings import Update
 from mpsd.daemon.api.tracing import Tracing
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.overrides import LoadParameters
 from mpsd.daemon.core.registry import IndexRow, Registry
+from mpsd.daemon.core.response_cache import ResponseCache
+from mpsd.daemon.core.stages import Stages
 from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, UnknownModel
@@ -59,10 +60,16 @@ class Operations(Pipeline):
         server_name: str = SERVER_NAME,
         response_cache: ResponseCache | None = None,
         tracing: Tracing | None = None,
+        stages: Stages | None = None,
     ) -> None:
         self.registry = registry
         self.tracing = tracing if tracing is not None else Tracing(TraceConfig())
-        self.response_cache = response_cache  # None: off
+        # The stages every source's requests pass (core/stages.py): the response cache (None: off) and the
+        # trace settings' decision for requests made for another; the registry's, shared with models' calls
+        # and ensembles' steps.
+        self.stages = stages if stages is not None else Stages()
+        self.stages.cache = response_cache
+        self.stages.tracer = self.tracing
         self.server_name = server_name  # what ServerMetadata says the server is
         self.shutting_down = shutting_down  # health and readiness say no from the stop signal on
         # new calls are refused once the shutdown grace is over (at once, when not told)

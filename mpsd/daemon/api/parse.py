@@ -30,6 +30,7 @@ from mpsd.daemon.core.inputs import (
     unknown_input,
 )
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InputTensor
+from mpsd.daemon.dataplane.tracing import RequestTrace
 from mpsd.errors import InvalidArgument, Unimplemented
 from mpsd.ipc import strings
 from mpsd.ipc.dtypes import DATATYPES
@@ -157,14 +158,17 @@ def _typed_bytes(name: str, datatype: str, tensor: InputCall, count: int) -> byt
     return typed_bytes(f"input '{name}'", datatype, values, np_type)
 
 
-def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | None = None) -> InferRequest:
+def parse_infer_request(
+    call: InferCall, config: ModelConfig, shm: ShmLease | None = None, trace: RequestTrace | None = None
+) -> InferRequest:
     """Validate a call and return the data plane's request, with inputs in config order.
 
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
     bound in `shm`, which holds those regions until the response is built. The call's raw contents are
     views cut out of a gRPC request's wire bytes (`wire_split`), or, from the HTTP adapter, an input's body
     bytes or its JSON elements (`Values`). What the request carries beyond its tensors (priority, timeout,
-    parameters, cache eligibility) is decided by `core.requests`, as for every other source.
+    parameters, cache eligibility) is decided by `core.requests`, as for every other source; `trace`: a
+    traced request's spans, which it carries.
     """
     terms = call_terms(call, config)
     _check_raw(call)
@@ -175,7 +179,7 @@ def parse_infer_request(call: InferCall, config: ModelConfig, shm: ShmLease | No
         sequence = sequence_step(call, call.model, batch)
     return requests.from_client(
         config, call.model, call.version, call.id, inputs, outputs, batch, terms, sequence,
-        shm_outputs=bool(shm is not None and shm.outputs),
+        shm_outputs=bool(shm is not None and shm.outputs), trace=trace,
     )  # fmt: skip
 
 

@@ -9,8 +9,6 @@ these, so both protocols' adapters reach them through one object.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
@@ -19,17 +17,15 @@ from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.classification import classify, requested
 from mpsd.daemon.api.client_shm import ClientShmRegistry
 from mpsd.daemon.api.parse import call_deadline, check_name, parse_infer_request
-from mpsd.daemon.api.response_cache import ResponseCache, request_key
-from mpsd.daemon.api.tracing import Incoming, Tracing, acquire_traced, checked_traced, traced_stream
+from mpsd.daemon.api.tracing import Incoming, Tracing
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.requests import Deadline
+from mpsd.daemon.core.stages import Stages
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
-from mpsd.daemon.dataplane.tracing import RequestTrace
+from mpsd.daemon.dataplane.tracing import NO_TRACE, Trace
 from mpsd.errors import MpsdError, Unimplemented
 
-# Inputs of at least this many bytes are hashed for the response cache on a thread of their own.
-HASH_INLINE_BYTES = 64 * 1024
 Responses = AsyncGenerator["Answered", None]  # a decoupled model's to one call
 
 
@@ -39,7 +35,7 @@ class Answered:
 
     result: InferResult
     in_shm: frozenset[str]
-    trace: RequestTrace | None = None  # a traced request's: the adapter ends it with its answer
+    trace: Trace = NO_TRACE  # the request's: the adapter ends it with its answer (`trace.answering()`)
 
 
 class Pipeline:
@@ -48,7 +44,7 @@ class Pipeline:
     # The operations', set by `Operations.__init__`.
     registry: Registry
     tracing: Tracing
-    response_cache: ResponseCache | None
+    stages: Stages  # the registry's: the response cache, shared with models' calls and ensembles' steps
     client_shm: ClientShmRegistry
 
     async def infer(
@@ -62,14 +58,10 @@ class Pipeline:
         told what the call became, and against which config, once it passed its checks. `came`: tracing is
         on, and this is what the adapter knows of the request's trace."""
         check_name("model", call.model)
-        trace = self.tracing.begin_call(call, came) if came is not None else None
+        trace = NO_TRACE if came is None else self.tracing.begin_call(call, came)
         try:
             limits = call_deadline(call, deadline)
-            deadline = limits.bounded
-            if trace is None:
-                mv = await self.registry.acquire(call.model, call.version, deadline)
-            else:
-                mv = await acquire_traced(self.registry, call, deadline, trace)
+            mv = await self.stages.acquire(self.registry, call.model, call.version, limits.bounded, trace)
             if mv.config.model_transaction_policy.decoupled:
                 raise Unimplemented(
                     f"model '{mv.name}' is decoupled (it answers with a stream of responses): call it with "
@@ -77,19 +69,13 @@ class Pipeline:
                 )
             try:
                 with self.client_shm.lease() as shm:  # regions the request names stay open until answered
-                    if trace is None:
-                        parsed = parse_infer_request(call, mv.config, shm)
-                    else:
-                        parsed = checked_traced(call, mv.config, shm, trace)
-                    deadline = limits.queue(parsed, mv.config)
+                    with trace.stage("checks"):
+                        parsed = parse_infer_request(call, mv.config, shm, trace.carried)
                     if parsed.sequence is not None and not parsed.sequence.start:
                         mv = self._continuing(mv, parsed)
-                    if parsed.cacheable and self.response_cache is not None:
-                        result = await self._cached(mv, parsed, deadline)
-                    else:
-                        if learn is not None:  # never for a cached model: the known-header path skips it
-                            learn(parsed, mv.config)
-                        result = await mv.plane.infer(parsed, deadline)
+                    if learn is not None and not self.stages.caches(parsed):  # a cached one: never known
+                        learn(parsed, mv.config)
+                    result = await self.stages.infer(mv, parsed, limits.queue(parsed, mv.config))
                     wanted = requested(call)
                     if wanted:
                         result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
@@ -98,38 +84,13 @@ class Pipeline:
             finally:
                 self.registry.touch(call.model)
         except BaseException as exc:
-            if trace is not None:
-                trace.end(exc)
+            trace.end(exc)
             raise
 
     def _continuing(self, mv: ModelVersion, request: InferRequest) -> ModelVersion:
         """Where a request of a live sequence goes: a replaced version still draining holds it, or `mv`."""
         entry = self.registry.entries.get(mv.name)
         return entry.continuing(mv, request) if entry is not None and entry.retiring else mv
-
-    async def _cached(self, mv: ModelVersion, request: InferRequest, deadline: float | None) -> InferResult:
-        """The request's result from the response cache, or from the model and then kept there."""
-        cache = self.response_cache
-        assert cache is not None
-        start = time.perf_counter_ns()
-        cache.seen(mv.label, mv.fingerprint)
-        if sum(len(t.data) for t in request.inputs) < HASH_INLINE_BYTES:
-            key = request_key(mv.fingerprint, request)
-        else:  # hashing releases the GIL: large inputs are hashed beside the event loop, not on it
-            key = await asyncio.to_thread(request_key, mv.fingerprint, request)
-        if key is None:  # inputs in shared memory
-            return await mv.plane.infer(request, deadline)
-        hit = cache.get(key)
-        if hit is not None:
-            now = time.perf_counter_ns()
-            mv.stats.record_cache_hit(now - start, now - start)
-            return InferResult(mv.name, mv.version, hit)
-        looked_up = time.perf_counter_ns() - start
-        result = await mv.plane.infer(request, deadline)
-        t0 = time.perf_counter_ns()
-        cache.put(mv.label, key, result.outputs)
-        mv.stats.cache_miss.add(looked_up + time.perf_counter_ns() - t0)
-        return result
 
     async def infer_checked(
         self,
@@ -172,17 +133,27 @@ class Pipeline:
     ) -> Responses:
         """A decoupled model's responses to one call as it yields them, each writing the outputs bound to
         shared memory; closing the iterator stops the model at its next. A traced call's are each a span."""
-        trace = self.tracing.begin_call(call, came) if came is not None else None
-        responses = self._stream(call, deadline, trace)
-        return responses if trace is None else traced_stream(responses, trace)
+        trace = NO_TRACE if came is None else self.tracing.begin_call(call, came)
+        return trace.responses(self._stream(call, deadline, trace))
 
-    async def _stream(self, call: InferCall, deadline: float | None, trace: RequestTrace | None) -> Responses:
+    def answers(self, call: InferCall, decoupled: bool, came: Incoming | None = None) -> Responses:
+        """The responses to a call as a stream, whatever the model: a decoupled model's as it yields them,
+        an ordinary model's one (the adapters that answer both ways: /generate, OpenAI's API)."""
+        return self.stream(call, came=came) if decoupled else self._once(call, came)
+
+    async def _once(self, call: InferCall, came: Incoming | None) -> Responses:
+        answered = await self.infer(call, came=came)
+        with answered.trace.answering():
+            yield answered
+
+    async def _stream(self, call: InferCall, deadline: float | None, trace: Trace) -> Responses:
         check_name("model", call.model)
         limits = call_deadline(call, deadline)
-        mv = await acquire_traced(self.registry, call, limits.bounded, trace)
+        mv = await self.stages.acquire(self.registry, call.model, call.version, limits.bounded, trace)
         try:
             with self.client_shm.lease() as shm:
-                parsed = checked_traced(call, mv.config, shm, trace)
+                with trace.stage("checks"):
+                    parsed = parse_infer_request(call, mv.config, shm, trace.carried)
                 if parsed.sequence is not None and not parsed.sequence.start:
                     mv = self._continuing(mv, parsed)
                 wanted = requested(call)

@@ -1,30 +1,21 @@
 """Which requests are traced, and the start of their traces: the adapters read the W3C traceparent a
 request carries (gRPC metadata, an HTTP header) only while tracing is on, and the trace settings decide
-(`trace_settings.py`); the spans themselves are made by `dataplane/tracing.py`."""
+(`trace_settings.py`), for a client's request and for a request made for another (a python model's call:
+`core/stages.py` asks); the spans themselves are made by `dataplane/tracing.py`."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import re
-from collections.abc import AsyncGenerator
-from contextlib import AbstractContextManager
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 from mpsd.config.daemon_config import TraceConfig
-from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
-from mpsd.daemon.api.client_shm import ShmLease
-from mpsd.daemon.api.parse import parse_infer_request
 from mpsd.daemon.api.trace_settings import TraceSettings, Update
-from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import Registry
-from mpsd.daemon.dataplane.request import InferRequest
-from mpsd.daemon.dataplane.tracing import RequestTrace, Spans, now_ns
+from mpsd.daemon.dataplane.tracing import NO_TRACE, Spans, Trace, now_ns
 from mpsd.errors import InvalidArgument
 
-T = TypeVar("T")
 TRACEPARENT = "traceparent"
 # W3C Trace Context: version, trace id, parent id, flags; a later version may add fields after the flags.
 _FIELDS = re.compile(r"([0-9a-f]{2})-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(-.*)?")
@@ -54,16 +45,13 @@ class Incoming:
     sampled: bool = False  # the sampling decided already (on the known-header path): traced
 
 
-_UNTRACED = contextlib.nullcontext()
-
-
-def answering(trace: RequestTrace | None) -> AbstractContextManager[None]:
-    """Around the writing of an answer: a traced request's last span, then its end."""
-    return _UNTRACED if trace is None else trace.answering()
-
-
 def incoming(traceparent: str | None, name: str) -> Incoming:
     return Incoming(valid_traceparent(traceparent) if traceparent is not None else None, now_ns(), name)
+
+
+def came_over_http(tracing: Tracing, headers: Mapping[str, str], name: str) -> Incoming | None:
+    """What an HTTP request (KServe's, /generate, OpenAI's) brings to its trace; None while tracing is off."""
+    return incoming(headers.get(TRACEPARENT), name) if tracing.on else None
 
 
 class Tracing:
@@ -81,11 +69,11 @@ class Tracing:
         finally:
             self.on = self.settings.on
 
-    def begin(self, model: str, version: str, request_id: str, came: Incoming) -> RequestTrace | None:
+    def begin(self, model: str, version: str, request_id: str, came: Incoming) -> Trace:
         """The request's trace, when it is traced: a traceparent continues the caller's trace (whatever the
         rate and count), other requests are sampled."""
         if not came.sampled and not self.sample(model, came):
-            return None
+            return NO_TRACE
         attributes: dict[str, str | int] = {"model_name": model, "model_version": version or "-1"}
         if request_id:
             attributes["request_id"] = request_id
@@ -94,12 +82,20 @@ class Tracing:
     def sample(self, model: str, came: Incoming) -> bool:
         return self.settings.sample(model, came.traceparent is not None)
 
-    def begin_call(self, call: InferCall, came: Incoming) -> RequestTrace | None:
-        """A call's trace if it is traced, with the adapter's reading of it as its first span."""
+    def begin_call(self, call: InferCall, came: Incoming) -> Trace:
+        """A call's trace stage: its spans, with the adapter's reading of it as the first, when it is
+        traced; NO_TRACE otherwise."""
         trace = self.begin(call.model, call.version, call.id, came)
-        if trace is not None:
-            trace.child("parse", came.start_ns).end()
+        trace.mark("parse", came.start_ns)
         return trace
+
+    def continued(self, model: str, version: str, request_id: str, parent: str, name: str) -> Trace:
+        """A request made for another (a python model's call): traced when its parent is (`parent`, a
+        traceparent, "": not traced), as a request that carries a traceparent is, unless the model's
+        trace level is OFF (`core.stages.Tracer`)."""
+        if not parent or not self.on:
+            return NO_TRACE
+        return self.begin(model, version, request_id, Incoming(parent, now_ns(), name))
 
     def setting(self, registry: Registry, model: str, update: Update, http: bool) -> dict[str, list[str]]:
         """Triton's TraceSetting: apply `update` to `model`'s setting ("": the global one), then report it.
@@ -112,43 +108,3 @@ class Tracing:
 
     def shutdown(self) -> None:
         self.spans.shutdown()
-
-
-async def acquire_traced(
-    registry: Registry, call: InferCall, deadline: float | None, trace: RequestTrace | None
-) -> ModelVersion:
-    """The model version for a call; when it is traced, the wait for a load on demand is a span."""
-    if trace is None or not registry.loads_first(call.model):
-        return await registry.acquire(call.model, call.version, deadline)
-    with trace.stage("load"):
-        return await registry.acquire(call.model, call.version, deadline)
-
-
-def checked_traced(
-    call: InferCall, config: ModelConfig, shm: ShmLease, trace: RequestTrace | None
-) -> InferRequest:
-    """The call checked against its model's config; a traced call's checks are a span, and its request
-    carries its trace. (A client's unary call is checked by Operations itself when it is not traced.)"""
-    if trace is None:
-        return parse_infer_request(call, config, shm)
-    with trace.stage("checks"):
-        parsed = parse_infer_request(call, config, shm)
-    return dataclasses.replace(parsed, trace=trace)
-
-
-async def traced_stream(responses: AsyncGenerator[T, None], trace: RequestTrace) -> AsyncGenerator[T, None]:
-    """A traced call's responses, each a span from its arrival until the adapter asks for the next; the
-    request's span ends with the stream."""
-    index = 0
-    try:
-        async for answered in responses:
-            with trace.stage("response", index=index):
-                yield answered
-            index += 1
-    except BaseException as exc:
-        trace.end(exc)
-        raise
-    else:
-        trace.end()
-    finally:
-        await responses.aclose()

@@ -10,6 +10,10 @@ timeout, when sooner), and once nobody waits for the execution (its clients went
 call is cancelled: a queued call is dropped, a stream stops the called model at its next response. A call
 that would come back to a model version its request came through (a model calling itself, or a cycle) is
 refused: it would wait for the instance that waits for it.
+
+A call from a traced execution is traced too (`core/stages.py`): its span is a child of the execution's,
+whose traceparent the worker sends with the call, and the called model's stages are children of it. The
+response cache answers a call as it would a client's request.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from mpsd.daemon.core import requests
 from mpsd.daemon.core.ensemble import StepModels
 from mpsd.daemon.core.inputs import check_output, named_inputs
 from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.stages import Stages
 from mpsd.daemon.dataplane.calls import Caller, CallLink
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor, OutputTensor
+from mpsd.daemon.dataplane.tracing import RequestTrace
 from mpsd.errors import (
     DeadlineExceeded,
     ErrorCode,
@@ -43,8 +49,9 @@ log = structlog.get_logger("mpsd.daemon.calls")
 class ModelCalls:
     """The data plane's call handler (`dataplane.calls.CallHandler`), on the registry's models."""
 
-    def __init__(self, models: StepModels) -> None:
+    def __init__(self, models: StepModels, stages: Stages | None = None) -> None:
         self.models = models
+        self.stages = stages if stages is not None else Stages()  # the response cache, the tracer
 
     async def __call__(self, call: p.Call, caller: Caller, link: CallLink) -> None:
         try:
@@ -83,29 +90,41 @@ class ModelCalls:
         raise DeadlineExceeded(past)
 
     async def _run(self, call: p.Call, caller: Caller, link: CallLink, limits: requests.Deadline) -> None:
-        mv = await self.models.acquire(call.model, call.version, limits.bounded)
+        # A traced execution's call: a span under the execution's (`call.trace`), its stages under it.
+        trace = self.stages.tracer.continued(call.model, call.version, call.request_id, call.trace, "call")
         try:
-            request = self._request(call, mv, caller)
-            deadline = limits.queue(request, mv.config)
-            decoupled = mv.config.model_transaction_policy.decoupled
-            if decoupled and call.stream:
-                await self._stream(call, mv, request, deadline, link)
-                return
-            if decoupled:
-                raise Unimplemented(
-                    f"model '{mv.name}' is decoupled (it answers with a stream of responses): call it with "
-                    "models.stream"
-                )
-            result = await mv.plane.infer(request, deadline)
-            outputs = _tensors(result.outputs)
-            if not call.stream:
-                link.send(p.CallDone(call.call_id, outputs))
-            else:  # a model that is not decoupled streams its one answer
-                link.send(p.CallPart(call.call_id, outputs))
-                if await link.wanted():
-                    link.send(p.CallDone(call.call_id))
-        finally:
-            self.models.touch(call.model)
+            mv = await self.stages.acquire(self.models, call.model, call.version, limits.bounded, trace)
+            try:
+                with trace.stage("checks"):
+                    request = self._request(call, mv, caller, trace.carried)
+                await self._answer(call, mv, request, limits.queue(request, mv.config), link)
+            finally:
+                self.models.touch(call.model)
+        except BaseException as exc:
+            trace.end(exc)
+            raise
+        trace.end()
+
+    async def _answer(
+        self, call: p.Call, mv: ModelVersion, request: InferRequest, deadline: float | None, link: CallLink
+    ) -> None:
+        decoupled = mv.config.model_transaction_policy.decoupled
+        if decoupled and call.stream:
+            await self._stream(call, mv, request, deadline, link)
+            return
+        if decoupled:
+            raise Unimplemented(
+                f"model '{mv.name}' is decoupled (it answers with a stream of responses): call it with "
+                "models.stream"
+            )
+        result = await self.stages.infer(mv, request, deadline)
+        outputs = _tensors(result.outputs)
+        if not call.stream:
+            link.send(p.CallDone(call.call_id, outputs))
+        else:  # a model that is not decoupled streams its one answer
+            link.send(p.CallPart(call.call_id, outputs))
+            if await link.wanted():
+                link.send(p.CallDone(call.call_id))
 
     async def _stream(
         self, call: p.Call, mv: ModelVersion, request: InferRequest, deadline: float | None, link: CallLink
@@ -123,7 +142,9 @@ class ModelCalls:
             await responses.aclose()
         link.send(p.CallDone(call.call_id))
 
-    def _request(self, call: p.Call, mv: ModelVersion, caller: Caller) -> InferRequest:
+    def _request(
+        self, call: p.Call, mv: ModelVersion, caller: Caller, trace: RequestTrace | None
+    ) -> InferRequest:
         """The call as a request of `mv`, checked as a client's would be; refused when it comes back to a
         model version its request came through."""
         path = caller.path
@@ -149,7 +170,7 @@ class ModelCalls:
             named.append(name)
         return requests.from_call(
             config, mv.name, mv.version, call.request_id, inputs, tuple(named) or tuple(known), batch,
-            call.timeout_us, path,
+            call.timeout_us, path, trace,
         )  # fmt: skip
 
 

@@ -10,7 +10,6 @@ are cancelled, and so is every step when the caller goes away.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,8 +20,10 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.core import requests
 from mpsd.daemon.core.inputs import check_input
 from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.stages import Stages
 from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InferResult, InputTensor, OutputTensor
+from mpsd.daemon.dataplane.tracing import RequestTrace, stage_of
 from mpsd.errors import InvalidArgument, MpsdError, Unavailable
 
 
@@ -34,6 +35,8 @@ class StepModels(Protocol):
     def touch(self, name: str) -> None: ...
 
     def model_available(self, name: str) -> bool: ...
+
+    def loads_first(self, name: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +54,14 @@ Responses = AsyncGenerator[InferResult, None]
 class EnsemblePlane(VersionPlane):
     """The plane of an ensemble's version: no lanes of its own, its steps' models' planes instead."""
 
-    def __init__(self, name: str, version: int, config: ModelConfig, models: StepModels) -> None:
+    def __init__(
+        self, name: str, version: int, config: ModelConfig, models: StepModels, stages: Stages | None = None
+    ) -> None:
         super().__init__(name, version, config)
         assert config.ensemble_scheduling is not None
         self.steps = config.ensemble_scheduling.step
         self.models = models
+        self.stages = stages if stages is not None else Stages()  # a step's cache, as a client request's
         self.decoupled = config.model_transaction_policy.decoupled
 
     @property
@@ -189,36 +195,31 @@ class EnsemblePlane(VersionPlane):
     async def _step(
         self, index: int, request: InferRequest, tensors: Mapping[str, Tensor], deadline: float | None
     ) -> Sequence[OutputTensor] | StreamedStep:
+        """Run one step as its model's request; a traced ensemble request's step is a span, the parent of
+        that request's spans. A decoupled step's responses are the caller's to read."""
         step = self.steps[index]
         version = str(step.model_version) if step.model_version > 0 else ""
-        trace = request.trace
-        if trace is not None:  # each step a span, the parent of its model's request's
-            trace = trace.nested("step", step=index, model_name=step.model_name)
+        trace = stage_of(request.trace).nested("step", step=index, model_name=step.model_name)
         limits = requests.Deadline.of(deadline, request.timeout_us)  # the step's own, as a request's
         try:
-            mv = await self.models.acquire(step.model_name, version, limits.bounded)
-            step_request = self._request(index, step, mv, request, tensors)
+            mv = await self.stages.acquire(self.models, step.model_name, version, limits.bounded, trace)
+            step_request = self._request(index, step, mv, request, tensors, trace.carried)
             deadline = limits.queue(step_request, mv.config)
-            if trace is not None:
-                step_request = dataclasses.replace(step_request, trace=trace)
             if mv.config.model_transaction_policy.decoupled:
                 if any(t in s.input_map.values() for s in self.steps for t in step.output_map.values()):
                     raise InvalidArgument(
                         "its model is decoupled, and another step reads its outputs: only the last step "
                         "of an ensemble may be decoupled"
                     )
-                if trace is not None:  # the step's span covers its start; its responses are the stream's
-                    trace.end()
+                trace.end()  # the step's span covers its start; its responses are the stream's
                 return StreamedStep(index, step, mv.plane.stream(step_request, deadline), self)
-            result = await mv.plane.infer(step_request, deadline)
+            result = await self.stages.infer(mv, step_request, deadline)
         except MpsdError as exc:
-            if trace is not None:
-                trace.end(exc)
+            trace.end(exc)
             raise MpsdError(f"{self._where(index)}: {exc.message}", exc.code) from None
         finally:
             self.models.touch(step.model_name)
-        if trace is not None:
-            trace.end()
+        trace.end()
         return result.outputs
 
     def _request(
@@ -228,6 +229,7 @@ class EnsemblePlane(VersionPlane):
         mv: ModelVersion,
         request: InferRequest,
         tensors: Mapping[str, Tensor],
+        trace: RequestTrace | None,
     ) -> InferRequest:
         """The step's request: its model's inputs from the ensemble's tensors, checked against that model's
         config as a client's would be (datatype, dims, batch size)."""
@@ -255,8 +257,9 @@ class EnsemblePlane(VersionPlane):
         batch = inputs[0].shape[0] if batched and inputs and inputs[0].shape else 1
         chain = request.chain | {(self.name, self.version)}  # a step's model may not call the ensemble
         return requests.for_step(
-            config, step.model_name, mv.version, request, tuple(inputs), tuple(step.output_map), batch, chain
-        )
+            config, step.model_name, mv.version, request, tuple(inputs), tuple(step.output_map), batch, chain,
+            trace,
+        )  # fmt: skip
 
 
 class StreamedStep:

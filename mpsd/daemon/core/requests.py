@@ -14,6 +14,7 @@ alone decides what the request carries:
 - the deadline it queues with (`Deadline.queue`): the earlier of the one of whoever waits for it and its
   timeout counted from its arrival, or only the former where its priority level lets its timeout override
   the level's (the queue then applies the timeout with the level's action);
+- its trace (`trace`): a traced request's spans, given by its source (`core/stages.py`);
 - response cache eligibility (`cacheable`): the model enables the cache, answers once (not decoupled),
   and the request is no sequence's step and has no input or output in a client's shared memory.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor, SequenceStep
+from mpsd.daemon.dataplane.tracing import RequestTrace
 from mpsd.ipc.protocol import RequestParameters
 
 Chain = frozenset[tuple[str, int]]
@@ -85,6 +87,7 @@ def _build(
     chain: Chain = frozenset(),
     sequence: SequenceStep | None = None,
     shm_outputs: bool = False,
+    trace: RequestTrace | None = None,
 ) -> InferRequest:
     return InferRequest(
         model=model,
@@ -96,6 +99,7 @@ def _build(
         chain=chain,
         parameters=terms.parameters if reads_parameters(config) else (),
         sequence=sequence,
+        trace=trace,
         priority=terms.priority,
         timeout_us=terms.timeout_us,
         cacheable=cacheable(config, inputs, sequence, shm_outputs),
@@ -113,11 +117,12 @@ def from_client(
     terms: Terms,
     sequence: SequenceStep | None,
     shm_outputs: bool,
+    trace: RequestTrace | None = None,
 ) -> InferRequest:
     """A client's call, checked (`api.parse`): gRPC, HTTP, OpenAI's API and /generate."""
     return _build(
         config, model, version, request_id, inputs, outputs, batch_size, terms, sequence=sequence,
-        shm_outputs=shm_outputs,
+        shm_outputs=shm_outputs, trace=trace,
     )  # fmt: skip
 
 
@@ -146,10 +151,13 @@ def from_call(
     batch_size: int,
     timeout_us: int,
     chain: Chain,
+    trace: RequestTrace | None = None,
 ) -> InferRequest:
     """A python model's call: only its timeout, no priority or parameters (its API has neither)."""
     terms = Terms(timeout_us=timeout_us)
-    return _build(config, model, str(version), request_id, inputs, outputs, batch_size, terms, chain)
+    return _build(
+        config, model, str(version), request_id, inputs, outputs, batch_size, terms, chain, trace=trace
+    )
 
 
 def for_step(
@@ -161,11 +169,13 @@ def for_step(
     outputs: tuple[str, ...],
     batch_size: int,
     chain: Chain,
+    trace: RequestTrace | None = None,
 ) -> InferRequest:
     """An ensemble's step: the ensemble request's priority, timeout and parameters, as Triton passes them;
-    each step's model places it on its own priority levels."""
+    each step's model places it on its own priority levels. `trace`: the step's span, when traced."""
+    terms = terms_of(ensemble)
     return _build(
-        config, model, str(version), ensemble.id, inputs, outputs, batch_size, terms_of(ensemble), chain
+        config, model, str(version), ensemble.id, inputs, outputs, batch_size, terms, chain, trace=trace
     )
 
 

@@ -20,6 +20,7 @@ from mpsd.config.repository import ModelSource
 from mpsd.daemon.core.calls import ModelCalls
 from mpsd.daemon.core.ensemble import EnsemblePlane, StepModels
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
+from mpsd.daemon.core.stages import Stages
 from mpsd.daemon.dataplane.request import InferRequest
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.launch import plan_version
@@ -97,7 +98,8 @@ class Rollout:
     ) -> None:
         self._entries = entries
         self.models = models  # what ensembles run their steps on (the registry)
-        self.calls = ModelCalls(models) if models is not None else None  # and python models' calls
+        self.stages = Stages()  # the response cache and tracer of every request, set by the api's operations
+        self.calls = ModelCalls(models, self.stages) if models is not None else None  # python models' calls
         self.settings = settings
         self.drain_timeout_s = drain_timeout_s
         self.budget_policy = budget_policy
@@ -243,7 +245,7 @@ class Rollout:
         config = source.config
         if config is None or config.backend != "ensemble" or self.models is None:
             return None
-        return EnsemblePlane(source.name, version, config, self.models)
+        return EnsemblePlane(source.name, version, config, self.models, self.stages)
 
     async def _retire(self, entry: ModelEntry, mv: ModelVersion) -> None:
         """Drain a replaced version (its live sequences may still reach it meanwhile), then stop it."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from mpsd.config.daemon_config import TraceConfig
@@ -138,6 +139,12 @@ class RequestTrace:
     """One traced request: its span, and its stages as children of it."""
 
     __slots__ = ("_queue", "span", "spans")
+    traced = True
+
+    @property
+    def carried(self) -> RequestTrace:
+        """What the request carries into the data plane (`InferRequest.trace`)."""
+        return self
 
     def __init__(self, spans: Spans, span: Span) -> None:
         self.spans = spans
@@ -149,6 +156,10 @@ class RequestTrace:
 
         context = set_span_in_context(self.span)
         return self.spans.tracer.start_span(name, context=context, start_time=start_ns, attributes=attributes)
+
+    def mark(self, name: str, start_ns: int) -> None:
+        """A child span from `start_ns` until now (the adapter's reading of the request)."""
+        self.child(name, start_ns).end()
 
     def nested(self, name: str, **attributes: str | int) -> RequestTrace:
         """A child span as the trace of a request made for this one (an ensemble's step)."""
@@ -177,6 +188,14 @@ class RequestTrace:
             raise
         self.end()
 
+    def timed(self, name: str, waiting: Awaitable[T]) -> Awaitable[T]:
+        """`waiting` as a child span (a wait for a load on demand)."""
+        return self._timed(name, waiting)
+
+    async def _timed(self, name: str, waiting: Awaitable[T]) -> T:
+        with self.stage(name):
+            return await waiting
+
     def queued(self) -> None:
         self._queue = self.child("queue")
 
@@ -191,6 +210,67 @@ class RequestTrace:
         if exc is not None:
             _error(self.span, exc)
         self.span.end()
+
+    async def responses(self, responses: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+        """A stream's responses, each a span from its arrival until the reader asks for the next; the
+        request's span ends with the stream."""
+        index = 0
+        try:
+            async for answered in responses:
+                with self.stage("response", index=index):
+                    yield answered
+                index += 1
+        except BaseException as exc:
+            self.end(exc)
+            raise
+        else:
+            self.end()
+        finally:
+            await responses.aclose()
+
+
+_NOTHING: AbstractContextManager[None] = contextlib.nullcontext()
+
+
+class NoTrace:
+    """The trace stage of a request that is not traced: the same calls as a `RequestTrace`, each doing
+    nothing, so a traced and an untraced request run the same code (one shared instance, `NO_TRACE`)."""
+
+    __slots__ = ()
+    traced = False
+    carried = None
+
+    def stage(
+        self, name: str, start_ns: int | None = None, **attributes: str | int
+    ) -> AbstractContextManager[None]:
+        return _NOTHING
+
+    def answering(self) -> AbstractContextManager[None]:
+        return _NOTHING
+
+    def mark(self, name: str, start_ns: int) -> None:
+        pass
+
+    def nested(self, name: str, **attributes: str | int) -> NoTrace:
+        return self
+
+    def timed(self, name: str, waiting: Awaitable[T]) -> Awaitable[T]:
+        return waiting
+
+    def end(self, exc: BaseException | None = None) -> None:
+        pass
+
+    def responses(self, responses: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+        return responses
+
+
+NO_TRACE = NoTrace()
+Trace = RequestTrace | NoTrace  # a request's trace stage: its spans, or nothing
+
+
+def stage_of(trace: RequestTrace | None) -> Trace:
+    """The trace stage of a request the data plane carries (`InferRequest.trace`, None: not traced)."""
+    return NO_TRACE if trace is None else trace
 
 
 class ExecutionTrace:

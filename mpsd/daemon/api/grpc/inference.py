@@ -20,7 +20,7 @@ from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_par
 from mpsd.daemon.api.grpc.trace import came_with, sampled, trace_setting
 from mpsd.daemon.api.grpc.wire_split import SplitRequest, split_request
 from mpsd.daemon.api.operations import Operations
-from mpsd.daemon.api.tracing import Incoming, answering
+from mpsd.daemon.api.tracing import Incoming
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
 from mpsd.net.tasks import TaskGroup
@@ -100,7 +100,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     async def _infer(self, request: Any, came: Incoming | None = None) -> Any:
         """A parsed ModelInferRequest's response, raw_output_contents included."""
         answered = await self.ops.infer(infer_call(request), came=came)
-        with answering(answered.trace):
+        with answered.trace.answering():
             response, raw = infer_response_parts(answered.result, request.id, in_shm=answered.in_shm)
         response.raw_output_contents.extend(raw)
         return response
@@ -137,7 +137,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         call = infer_call(request, raw or None)
         learn = self.known.learner(key, call) if key is not None else None
         answered = await self.ops.infer(call, deadline, learn, came)
-        with answering(answered.trace):
+        with answered.trace.answering():
             return self.responses.parts(answered.result, request.id, answered.in_shm)
 
     async def _infer_known(

@@ -11,7 +11,6 @@ as nested arrays in the output's shape. An error is `{"error": "..."}` (as an ev
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall, InputCall, RawEntry
 from mpsd.daemon.api.operations import Answered, Operations
 from mpsd.daemon.api.parse import check_name
+from mpsd.daemon.api.tracing import came_over_http
 from mpsd.daemon.api.web import read_body
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.ipc import strings
@@ -109,10 +109,13 @@ class GenerateHandler:
     @rpc("ModelInfer")
     async def generate(self, request: web.Request) -> web.Response:
         """One JSON answer: the model's response (a decoupled model must yield exactly one)."""
+        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate")  # the parse is a span
         infer = await self._parse(request)
         if not self.ops.decoupled(infer.model, infer.version):
-            return json_response(_answer(await self.ops.infer(infer), infer.id))
-        answers = [a async for a in self.ops.stream(infer)]
+            answered = await self.ops.infer(infer, came=came)
+            with answered.trace.answering():
+                return json_response(_answer(answered, infer.id))
+        answers = [a async for a in self.ops.stream(infer, came=came)]
         if len(answers) != 1:
             raise InvalidArgument(
                 f"model '{infer.model}' answered with {len(answers)} responses; /generate takes exactly "
@@ -124,14 +127,12 @@ class GenerateHandler:
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `data: {...}` per response, as the model yields it. A client that goes
         away stops the model at its next response."""
+        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate_stream")
         infer = await self._parse(request)
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        if self.ops.decoupled(infer.model, infer.version):
-            responses = self.ops.stream(infer)
-        else:
-            responses = _once(self.ops, infer)
+        responses = self.ops.answers(infer, self.ops.decoupled(infer.model, infer.version), came)
         started = False
         try:
             async for answered in responses:
@@ -150,8 +151,3 @@ class GenerateHandler:
             await stream.prepare(request)
         await stream.write_eof()
         return stream
-
-
-async def _once(ops: Operations, infer: InferCall) -> AsyncGenerator[Answered, None]:
-    """An ordinary model's one response, as a stream of one."""
-    yield await ops.infer(infer)

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.parse import check_name
-from mpsd.daemon.api.tracing import TRACEPARENT, answering, incoming
+from mpsd.daemon.api.tracing import came_over_http
 from mpsd.daemon.api.web import read_body
 
 from .body import HEADER_LENGTH, parse_infer_body
@@ -23,14 +23,14 @@ class InferHandler:
 
     @rpc("ModelInfer")
     async def infer(self, request: web.Request) -> web.Response:
-        came = incoming(request.headers.get(TRACEPARENT), "HTTP ModelInfer") if self.ops.tracing.on else None
+        came = came_over_http(self.ops.tracing, request.headers, "HTTP ModelInfer")
         model, version = path(request, "model"), path(request, "version")
         check_name("model", model)
         self.ops.registry.known(model, version)  # an unknown model is answered before its body is read
         body = await read_body(request, self.limit)
         parsed = parse_infer_body(body, request.headers.get(HEADER_LENGTH), model, version)
         answered = await self.ops.infer(parsed.call, came=came)
-        with answering(answered.trace):
+        with answered.trace.answering():
             return infer_response(
                 answered.result, parsed.call.id, answered.in_shm, parsed.binary, parsed.binary_default
             )

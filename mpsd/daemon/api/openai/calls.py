@@ -19,6 +19,7 @@ import numpy as np
 from mpsd.config.model_config import ModelConfig, OpenAIConfig
 from mpsd.daemon.api.call import InferCall, InputCall, OutputCall, Params
 from mpsd.daemon.api.operations import Answered, Operations
+from mpsd.daemon.api.tracing import Incoming
 from mpsd.daemon.dataplane.request import InferResult, OutputTensor
 from mpsd.errors import Internal
 from mpsd.ipc import strings
@@ -94,10 +95,9 @@ class TextPieces:
         return str(self._decoder.decode(b"", final=True))
 
 
-def answers(ops: Operations, call: InferCall, decoupled: bool) -> AsyncGenerator[Answered, None]:
-    """The responses to a call: a decoupled model's as it yields them, an ordinary model's one."""
-    return ops.stream(call) if decoupled else _once(ops, call)
-
-
-async def _once(ops: Operations, call: InferCall) -> AsyncGenerator[Answered, None]:
-    yield await ops.infer(call)
+def answers(
+    ops: Operations, call: InferCall, decoupled: bool, came: Incoming | None
+) -> AsyncGenerator[Answered, None]:
+    """The responses to a call: a decoupled model's as it yields them, an ordinary model's one; traced as
+    any request is (`came`: what the HTTP request brought to its trace, `came_over_http`)."""
+    return ops.answers(call, decoupled, came)

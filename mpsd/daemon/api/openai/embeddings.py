@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Coroutine
+import contextlib
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from mpsd.config.model_config import OpenAIConfig
 from mpsd.daemon.api.operations import Answered, Operations
+from mpsd.daemon.api.tracing import came_over_http
 from mpsd.daemon.api.web import method
 from mpsd.errors import InvalidField
 from mpsd.net.auth import OPENAI
@@ -88,10 +90,13 @@ async def _all(calls: list[Coroutine[Any, Any, Answered]]) -> list[Answered]:
     if len(calls) == 1:
         return [await calls[0]]
     answers = await asyncio.gather(*calls, return_exceptions=True)
+    answered = [a for a in answers if not isinstance(a, BaseException)]
     for answer in answers:
         if isinstance(answer, BaseException):
+            for done in answered:  # their traces end: no answer is written
+                done.trace.end()
             raise answer
-    return [a for a in answers if not isinstance(a, BaseException)]
+    return answered
 
 
 class EmbeddingsHandler:
@@ -103,6 +108,7 @@ class EmbeddingsHandler:
     @method(OPENAI + "Embeddings")
     @counted("embeddings")
     async def create(self, request: web.Request) -> web.StreamResponse:
+        came = came_over_http(self.ops.tracing, request.headers, "OpenAI embeddings")
         body = await json_body(request, self.limit)
         name, config, section = target(self.ops, body, "embeddings")
         request[MODEL_KEY] = name
@@ -115,8 +121,24 @@ class EmbeddingsHandler:
         check_dimensions(dimensions, config.output_by_name()[section.output].dims[-1], section, name)
         parameters = passed_on(body, USED, section, name, input_type="tokens" if tokens else "text")
         parts = chunks(texts, rows_per_call(config, section))
-        calls = [self.ops.infer(text_call(name, config, section, part, parameters)) for part in parts]
+        calls = [
+            self.ops.infer(text_call(name, config, section, part, parameters), came=came) for part in parts
+        ]
         answers = await _all(calls)
+        with contextlib.ExitStack() as traces:  # each call's trace ends with the answer's writing
+            for answered in answers:
+                traces.enter_context(answered.trace.answering())
+            return self._answer(answers, parts, section, name, dimensions, encoding)
+
+    @staticmethod
+    def _answer(
+        answers: list[Answered],
+        parts: list[Sequence[bytes]],
+        section: OpenAIConfig,
+        name: str,
+        dimensions: int | None,
+        encoding: str,
+    ) -> web.Response:
         vectors, used = [], 0
         for part, answered in zip(parts, answers, strict=True):
             vectors.append(floats(output(answered.result, section.output), len(part)))

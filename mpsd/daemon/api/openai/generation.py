@@ -22,6 +22,7 @@ from aiohttp import web
 
 from mpsd.config.model_config import OpenAIConfig
 from mpsd.daemon.api.operations import Answered, Operations
+from mpsd.daemon.api.tracing import came_over_http
 from mpsd.daemon.api.web import method
 from mpsd.errors import InvalidField, MpsdError
 from mpsd.net.auth import OPENAI
@@ -177,6 +178,9 @@ class GenerationHandler:
         return await self._generate(request, False)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        came = came_over_http(
+            self.ops.tracing, request.headers, "OpenAI chat" if chat else "OpenAI completions"
+        )
         body = await json_body(request, self.limit)
         name, config, section = target(self.ops, body, "chat" if chat else "completions")
         request[MODEL_KEY] = name
@@ -190,7 +194,7 @@ class GenerationHandler:
         streamed, include_usage = boolean(body, "stream"), _include_usage(body)
         rest = passed_on(body, CHAT_USED if chat else COMPLETIONS_USED, section, name)
         call = text_call(name, config, section, [text], rest)
-        responses = answers(self.ops, call, config.model_transaction_policy.decoupled)
+        responses = answers(self.ops, call, config.model_transaction_policy.decoupled, came)
         reply, progress = Reply(chat, name, echo), Progress(section)
         try:
             if streamed:

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.api.tracing import came_over_http
 from mpsd.daemon.api.web import method, too_large
 from mpsd.errors import InvalidArgument, InvalidField
 from mpsd.net.auth import OPENAI
@@ -113,6 +114,7 @@ class TranscriptionHandler:
     @method(OPENAI + "Transcriptions")
     @counted("audio.transcriptions")
     async def create(self, request: web.Request) -> web.StreamResponse:
+        came = came_over_http(self.ops.tracing, request.headers, "OpenAI transcriptions")
         fields, audio = await read_form(request, self.limit)
         name, config, section = target(self.ops, fields, "transcription")
         request[MODEL_KEY] = name
@@ -125,7 +127,7 @@ class TranscriptionHandler:
             raise InvalidField("stream", "transcriptions are not streamed: leave 'stream' out")
         rest = passed_on(fields, USED, section, name, response_format=form)
         call = text_call(name, config, section, [audio], rest)
-        responses = answers(self.ops, call, config.model_transaction_policy.decoupled)
+        responses = answers(self.ops, call, config.model_transaction_policy.decoupled, came)
         pieces, text = TextPieces(), []
         try:
             async for answered in responses:
