@@ -24,7 +24,6 @@ LONG_FUNCTIONS = {
     "mpsd/cli/ops.py:add_ops_parsers",  # argparse declarations, one command after another
     "mpsd/cli/tools.py:add_tool_parsers",  # likewise
     "mpsd/config/repository.py:load_model_source",
-    "mpsd/daemon/api/describe.py:model_config_proto",
     "mpsd/daemon/api/grpc/inference.py:ModelStreamInfer",
     "mpsd/daemon/api/metrics.py:_version_metrics",
     "mpsd/daemon/supervise/fronts/pool.py:_spawn",
