@@ -27,7 +27,6 @@ LONG_FUNCTIONS = {
     "mpsd/daemon/supervise/fronts/pool.py:_spawn",
     "mpsd/daemon/supervise/worker/handle.py:start",
     "mpsd/front/main.py:serve",
-    "mpsd/tools/ops.py:render_status",
     "mpsd/worker/main.py:_load",
 }
 
