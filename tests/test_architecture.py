@@ -23,7 +23,6 @@ LONG_FUNCTIONS = {
     "mpsd/tools/validate.py:check_model",  # being reworked on its own
     "mpsd/config/repository.py:load_model_source",
     "mpsd/daemon/api/grpc/inference.py:ModelStreamInfer",
-    "mpsd/daemon/api/metrics.py:_version_metrics",
     "mpsd/daemon/supervise/fronts/pool.py:_spawn",
     "mpsd/daemon/supervise/worker/handle.py:start",
     "mpsd/front/main.py:serve",
