@@ -100,8 +100,8 @@ class WorkerProcess:
 
     async def _await_ready(self, load_reply: asyncio.Future[object], timeout_s: float) -> p.Ready:
         """The worker's Ready, its CUDA device numbered as the daemon numbers its GPUs; LoadError when the
-        load failed, or the worker ended, did not answer in time or answered something else (it is then
-        killed)."""
+        load failed (the worker then exits by itself), or the worker ended, did not answer in time or
+        answered something else (it is then killed)."""
         try:
             reply = await asyncio.wait_for(asyncio.shield(load_reply), timeout_s)
         except (ConnectionError, TimeoutError) as exc:
@@ -122,8 +122,8 @@ class WorkerProcess:
         return reply
 
     def _log_ready(self, reply: p.Ready) -> None:
-        """ "worker ready" with where it runs and what loading it took; a warning when Triton's mps
-        accelerator was asked for and the worker is not on MPS."""
+        """Log where the worker runs and what loading it took; warn when Triton's mps accelerator was asked
+        for and the worker is not on MPS."""
         device = reply.device
         skipped = device.get("skipped")
         extra: dict[str, object] = {"skipped_devices": skipped} if skipped else {}  # KIND_AUTO: why not a GPU
