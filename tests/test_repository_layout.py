@@ -172,3 +172,29 @@ def test_a_worker_slower_than_worker_start_timeout_s_fails_the_load(start_daemon
     assert row["state"] == "UNAVAILABLE"
     assert "worker did not become ready within 8 s" in row["reason"]
     wait_for(lambda: not daemon.worker_pids(), 30, "the slow worker stopped")
+
+
+DIES = """
+import os
+
+
+class Model:
+    def __init__(self, config, device):
+        os._exit(3)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"]}
+"""
+
+
+def test_a_worker_that_dies_while_loading_fails_the_load_with_its_exit(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    repo = tmp_path / "repo"
+    models.python_model(repo, "dies", "return {'y': inputs['x']}")
+    (repo / "dies" / "1" / "model.py").write_text(DIES)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("metrics_address: off\n")
+    daemon = start_daemon(repo, config=config)
+    daemon.wait_models_settled(timeout=90)
+    row = index(daemon)[("dies", "")]
+    assert row["state"] == "UNAVAILABLE"
+    assert "worker exit code 3 while loading" in row["reason"], row

@@ -85,6 +85,14 @@ def _common(parser: argparse.ArgumentParser, timeout: float) -> None:
 
 def add_ops_parsers(sub: Any) -> None:
     """Register status, logs, health, reload and profile on the `mpsd` sub-command parser."""
+    _add_status(sub)
+    _add_logs(sub)
+    _add_health(sub)
+    _add_reload(sub)
+    _add_profile(sub)
+
+
+def _add_status(sub: Any) -> None:
     status = sub.add_parser(
         "status",
         help="models, versions and workers of a running daemon",
@@ -94,6 +102,8 @@ def add_ops_parsers(sub: Any) -> None:
     _common(status, 10.0)
     status.set_defaults(func=_status)
 
+
+def _add_logs(sub: Any) -> None:
     logs = sub.add_parser(
         "logs",
         help="events from the daemon and its workers",
@@ -115,6 +125,8 @@ def add_ops_parsers(sub: Any) -> None:
     _common(logs, 30.0)
     logs.set_defaults(func=_logs)
 
+
+def _add_health(sub: Any) -> None:
     health = sub.add_parser(
         "health",
         help="exit 0 when the daemon (or MODEL) is serving",
@@ -127,6 +139,8 @@ def add_ops_parsers(sub: Any) -> None:
     _common(health, 5.0)
     health.set_defaults(func=_health)
 
+
+def _add_reload(sub: Any) -> None:
     reload = sub.add_parser(
         "reload",
         help="reconcile the daemon with its model repository now",
@@ -135,6 +149,8 @@ def add_ops_parsers(sub: Any) -> None:
     _common(reload, 600.0)
     reload.set_defaults(func=_reload)
 
+
+def _add_profile(sub: Any) -> None:
     profile = sub.add_parser(
         "profile",
         help="profile one worker of a model while it serves (a Chrome trace; MPS: Instruments signposts)",

@@ -126,8 +126,13 @@ def _config(parser: argparse.ArgumentParser) -> None:
 
 def add_tool_parsers(sub: Any) -> None:
     """Register validate, infer, models and init-model on the `mpsd` sub-command parser."""
-    raw = argparse.RawDescriptionHelpFormatter
+    _add_validate(sub)
+    _add_infer(sub)
+    _add_models(sub)
+    _add_init_model(sub)
 
+
+def _add_validate(sub: Any) -> None:
     validate = sub.add_parser(
         "validate",
         help="check a model repository without starting the daemon",
@@ -139,7 +144,7 @@ def add_tool_parsers(sub: Any) -> None:
         ),
         epilog="examples:\n  mpsd validate                    # the repository of config/mpsd.yaml\n"
         "  mpsd validate config/models --load\n  mpsd validate models --json | jq '.problems'",
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     validate.add_argument(
         "repository", nargs="?", type=Path, help="model repository (default: the one config/mpsd.yaml names)"
@@ -160,6 +165,8 @@ def add_tool_parsers(sub: Any) -> None:
     _debug(validate)
     validate.set_defaults(func=_validate)
 
+
+def _add_infer(sub: Any) -> None:
     infer = sub.add_parser(
         "infer",
         help="send one inference request to a running daemon and print the outputs",
@@ -171,7 +178,7 @@ def add_tool_parsers(sub: Any) -> None:
         "--input INPUT1=@ones.npy\n"
         "  mpsd infer scale --input 'x=[1, 2, 3]' --output-format json\n"
         "  mpsd infer tiny_cnn --input image=@image.npy --output-format npy --output-dir out/",
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     infer.add_argument("model", help="model name")
     infer.add_argument(
@@ -194,6 +201,8 @@ def add_tool_parsers(sub: Any) -> None:
     _debug(infer)
     infer.set_defaults(func=_infer)
 
+
+def _add_models(sub: Any) -> None:
     models = sub.add_parser(
         "models",
         help="the models of a running daemon, with state and reason (`mpsd status` adds workers)",
@@ -205,6 +214,8 @@ def add_tool_parsers(sub: Any) -> None:
     _debug(models)
     models.set_defaults(func=_models)
 
+
+def _add_init_model(sub: Any) -> None:
     init = sub.add_parser(
         "init-model",
         help="create a model directory (config.yaml and version 1) from a .pt or .pt2 file, or a model that "
@@ -227,9 +238,19 @@ def add_tool_parsers(sub: Any) -> None:
         "  mpsd init-model classifier_aoti --from classifier.pt2 --aoti cuda\n"
         "  mpsd init-model minilm --openai embeddings --from ./all-MiniLM-L6-v2\n"
         "  mpsd init-model assistant --openai chat --from ./Qwen2.5-0.5B-Instruct",
-        formatter_class=raw,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     init.add_argument("name", help="model name (the directory name)")
+    _init_model_sources(init)
+    _init_model_results(init)
+    _config(init)
+    _debug(init)
+    init.set_defaults(func=_init_model)
+
+
+def _init_model_sources(init: argparse.ArgumentParser) -> None:
+    """What the model is made from: the file (with --openai, the Hugging Face folder) and the example inputs
+    a TorchScript file needs."""
     init.add_argument(
         "--from",
         dest="source",
@@ -252,6 +273,10 @@ def add_tool_parsers(sub: Any) -> None:
         help="e.g. 3x224x224:FP32, 16:int64 or ?:FP32 (? = any size); one per forward() argument, in order "
         "(TorchScript only)",
     )
+
+
+def _init_model_results(init: argparse.ArgumentParser) -> None:
+    """Where the model goes and what its config.yaml and files say."""
     init.add_argument(
         "--repository", type=Path, help="model repository (default: the one config/mpsd.yaml names)"
     )
@@ -271,6 +296,3 @@ def add_tool_parsers(sub: Any) -> None:
         help="compile the .pt2 program with AOTInductor for DEVICE (cpu, cuda or mps; default cpu) and write "
         "model.aoti.pt2 with backend aoti (needs a C++ compiler; cuda needs that GPU here)",
     )
-    _config(init)
-    _debug(init)
-    init.set_defaults(func=_init_model)

@@ -209,47 +209,20 @@ def load_model_source(
         cfg_path, given = read
     config, warnings, cfg_fp = given.config, given.warnings, given.fingerprint
 
-    try:
-        available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name)]
-    except OSError as exc:
-        return _broken(name, model_dir, Issue(str(model_dir), (), f"cannot list: {exc.strerror}"), cfg_fp)
-    versions = config.version_policy.select(available)
-    if not versions:
-        problem = f"no version directory matches the version policy (found {sorted(available) or 'none'})"
-        return _broken(name, model_dir, Issue(str(model_dir), (), problem), cfg_fp)
-    filename = config.model_filename
-    ensemble = config.backend == "ensemble"  # no file of its own: only its version folders
-    if not ensemble and (
-        filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename
-    ):
-        problem = f"'{filename}' must be a plain file name inside the version directory"
-        return _broken(name, model_dir, Issue(str(cfg_path), ("default_model_filename",), problem), cfg_fp)
+    versions = _select_versions(model_dir, config)
+    if isinstance(versions, Issue):
+        return _broken(name, model_dir, versions, cfg_fp)
+    bad_filename = _model_filename_problem(config, cfg_path)
+    if bad_filename is not None:
+        return _broken(name, model_dir, bad_filename, cfg_fp)
     try:
         labels, labels_fp = read_labels(model_dir, config, cfg_path)
     except LabelFileError as exc:
         return _broken(name, model_dir, exc.issue, cfg_fp)
-    fingerprints: dict[int, str] = {}
-    libraries: dict[int, tuple[str, ...]] = {}
-    for v in versions:
-        model_file = model_dir / str(v) / filename
-        if not allow_symlinks and model_file.exists():
-            escape = escape_problem(model_dir / str(v), root, f"version directory {v}") or escape_problem(
-                model_file, root, "the model file"
-            )
-            if escape is not None:
-                return _broken(name, model_dir, escape, cfg_fp)
-        if not ensemble and not model_file.is_file():
-            return _broken(name, model_dir, Issue(str(model_file), (), "model file is missing"), cfg_fp)
-        libraries[v], refused = resolve_op_libraries(
-            model_dir, v, config.op_libraries, op_library_dirs, cfg_path
-        )
-        if refused is not None:
-            return _broken(name, model_dir, refused, cfg_fp)
-        fingerprints[v] = _fingerprint_dir(model_dir / str(v))
-        if libraries[v]:
-            fingerprints[v] += ":" + libraries_fingerprint(libraries[v])
-        if labels_fp:  # new labels: a new version (a running one is not changed in place)
-            fingerprints[v] += ":labels:" + labels_fp
+    found = _version_files(model_dir, config, versions, cfg_path, allow_symlinks, op_library_dirs, labels_fp)
+    if isinstance(found, Issue):
+        return _broken(name, model_dir, found, cfg_fp)
+    fingerprints, libraries = found
     return ModelSource(
         name,
         model_dir,
@@ -262,6 +235,70 @@ def load_model_source(
         labels=labels,
         pbtxt=given.pbtxt,
     )
+
+
+def _select_versions(model_dir: Path, config: ModelConfig) -> list[int] | Issue:
+    """The version directories present that the version policy selects; why none, when none."""
+    try:
+        available = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name)]
+    except OSError as exc:
+        return Issue(str(model_dir), (), f"cannot list: {exc.strerror}")
+    versions = config.version_policy.select(available)
+    if not versions:
+        problem = f"no version directory matches the version policy (found {sorted(available) or 'none'})"
+        return Issue(str(model_dir), (), problem)
+    return versions
+
+
+def _model_filename_problem(config: ModelConfig, cfg_path: Path) -> Issue | None:
+    """The model file's name must stay inside its version directory (an ensemble has no file of its own)."""
+    filename = config.model_filename
+    if config.backend != "ensemble" and (
+        filename in ("", ".", "..") or "/" in filename or "\\" in filename or "\0" in filename
+    ):
+        problem = f"'{filename}' must be a plain file name inside the version directory"
+        return Issue(str(cfg_path), ("default_model_filename",), problem)
+    return None
+
+
+def _version_files(
+    model_dir: Path,
+    config: ModelConfig,
+    versions: list[int],
+    cfg_path: Path,
+    allow_symlinks: bool,
+    op_library_dirs: Sequence[Path],
+    labels_fp: str,
+) -> tuple[dict[int, str], dict[int, tuple[str, ...]]] | Issue:
+    """Each selected version's fingerprint and op libraries, or the first problem of its files.
+
+    A version's fingerprint covers its directory, its op libraries and the labels: a change to any of them
+    is a new version (a running one is not changed in place)."""
+    root = model_dir.parent
+    ensemble = config.backend == "ensemble"  # no file of its own: only its version folders
+    fingerprints: dict[int, str] = {}
+    libraries: dict[int, tuple[str, ...]] = {}
+    for v in versions:
+        model_file = model_dir / str(v) / config.model_filename
+        if not allow_symlinks and model_file.exists():
+            escape = escape_problem(model_dir / str(v), root, f"version directory {v}") or escape_problem(
+                model_file, root, "the model file"
+            )
+            if escape is not None:
+                return escape
+        if not ensemble and not model_file.is_file():
+            return Issue(str(model_file), (), "model file is missing")
+        libraries[v], refused = resolve_op_libraries(
+            model_dir, v, config.op_libraries, op_library_dirs, cfg_path
+        )
+        if refused is not None:
+            return refused
+        fingerprints[v] = _fingerprint_dir(model_dir / str(v))
+        if libraries[v]:
+            fingerprints[v] += ":" + libraries_fingerprint(libraries[v])
+        if labels_fp:
+            fingerprints[v] += ":labels:" + labels_fp
+    return fingerprints, libraries
 
 
 def scan_repository(

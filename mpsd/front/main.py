@@ -31,7 +31,7 @@ from mpsd.logs import LEVELS, configure, set_level
 from mpsd.net import eventloop
 from mpsd.net.auth import AccessPolicy, build_policy, import_tokens, refusal
 from mpsd.net.certificates import Certificates, TlsMaterial
-from mpsd.net.listen import bind, connection_age_options, parse_address
+from mpsd.net.listen import Address, bind, connection_age_options, parse_address
 from mpsd.net.methods import served_methods
 
 log = structlog.get_logger("mpsd.front")
@@ -239,6 +239,7 @@ class Relay(grpc.GenericRpcHandler):  # type: ignore[misc]
 
 
 async def serve(sock: socket.socket) -> int:
+    """Serve what the daemon's CONFIG says until SIGTERM or the daemon goes away; the exit code."""
     loop = asyncio.get_running_loop()
     link = CoreLink()
     transport, _ = await loop.create_unix_connection(link.protocol, sock=sock)
@@ -252,58 +253,94 @@ async def serve(sock: socket.socket) -> int:
     except MalformedMessage as exc:
         return await _failed(link, exc)
     config = DaemonConfig.model_validate(settings.config)
-    # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
-    configure(settings.log_level, "json")
-    structlog.contextvars.bind_contextvars(front=settings.index)
-    setproctitle(f"{FRONT_TITLE}{settings.index}")  # named in ps by role
+    _take_role(settings)
     address = parse_address(settings.address)
     limit = config.max_message_bytes
     sizes = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
     channel = grpc.aio.insecure_channel(settings.daemon_target, options=sizes)
     try:
-        if settings.arena is not None:
-            link.attach_arena(settings.arena.name, settings.arena.size)
-        mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
-
-        def access_policy(access: FrontAccess) -> tuple[AccessPolicy, int]:
-            """The policy for the auth settings and tokens the daemon sent (CONFIG or AUTH); their count."""
-            tokens = import_tokens(access.tokens)
-            auth = AuthConfig.model_validate(access.auth)
-            return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
-
-        age = connection_age_options(config.max_connection_age_s, config.max_connection_age_grace_s)
-        # A port of its own is not shared: without SO_REUSEPORT a second server there fails to bind.
-        reuse = ("grpc.so_reuseport", int(settings.share_port))
-        server = grpc.aio.server(options=[*sizes, reuse, *age])
-        relay = Relay(link, channel, access_policy(settings.access)[0])
-        server.add_generic_rpc_handlers([relay])
-
-        tls = settings.access.tls
-        certificates = Certificates(TlsMaterial.load(tls)) if tls is not None else None
-
-        def on_auth(payload: bytes | bytearray) -> None:
-            """New tokens and certificate from the daemon (SIGHUP), as it read them."""
-            try:
-                access = FrontAccess.decode(payload)
-                policy, tokens = access_policy(access)
-                if certificates is not None and access.tls is not None:
-                    certificates.replace(TlsMaterial.load(access.tls))
-            except Exception as exc:  # a frame the two ends disagree on: keep serving with the old ones
-                log.error("access settings not reloaded; the previous ones stay in force", reason=str(exc))
-                return
-            relay.policy = policy
-            log.info("tokens reloaded", tokens=tokens)
-            if certificates is not None:
-                log.info("certificates reloaded", client_certificates=certificates.material.mutual)
-
-        link.on_auth = on_auth
-        bind(server, address, certificates)
-        await server.start()
+        server = await _start_server(link, settings, config, address, channel, sizes)
     except Exception as exc:
         return await _failed(link, exc)
     ready = FrontReady(os.getpid(), eventloop.loop_name(), eventloop.busy_poll_us())
     link.send(frame(Kind.READY, payload=ready.encode()))
+    await _serve_until_stopped(server, channel, link, config)
+    return 0
 
+
+def _take_role(settings: FrontConfig) -> None:
+    """Log as front N at the daemon's level, and be named as front N in ps."""
+    # JSON lines on stderr, whatever the daemon's format: the daemon reads them and logs them as its own.
+    configure(settings.log_level, "json")
+    structlog.contextvars.bind_contextvars(front=settings.index)
+    setproctitle(f"{FRONT_TITLE}{settings.index}")  # named in ps by role
+
+
+async def _start_server(
+    link: CoreLink,
+    settings: FrontConfig,
+    config: DaemonConfig,
+    address: Address,
+    channel: grpc.aio.Channel,
+    sizes: list[tuple[str, int]],
+) -> grpc.aio.Server:
+    """The gRPC server, listening, with the access policy and certificates the daemon sent."""
+    if settings.arena is not None:
+        link.attach_arena(settings.arena.name, settings.arena.size)
+    mutual_tls = config.tls is not None and config.tls.client_ca_file is not None
+
+    def access_policy(access: FrontAccess) -> tuple[AccessPolicy, int]:
+        """The policy for the auth settings and tokens the daemon sent (CONFIG or AUTH); their count."""
+        tokens = import_tokens(access.tokens)
+        auth = AuthConfig.model_validate(access.auth)
+        return build_policy(auth, address.is_local, mutual_tls, address.text, tokens=tokens), len(tokens)
+
+    age = connection_age_options(config.max_connection_age_s, config.max_connection_age_grace_s)
+    # A port of its own is not shared: without SO_REUSEPORT a second server there fails to bind.
+    reuse = ("grpc.so_reuseport", int(settings.share_port))
+    server = grpc.aio.server(options=[*sizes, reuse, *age])
+    relay = Relay(link, channel, access_policy(settings.access)[0])
+    server.add_generic_rpc_handlers([relay])
+    tls = settings.access.tls
+    certificates = Certificates(TlsMaterial.load(tls)) if tls is not None else None
+    link.on_auth = _auth_reloader(relay, certificates, access_policy)
+    bind(server, address, certificates)
+    await server.start()
+    return server
+
+
+def _auth_reloader(
+    relay: Relay,
+    certificates: Certificates | None,
+    access_policy: Callable[[FrontAccess], tuple[AccessPolicy, int]],
+) -> Callable[[bytes | bytearray], None]:
+    """The link's AUTH handler: it swaps in the relay's policy and the certificates; on a frame it cannot
+    read, the previous ones stay."""
+
+    def on_auth(payload: bytes | bytearray) -> None:
+        """New tokens and certificate from the daemon (SIGHUP), as it read them."""
+        try:
+            access = FrontAccess.decode(payload)
+            policy, tokens = access_policy(access)
+            if certificates is not None and access.tls is not None:
+                certificates.replace(TlsMaterial.load(access.tls))
+        except Exception as exc:  # a frame the two ends disagree on: keep serving with the old ones
+            log.error("access settings not reloaded; the previous ones stay in force", reason=str(exc))
+            return
+        relay.policy = policy
+        log.info("tokens reloaded", tokens=tokens)
+        if certificates is not None:
+            log.info("certificates reloaded", client_certificates=certificates.material.mutual)
+
+    return on_auth
+
+
+async def _serve_until_stopped(
+    server: grpc.aio.Server, channel: grpc.aio.Channel, link: CoreLink, config: DaemonConfig
+) -> None:
+    """Serve until the daemon goes away (stop at once) or SIGTERM (drain for drain_timeout_s; a second
+    SIGTERM cuts the drain short). SIGINT is ignored: the daemon decides, and a terminal's ^C reaches it."""
+    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     hurry = asyncio.Event()
 
@@ -317,14 +354,13 @@ async def serve(sock: socket.socket) -> int:
     if link.lost.done():
         log.warning("daemon went away; front stopping")
         await server.stop(0)
-        return 0
+        return
     stopping = asyncio.ensure_future(server.stop(config.drain_timeout_s))
     quick = asyncio.ensure_future(hurry.wait())
     await asyncio.wait({stopping, quick}, return_when=asyncio.FIRST_COMPLETED)
     if not stopping.done():
         await server.stop(0)
     await channel.close()
-    return 0
 
 
 async def _failed(link: CoreLink, exc: Exception) -> int:

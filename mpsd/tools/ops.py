@@ -85,6 +85,7 @@ def _device_memory(worker: dict[str, Any]) -> str:
 
 
 def render_status(data: dict[str, Any]) -> str:
+    """`mpsd status` as text: the models, then a table for each other part of the status that has rows."""
     models = data["models"]
     ready = len({m["name"] for m in models if m["state"] == "READY"})
     parts = [
@@ -95,8 +96,19 @@ def render_status(data: dict[str, Any]) -> str:
             [[m["name"], m["version"] or "-", m["state"], m["reason"]] for m in models],
         ),
     ]
+    parts += _workers_section(data["workers"])
+    parts += _residency_section(data.get("residency") or [], data.get("budgets") or [])
+    parts += _device_time_section(data.get("device_compute") or [])
+    parts += _fronts_section(data.get("fronts") or [])
+    return "\n".join(parts)
+
+
+def _workers_section(workers: list[dict[str, Any]]) -> list[str]:
+    """The workers' table, then why a worker is not on a device it could have used (CPU not counted)."""
+    if not workers:
+        return []
     rows = []
-    for w in data["workers"]:
+    for w in workers:
         device = w["device"]
         where = device["kind"] or "-"
         if device["index"] is not None:
@@ -116,49 +128,63 @@ def render_status(data: dict[str, Any]) -> str:
                 w["last_exit"] or "-",
             ]
         )
-    if rows:
-        headers = ["WORKER", "PID", "DEVICE", "FRACTION", "STATE", "RESTARTS", "UPTIME", "RSS", "DEVICE MEM"]
-        parts += ["", table([*headers, "LAST EXIT"], rows)]
-        parts += [
+    headers = ["WORKER", "PID", "DEVICE", "FRACTION", "STATE", "RESTARTS", "UPTIME", "RSS", "DEVICE MEM"]
+    return [
+        "",
+        table([*headers, "LAST EXIT"], rows),
+        *(
             f"{w['model']}/{w['version']}#{w['instance']} is not on {skipped}: {why}"
-            for w in data["workers"]
+            for w in workers
             for skipped, why in w.get("skipped_devices", {}).items()
             if skipped != "cpu"
+        ),
+    ]
+
+
+def _residency_section(residency: list[dict[str, Any]], budgets: list[dict[str, Any]]) -> list[str]:
+    """Which models are resident and what they hold, then each device's budget (shown only beside them)."""
+    if not residency:
+        return []
+    rows = [
+        [
+            r["model"],
+            "yes" if r["resident"] else "no",
+            "yes" if r["pinned"] else "no",
+            r["load"],
+            r["keep_alive"],
+            "-" if r["idle_s"] is None else _duration(r["idle_s"]),
+            ", ".join(f"{d} {_bytes(n)}" for d, n in sorted(r["footprint"].items())) or "-",
+            r["footprint_basis"] or "-",
         ]
-    residency = data.get("residency") or []
-    if residency:
-        rows = [
-            [
-                r["model"],
-                "yes" if r["resident"] else "no",
-                "yes" if r["pinned"] else "no",
-                r["load"],
-                r["keep_alive"],
-                "-" if r["idle_s"] is None else _duration(r["idle_s"]),
-                ", ".join(f"{d} {_bytes(n)}" for d, n in sorted(r["footprint"].items())) or "-",
-                r["footprint_basis"] or "-",
-            ]
-            for r in residency
-        ]
-        headers = ["MODEL", "RESIDENT", "PINNED", "LOAD", "KEEP ALIVE", "IDLE", "FOOTPRINT", "FROM"]
-        parts += ["", table(headers, rows)]
-        parts += [
+        for r in residency
+    ]
+    headers = ["MODEL", "RESIDENT", "PINNED", "LOAD", "KEEP ALIVE", "IDLE", "FOOTPRINT", "FROM"]
+    return [
+        "",
+        table(headers, rows),
+        *(
             f"{b['device']}: {_bytes(b['resident_bytes'])} held of a {_bytes(b['budget_bytes'])} budget"
-            for b in data.get("budgets") or []
-        ]
-    device = data.get("device_compute") or []
-    if device:
-        rows = [
-            [d["model"], str(d["version"]), str(d["executions"]), f"{d['ns'] / d['executions'] / 1e6:.3f} ms"]
-            for d in device
-        ]
-        parts += ["", table(["MODEL", "VERSION", "EXECUTIONS", "DEVICE TIME / EXECUTION"], rows)]
-    fronts = data.get("fronts") or []
-    if fronts:
-        keys = ["index", "pid", "state", "requests", "restarts"]
-        rows = [[str(f[k]) for k in keys] + [str(f.get("port") or "shared")] for f in fronts]
-        parts += ["", table(["FRONT", "PID", "STATE", "REQUESTS", "RESTARTS", "PORT"], rows)]
-    return "\n".join(parts)
+            for b in budgets
+        ),
+    ]
+
+
+def _device_time_section(device: list[dict[str, Any]]) -> list[str]:
+    if not device:
+        return []
+    rows = [
+        [d["model"], str(d["version"]), str(d["executions"]), f"{d['ns'] / d['executions'] / 1e6:.3f} ms"]
+        for d in device
+    ]
+    return ["", table(["MODEL", "VERSION", "EXECUTIONS", "DEVICE TIME / EXECUTION"], rows)]
+
+
+def _fronts_section(fronts: list[dict[str, Any]]) -> list[str]:
+    if not fronts:
+        return []
+    keys = ["index", "pid", "state", "requests", "restarts"]
+    rows = [[str(f[k]) for k in keys] + [str(f.get("port") or "shared")] for f in fronts]
+    return ["", table(["FRONT", "PID", "STATE", "REQUESTS", "RESTARTS", "PORT"], rows)]
 
 
 def status(conn: argparse.Namespace, json_output: bool, timeout: float) -> int:

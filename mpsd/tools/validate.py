@@ -159,8 +159,6 @@ def check_model(
 ) -> ModelCheck:
     """Every problem of one model directory that can be found without loading it (an ensemble's steps are
     checked by check_repository, which sees the other models)."""
-    from mpsd.daemon.supervise.placement import check_memory_budget, plan_instances
-
     name = model_dir.name
     report = ModelReport(name, str(model_dir))
     add = report.problems.append
@@ -174,46 +172,78 @@ def check_model(
         return ModelCheck(report, None)
     source = load_model_source(model_dir, allow_symlinks, op_library_dirs)
     report.warnings = list(source.warnings)
-    text = ""
-    if cfg_path.name == PBTXT_FILE:  # Triton's format: the daemon's reader gives the verdict
-        if source.config is None:
-            report.problems.extend(_source_problems(name, source))
-            return ModelCheck(report, None)
-        config = source.config
-    else:
-        parsed = _read_yaml_config(name, cfg_path, report)
-        if parsed is None:
-            return ModelCheck(report, None)
-        config, text = parsed
-    if config.name is not None and config.name != name:
-        add(
-            Problem(
-                name,
-                str(cfg_path),
-                "name",
-                f"'{config.name}' does not match the model directory '{name}'",
-                "leave 'name' out, or make it equal to the model's directory name",
-                line_of(text, ("name",)),
-            )
+    read = _read_checked_config(name, cfg_path, source, report)
+    if read is None:
+        return ModelCheck(report, None)
+    config, text = read
+    report.problems.extend(_name_problems(name, cfg_path, text, config))
+    report.problems.extend(_placement_and_budget_problems(name, cfg_path, text, config))
+    report.versions, problems = _version_problems(model_dir, cfg_path, text, config)
+    report.problems.extend(problems)
+    if source.error is not None and not report.problems:  # the daemon's own verdict always counts
+        report.problems.extend(_source_problems(name, source))
+    return ModelCheck(report, source if source.ok and report.ok else None, config, cfg_path, text)
+
+
+def _read_checked_config(
+    name: str, cfg_path: Path, source: ModelSource, report: ModelReport
+) -> tuple[ModelConfig, str] | None:
+    """The config and its YAML text (none for a config.pbtxt), or None with why not in the report.
+
+    A config.pbtxt is Triton's format: the daemon's own reader (in `source`) gives the verdict. A
+    config.yaml is read here, to name each problem's field and line."""
+    if cfg_path.name != PBTXT_FILE:
+        return _read_yaml_config(name, cfg_path, report)
+    if source.config is None:
+        report.problems.extend(_source_problems(name, source))
+        return None
+    return source.config, ""
+
+
+def _name_problems(name: str, cfg_path: Path, text: str, config: ModelConfig) -> list[Problem]:
+    if config.name is None or config.name == name:
+        return []
+    return [
+        Problem(
+            name,
+            str(cfg_path),
+            "name",
+            f"'{config.name}' does not match the model directory '{name}'",
+            "leave 'name' out, or make it equal to the model's directory name",
+            line_of(text, ("name",)),
         )
+    ]
+
+
+def _placement_and_budget_problems(
+    name: str, cfg_path: Path, text: str, config: ModelConfig
+) -> list[Problem]:
+    """What placing the model's instances refuses, and the memory budget it is over by itself: the daemon
+    refuses that whatever runs beside it."""
+    from mpsd.daemon.supervise.placement import check_memory_budget, plan_instances
+
     try:
         plans = plan_instances(config)
     except ConfigError as exc:
-        report.problems.extend(_placement_problems(name, cfg_path, text, exc))
-    else:  # over the budget by itself: the daemon refuses it whatever runs beside it
-        for message in check_memory_budget({name: plans}):
-            add(
-                Problem(
-                    name,
-                    str(cfg_path),
-                    "instance_group",
-                    message,
-                    "lower memory_fraction or count: the fractions on one device add up to at most 1.0, or "
-                    "the daemon (memory_budget_policy: refuse, the default) does not load the model",
-                    line_of(text, ("instance_group",)),
-                )
-            )
+        return _placement_problems(name, cfg_path, text, exc)
+    hint = (
+        "lower memory_fraction or count: the fractions on one device add up to at most 1.0, or "
+        "the daemon (memory_budget_policy: refuse, the default) does not load the model"
+    )
+    line = line_of(text, ("instance_group",))
+    return [
+        Problem(name, str(cfg_path), "instance_group", message, hint, line)
+        for message in check_memory_budget({name: plans})
+    ]
 
+
+def _version_problems(
+    model_dir: Path, cfg_path: Path, text: str, config: ModelConfig
+) -> tuple[list[int], list[Problem]]:
+    """The versions the policy selects, and what is wrong with them: none present, none selected, or a
+    selected version without its model file (an ensemble's version folders are empty)."""
+    name = model_dir.name
+    problems: list[Problem] = []
     available = sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name))
     selected = config.version_policy.select(available)
     if not available:
@@ -221,9 +251,9 @@ def check_model(
         hint = f"put the model file into {where}"
         if config.backend == "ensemble":
             hint = f"make the (empty) folder {model_dir / '1'}"
-        add(Problem(name, str(model_dir), "", "no version directory", hint))
+        problems.append(Problem(name, str(model_dir), "", "no version directory", hint))
     elif not selected:
-        add(
+        problems.append(
             Problem(
                 name,
                 str(cfg_path),
@@ -233,11 +263,10 @@ def check_model(
                 line_of(text, ("version_policy",)),
             )
         )
-    report.versions = selected
-    for v in selected if config.backend != "ensemble" else ():  # an ensemble's folders are empty
+    for v in selected if config.backend != "ensemble" else ():
         model_file = model_dir / str(v) / config.model_filename
         if not model_file.is_file():
-            add(
+            problems.append(
                 Problem(
                     name,
                     str(model_file),
@@ -246,9 +275,7 @@ def check_model(
                     _missing_file_hint(config, model_dir / str(v)),
                 )
             )
-    if source.error is not None and not report.problems:  # the daemon's own verdict always counts
-        report.problems.extend(_source_problems(name, source))
-    return ModelCheck(report, source if source.ok and report.ok else None, config, cfg_path, text)
+    return selected, problems
 
 
 # ---- the command -------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from mpsd.worker.regions import Arenas
 if TYPE_CHECKING:
     import torch
 
+    from mpsd.worker.backends import Backend
     from mpsd.worker.inference import Runner
 
 
@@ -36,13 +37,10 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
     """Select the device, load and warm up the model; report Ready or LoadFailed."""
     import torch
 
-    from mpsd.worker.autocast import AutocastBackend, check_autocast
-    from mpsd.worker.calls import Models, install
-    from mpsd.worker.compiled import compile_backend, compile_warmup
+    from mpsd.worker.autocast import check_autocast
+    from mpsd.worker.compiled import compile_warmup
     from mpsd.worker.device import DeviceUnavailable, select_device
     from mpsd.worker.host import limit_host_threads
-    from mpsd.worker.op_libraries import load_model
-    from mpsd.worker.sequence_state import StateKeeper, model_facing_spec
     from mpsd.worker.warmup import run_warmup
 
     spec = init.model
@@ -54,28 +52,14 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
         limit_host_threads(device)
         torch.set_grad_enabled(False)
         check_autocast(spec, device)
-        install(Models(inbox, device))  # what a python model that calls other models gets
-        backend = load_model(model_facing_spec(spec), device)
-        # Zeros would reach the models it calls, which cannot be called before it serves: only configured
-        # warm-up samples run (and fail, naming the call, if they call)
-        calls = bool(getattr(backend, "calls_models", False))
-        if spec.compile_mode is not None:
-            compile_backend(backend, spec)
-        if spec.autocast is not None:
-            backend = AutocastBackend(backend, spec, device)
-        if spec.states:
-            backend = StateKeeper(backend, spec, device)
+        backend, calls = _load_backend(spec, device, inbox)
         t1 = time.perf_counter()
         compile_ms = compile_warmup(spec, backend, device) if spec.compile_mode is not None else None
+        # Zeros would reach the models it calls, which cannot be called before it serves: only configured
+        # warm-up samples run (and fail, naming the call, if they call)
         run_warmup(spec, backend, device, default=not calls and not spec.sequence)
         t2 = time.perf_counter()
-        recorded: tuple[int, ...] = ()
-        if spec.cuda_graph_batch_sizes and device.type == "cuda":
-            from mpsd.worker.cuda_graphs import GraphedBackend
-
-            with torch.inference_mode():
-                graphed = GraphedBackend(backend, spec, device)
-            backend, recorded = graphed, graphed.sizes
+        backend, recorded = _record_cuda_graphs(spec, backend, device)
         t3 = time.perf_counter()
         arenas = _map_arenas(init.arenas, device)
     except DeviceUnavailable as exc:
@@ -97,6 +81,43 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
     from mpsd.worker.inference import Runner
 
     return Runner(spec, backend, device), arenas
+
+
+def _load_backend(spec: p.ModelSpec, device: torch.device, inbox: Inbox) -> tuple[Backend, bool]:
+    """The model on `device`, wrapped as its config asks (torch.compile, autocast, sequence state), and
+    whether it calls other models."""
+    from mpsd.worker.autocast import AutocastBackend
+    from mpsd.worker.calls import Models, install
+    from mpsd.worker.compiled import compile_backend
+    from mpsd.worker.op_libraries import load_model
+    from mpsd.worker.sequence_state import StateKeeper, model_facing_spec
+
+    install(Models(inbox, device))  # what a python model that calls other models gets
+    backend = load_model(model_facing_spec(spec), device)
+    calls = bool(getattr(backend, "calls_models", False))
+    if spec.compile_mode is not None:
+        compile_backend(backend, spec)
+    if spec.autocast is not None:
+        backend = AutocastBackend(backend, spec, device)
+    if spec.states:
+        backend = StateKeeper(backend, spec, device)
+    return backend, calls
+
+
+def _record_cuda_graphs(
+    spec: p.ModelSpec, backend: Backend, device: torch.device
+) -> tuple[Backend, tuple[int, ...]]:
+    """The backend replaying CUDA graphs recorded at the configured batch sizes, and those sizes; the
+    backend as it is off CUDA or when none are configured."""
+    if not (spec.cuda_graph_batch_sizes and device.type == "cuda"):
+        return backend, ()
+    import torch
+
+    from mpsd.worker.cuda_graphs import GraphedBackend
+
+    with torch.inference_mode():
+        graphed = GraphedBackend(backend, spec, device)
+    return graphed, graphed.sizes
 
 
 def _map_arenas(refs: tuple[p.ArenaRef, ...], device: torch.device) -> Arenas:

@@ -98,27 +98,8 @@ def model_config_proto(
         for t in src:
             write_tensor(t, dst.add())
     write_ensemble(config, msg)
-    groups = config.instance_group if config.backend != "ensemble" else []  # no workers of its own
-    for i, group in enumerate(groups):
-        g = msg.instance_group.add(
-            name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count
-        )
-        if group.gpus:
-            g.gpus.extend(group.gpus)
-        msg.parameters[f"mpsd.instance_group.{i}.kind"].string_value = group.kind
-        if group.memory_fraction is not None:
-            msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(
-                group.memory_fraction
-            )
-        wanted = config.optimization.gpu_accelerator == "mps" and group.gpus is None
-        _group_devices(msg, i, wanted and group.kind in ("KIND_GPU", "KIND_AUTO"), (devices or {}).get(i, ()))
-    policy = config.version_policy
-    if policy.all is not None:
-        msg.version_policy.all.SetInParent()
-    elif policy.specific is not None:
-        msg.version_policy.specific.versions.extend(policy.specific.versions)
-    else:
-        msg.version_policy.latest.num_versions = policy.latest.num_versions if policy.latest else 1
+    _write_instance_groups(name, config, msg, devices or {})
+    _write_version_policy(config, msg)
     for key, value in config.parameters.items():
         msg.parameters[key].string_value = value
     if config.model_transaction_policy.decoupled:
@@ -134,6 +115,44 @@ def model_config_proto(
             name=config.optimization.gpu_accelerator
         )
     write_libraries_and_autocast(config, msg)
+    _write_warmup(config, msg)
+    return msg
+
+
+def _write_instance_groups(
+    name: str, config: ModelConfig, msg: Any, devices: Mapping[int, Sequence[Mapping[str, object]]]
+) -> None:
+    """Each instance group, with mpsd's own facts about it (kind as written, memory fraction, devices) in
+    `parameters`, which Triton's message has no field for. An ensemble has no workers, so no groups."""
+    groups = config.instance_group if config.backend != "ensemble" else []
+    for i, group in enumerate(groups):
+        g = msg.instance_group.add(
+            name=group.name or f"{name}_{i}", kind=_KIND[group.kind], count=group.count
+        )
+        if group.gpus:
+            g.gpus.extend(group.gpus)
+        msg.parameters[f"mpsd.instance_group.{i}.kind"].string_value = group.kind
+        if group.memory_fraction is not None:
+            msg.parameters[f"mpsd.instance_group.{i}.memory_fraction"].string_value = str(
+                group.memory_fraction
+            )
+        wanted = config.optimization.gpu_accelerator == "mps" and group.gpus is None
+        _group_devices(msg, i, wanted and group.kind in ("KIND_GPU", "KIND_AUTO"), devices.get(i, ()))
+
+
+def _write_version_policy(config: ModelConfig, msg: Any) -> None:
+    """The one policy set, or Triton's default (the latest version) when none is."""
+    policy = config.version_policy
+    if policy.all is not None:
+        msg.version_policy.all.SetInParent()
+    elif policy.specific is not None:
+        msg.version_policy.specific.versions.extend(policy.specific.versions)
+    else:
+        msg.version_policy.latest.num_versions = policy.latest.num_versions if policy.latest else 1
+
+
+def _write_warmup(config: ModelConfig, msg: Any) -> None:
+    """Each warm-up sample; an input is random data or zeros (Triton's message names one or the other)."""
     for sample in config.model_warmup:
         w = msg.model_warmup.add(name=sample.name, batch_size=sample.batch_size, count=sample.count)
         for input_name, data in sample.inputs.items():
@@ -143,7 +162,6 @@ def model_config_proto(
                 w.inputs[input_name].random_data = True
             else:
                 w.inputs[input_name].zero_data = True
-    return msg
 
 
 def _group_devices(msg: Any, i: int, mps_wanted: bool, devices: Sequence[Mapping[str, object]]) -> None:

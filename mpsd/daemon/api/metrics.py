@@ -64,98 +64,9 @@ class RegistryCollector(Collector):
         yield ready
 
     def _version_metrics(self, versions: list[ModelVersion]) -> Iterator[Metric]:
-        def counter(name: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, labels=VERSION_LABELS)
-
-        success = counter("mpsd_inference_request_success", "Successful inference requests.")
-        failure = CounterMetricFamily(
-            "mpsd_inference_request_failure",
-            "Failed inference requests, by error code.",
-            labels=[*VERSION_LABELS, "reason"],
-        )
-        count = counter("mpsd_inference_count", "Inferences performed (a batch of N counts N).")
-        execs = counter("mpsd_inference_exec_count", "Model executions (a batch counts once).")
-        responses = counter(
-            "mpsd_inference_responses", "Responses sent: one per request, each of a decoupled model's."
-        )
-        request_us = counter(
-            "mpsd_inference_request_duration_us", "Cumulative end-to-end time of successful requests."
-        )
-        queue_us = counter("mpsd_inference_queue_duration_us", "Cumulative time requests waited in queue.")
-        input_us = counter(
-            "mpsd_inference_compute_input_duration_us", "Cumulative time preparing inputs (shared memory)."
-        )
-        infer_us = counter("mpsd_inference_compute_infer_duration_us", "Cumulative time running the model.")
-        output_us = counter(
-            "mpsd_inference_compute_output_duration_us", "Cumulative time extracting outputs."
-        )
-        pending = GaugeMetricFamily(
-            "mpsd_inference_pending_request_count",
-            "Requests queued or running now.",
-            labels=VERSION_LABELS,
-        )
-        ready = GaugeMetricFamily("mpsd_model_ready", "1 when the version can serve.", labels=VERSION_LABELS)
-        device = HistogramMetricFamily(
-            "mpsd_inference_device_compute_seconds",
-            "The device's own compute time per execution (timing events on CUDA and MPS; none on the CPU).",
-            labels=VERSION_LABELS,
-        )
-        latency = HistogramMetricFamily(
-            "mpsd_inference_request_duration_seconds",
-            "End-to-end time of successful requests (the same requests as request_duration_us).",
-            labels=VERSION_LABELS,
-        )
-        batches = CounterMetricFamily(
-            "mpsd_inference_batch_executions",
-            "Model executions by the batch size they ran (rows of every request in the batch).",
-            labels=[*VERSION_LABELS, "batch_size"],
-        )
-        load = GaugeMetricFamily(
-            "mpsd_model_load_duration_secs",
-            "How long loading and warming up the version took.",
-            labels=VERSION_LABELS,
-        )
-        for mv in versions:
-            labels = [mv.name, str(mv.version)]
-            s = mv.stats
-            success.add_metric(labels, s.success.count)
-            for reason, n in sorted(s.failures_by_reason.items()):
-                failure.add_metric([*labels, reason], n)
-            count.add_metric(labels, s.inference_count)
-            execs.add_metric(labels, s.execution_count)
-            responses.add_metric(labels, s.responses)
-            request_us.add_metric(labels, _us(s.success.ns))
-            queue_us.add_metric(labels, _us(s.queue.ns))
-            input_us.add_metric(labels, _us(s.compute_input.ns))
-            infer_us.add_metric(labels, _us(s.compute_infer.ns))
-            output_us.add_metric(labels, _us(s.compute_output.ns))
-            if s.device_compute.count:
-                device.add_metric(labels, s.device_compute.cumulative(), s.device_compute.ns / 1e9)
-            latency.add_metric(
-                labels, cumulative_buckets(LATENCY_BUCKETS_S, s.latency_buckets), s.success.ns / 1e9
-            )
-            for size, b in sorted(s.batches.items()):
-                batches.add_metric([*labels, str(size)], b.compute_infer.count)
-            pending.add_metric(labels, mv.inflight)
-            ready.add_metric(labels, 1 if mv.ready else 0)
-            if mv.load_duration_s is not None:
-                load.add_metric(labels, mv.load_duration_s)
-        yield from (
-            success,
-            failure,
-            count,
-            execs,
-            responses,
-            request_us,
-            queue_us,
-            input_us,
-            infer_us,
-            output_us,
-            device,
-            latency,
-            batches,
-        )
-        yield from (pending, ready, load)
+        yield from _request_counters(versions)
+        yield from _request_distributions(versions)
+        yield from _version_gauges(versions)
 
     def _worker_metrics(self, versions: list[ModelVersion]) -> Iterator[Metric]:
         def gauge(name: str, doc: str) -> GaugeMetricFamily:
@@ -197,6 +108,114 @@ class RegistryCollector(Collector):
                     if key in memory:
                         family.add_metric(labels, memory[key])
         yield from (used, allocated, total, rss, up, restarts, in_place)
+
+
+def _request_counters(versions: list[ModelVersion]) -> Iterator[Metric]:
+    """Requests, inferences, executions and responses counted per version, and the cumulative time spent
+    in each stage of a request (Triton's nv_inference_* counters)."""
+
+    def counter(name: str, doc: str) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=VERSION_LABELS)
+
+    success = counter("mpsd_inference_request_success", "Successful inference requests.")
+    failure = CounterMetricFamily(
+        "mpsd_inference_request_failure",
+        "Failed inference requests, by error code.",
+        labels=[*VERSION_LABELS, "reason"],
+    )
+    count = counter("mpsd_inference_count", "Inferences performed (a batch of N counts N).")
+    execs = counter("mpsd_inference_exec_count", "Model executions (a batch counts once).")
+    responses = counter(
+        "mpsd_inference_responses", "Responses sent: one per request, each of a decoupled model's."
+    )
+    request_us = counter(
+        "mpsd_inference_request_duration_us", "Cumulative end-to-end time of successful requests."
+    )
+    queue_us = counter("mpsd_inference_queue_duration_us", "Cumulative time requests waited in queue.")
+    input_us = counter(
+        "mpsd_inference_compute_input_duration_us", "Cumulative time preparing inputs (shared memory)."
+    )
+    infer_us = counter("mpsd_inference_compute_infer_duration_us", "Cumulative time running the model.")
+    output_us = counter("mpsd_inference_compute_output_duration_us", "Cumulative time extracting outputs.")
+    for mv in versions:
+        labels = [mv.name, str(mv.version)]
+        s = mv.stats
+        success.add_metric(labels, s.success.count)
+        for reason, n in sorted(s.failures_by_reason.items()):
+            failure.add_metric([*labels, reason], n)
+        count.add_metric(labels, s.inference_count)
+        execs.add_metric(labels, s.execution_count)
+        responses.add_metric(labels, s.responses)
+        request_us.add_metric(labels, _us(s.success.ns))
+        queue_us.add_metric(labels, _us(s.queue.ns))
+        input_us.add_metric(labels, _us(s.compute_input.ns))
+        infer_us.add_metric(labels, _us(s.compute_infer.ns))
+        output_us.add_metric(labels, _us(s.compute_output.ns))
+    yield from (
+        success,
+        failure,
+        count,
+        execs,
+        responses,
+        request_us,
+        queue_us,
+        input_us,
+        infer_us,
+        output_us,
+    )
+
+
+def _request_distributions(versions: list[ModelVersion]) -> Iterator[Metric]:
+    """How times and batch sizes are spread: the device's compute time and the request latency as
+    histograms, and executions by batch size."""
+    device = HistogramMetricFamily(
+        "mpsd_inference_device_compute_seconds",
+        "The device's own compute time per execution (timing events on CUDA and MPS; none on the CPU).",
+        labels=VERSION_LABELS,
+    )
+    latency = HistogramMetricFamily(
+        "mpsd_inference_request_duration_seconds",
+        "End-to-end time of successful requests (the same requests as request_duration_us).",
+        labels=VERSION_LABELS,
+    )
+    batches = CounterMetricFamily(
+        "mpsd_inference_batch_executions",
+        "Model executions by the batch size they ran (rows of every request in the batch).",
+        labels=[*VERSION_LABELS, "batch_size"],
+    )
+    for mv in versions:
+        labels = [mv.name, str(mv.version)]
+        s = mv.stats
+        if s.device_compute.count:
+            device.add_metric(labels, s.device_compute.cumulative(), s.device_compute.ns / 1e9)
+        latency.add_metric(
+            labels, cumulative_buckets(LATENCY_BUCKETS_S, s.latency_buckets), s.success.ns / 1e9
+        )
+        for size, b in sorted(s.batches.items()):
+            batches.add_metric([*labels, str(size)], b.compute_infer.count)
+    yield from (device, latency, batches)
+
+
+def _version_gauges(versions: list[ModelVersion]) -> Iterator[Metric]:
+    """Each version's state now: requests in progress, whether it can serve, how long it took to load."""
+    pending = GaugeMetricFamily(
+        "mpsd_inference_pending_request_count",
+        "Requests queued or running now.",
+        labels=VERSION_LABELS,
+    )
+    ready = GaugeMetricFamily("mpsd_model_ready", "1 when the version can serve.", labels=VERSION_LABELS)
+    load = GaugeMetricFamily(
+        "mpsd_model_load_duration_secs",
+        "How long loading and warming up the version took.",
+        labels=VERSION_LABELS,
+    )
+    for mv in versions:
+        labels = [mv.name, str(mv.version)]
+        pending.add_metric(labels, mv.inflight)
+        ready.add_metric(labels, 1 if mv.ready else 0)
+        if mv.load_duration_s is not None:
+            load.add_metric(labels, mv.load_duration_s)
+    yield from (pending, ready, load)
 
 
 class FrontCollector(Collector):

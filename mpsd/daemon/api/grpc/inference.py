@@ -6,6 +6,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any, TypeVar
 
 import grpc
@@ -17,13 +18,13 @@ from mpsd.daemon.api.grpc.calls import infer_call
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
 from mpsd.daemon.api.grpc.load import load_parameters
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
+from mpsd.daemon.api.grpc.stream import RequestStream
 from mpsd.daemon.api.grpc.trace import came_with, sampled, trace_setting
 from mpsd.daemon.api.grpc.wire_split import SplitRequest, split_request
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.tracing import Incoming
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
-from mpsd.net.tasks import TaskGroup
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -174,61 +175,28 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         to be written: past that the stream stops reading, a decoupled model is held at its next response,
         and HTTP/2 flow control holds the client back, so one stream cannot fill the daemon's memory.
         """
-        out: asyncio.Queue[Any] = asyncio.Queue(maxsize=STREAM_WINDOW)
-        window = asyncio.Semaphore(STREAM_WINDOW)
-        tasks = TaskGroup()  # the stream's requests in progress: they end with the stream
-        loop = asyncio.get_running_loop()
 
-        async def unary(
-            request: Any, before: asyncio.Future[None] | None, sent: asyncio.Future[None]
-        ) -> None:
+        def came() -> Incoming | None:
+            return came_with(context, "ModelStreamInfer") if self.ops.tracing.on else None
+
+        async def answer(request: Any) -> Any:
             try:
-                try:
-                    came = came_with(context, "ModelStreamInfer") if self.ops.tracing.on else None
-                    response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, came))
-                except MpsdError as exc:
-                    response = self._stream_error(request, exc.message)
-                except Exception as exc:
-                    log.exception("unexpected error in stream")
-                    response = self._stream_error(request, f"{type(exc).__name__}: {exc}")
-                if before is not None:
-                    await before  # request order among the ordinary models' responses
-                await out.put(response)
-            finally:
-                if not sent.done():
-                    sent.set_result(None)
-                window.release()
+                return pb.ModelStreamInferResponse(infer_response=await self._infer(request, came()))
+            except MpsdError as exc:
+                return self._stream_error(request, exc.message)
+            except Exception as exc:
+                log.exception("unexpected error in stream")
+                return self._stream_error(request, f"{type(exc).__name__}: {exc}")
 
-        async def decoupled(request: Any) -> None:
-            try:
-                came = came_with(context, "ModelStreamInfer") if self.ops.tracing.on else None
-                async for response in self._stream_responses(request, came):
-                    await out.put(response)
-            finally:
-                window.release()
-
-        async def read() -> None:
-            before: asyncio.Future[None] | None = None
-            try:
-                async for request in request_iterator:
-                    await window.acquire()
-                    if self.ops.decoupled(request.model_name, request.model_version):
-                        tasks.spawn(decoupled(request))
-                    else:
-                        sent: asyncio.Future[None] = loop.create_future()
-                        tasks.spawn(unary(request, before, sent))
-                        before = sent
-                await tasks.join()
-            finally:
-                await out.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await out.get()) is not None:
+        stream = RequestStream(
+            answer,
+            lambda request: self._stream_responses(request, came()),
+            lambda request: self.ops.decoupled(request.model_name, request.model_version),
+            STREAM_WINDOW,
+        )
+        async with aclosing(stream.responses(request_iterator)) as responses:
+            async for response in responses:
                 yield response
-        finally:
-            reader.cancel()
-            await tasks.close()
 
     async def _stream_responses(self, request: Any, came: Incoming | None) -> AsyncIterator[Any]:
         """One request to a decoupled model, as the stream's responses: each of its responses, then the

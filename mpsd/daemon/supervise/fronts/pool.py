@@ -139,75 +139,21 @@ class FrontPool:
     async def _spawn(self, index: int) -> Front:
         """Start one front and wait until it listens. On any failure, or if cancelled (the daemon
         stopping meanwhile), the process is ended and the socket closed: nothing half-started stays."""
-        loop = asyncio.get_running_loop()
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        granted = min(widen_buffers(end) for end in (parent, child))
-        if granted < SOCKET_BUFFER and not self._told_buffer_cap:
-            self._told_buffer_cap = True  # once per daemon: every link gets the same cap
-            log.info(
-                "front link socket buffers capped by the kernel: large tensors take several sends",
-                asked=SOCKET_BUFFER,
-                granted=granted,
-                hint="raise net.core.wmem_max and net.core.rmem_max (Linux) to at least the size asked",
-            )
+        parent, child = self._link_sockets()
         process: asyncio.subprocess.Process | None = None
         counts = self.counts.setdefault(index, FrontCounts())
         link = FrontLink(index, self._infer, self._on_link_lost, counts=counts)
         arena = link.arena = self._arena()
         try:
-            try:
-                process = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    FRONT_MODULE,
-                    "--fd",
-                    str(child.fileno()),
-                    "--event-loop",
-                    self._config.event_loop,
-                    "--busy-poll-us",
-                    str(self._config.busy_poll_us),
-                    pass_fds=(child.fileno(),),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.PIPE,
-                    limit=LOG_LINE_LIMIT,
-                    env=worker_base_env(),
-                )
-            finally:
-                child.close()
+            process = await self._exec_front(child)
             assert process.stderr is not None
             self._relays.spawn(relay_front_log(process.stderr, index, process.pid))
+            loop = asyncio.get_running_loop()
             transport, _ = await loop.create_unix_connection(link.protocol, sock=parent)
             link.attach(transport)
-            sent_auth, sent_tokens, sent_tls = self._config.auth, self._tokens, self._tls
-            sent_level = logs.level_name()
-            settings = FrontConfig(
-                index,
-                sent_level,  # now: LogSettings or SIGHUP may have changed it
-                self._daemon_target,
-                self._config.model_dump(mode="json"),
-                ArenaRegion(arena.name, arena.size) if arena is not None else None,
-                self._access(),
-                self.address(index),
-                not self.ports,
-            )
-            link.send(frame(Kind.CONFIG, payload=settings.encode()))
-            await asyncio.wait_for(link.ready, START_TIMEOUT_S)
-            # A SIGHUP or LogSettings while it started reached only the fronts already listening.
-            changed = (self._config.auth, self._tokens, self._tls) != (sent_auth, sent_tokens, sent_tls)
-            if changed:
-                link.send(self._auth_frame())
-            if logs.level_name() != sent_level:
-                link.send(_level_frame(logs.level_name()))
+            await self._configure(index, link, arena)
         except BaseException as exc:
-            if arena is not None:
-                arena.unlink()
-                arena.drop_fd()
-            if link.transport is not None:
-                link.transport.close()
-            else:
-                parent.close()
-            if process is not None:
-                await _end(process, 0.0)
+            await _abandon(link, parent, arena, process)
             if isinstance(exc, (FrontFailed, TimeoutError)):
                 reason = str(exc) or f"it did not listen within {START_TIMEOUT_S:g} s"
                 raise FrontFailed(f"front process {index} could not start: {reason}") from None
@@ -229,6 +175,65 @@ class FrontPool:
             busy_poll_us=link.ready.result().busy_poll_us,
         )
         return front
+
+    def _link_sockets(self) -> tuple[socket.socket, socket.socket]:
+        """The daemon's and the front's ends of a new link, with buffers as large as the kernel grants."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        granted = min(widen_buffers(end) for end in (parent, child))
+        if granted < SOCKET_BUFFER and not self._told_buffer_cap:
+            self._told_buffer_cap = True  # once per daemon: every link gets the same cap
+            log.info(
+                "front link socket buffers capped by the kernel: large tensors take several sends",
+                asked=SOCKET_BUFFER,
+                granted=granted,
+                hint="raise net.core.wmem_max and net.core.rmem_max (Linux) to at least the size asked",
+            )
+        return parent, child
+
+    async def _exec_front(self, child: socket.socket) -> asyncio.subprocess.Process:
+        """The front process, holding `child` (closed here: from now on only the front holds that end)."""
+        try:
+            return await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                FRONT_MODULE,
+                "--fd",
+                str(child.fileno()),
+                "--event-loop",
+                self._config.event_loop,
+                "--busy-poll-us",
+                str(self._config.busy_poll_us),
+                pass_fds=(child.fileno(),),
+                stdin=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                limit=LOG_LINE_LIMIT,
+                env=worker_base_env(),
+            )
+        finally:
+            child.close()
+
+    async def _configure(self, index: int, link: FrontLink, arena: Region | None) -> None:
+        """Tell a new front what to serve and wait until it listens. A SIGHUP or LogSettings while it started
+        reached only the fronts already listening: what they changed is sent to this one again."""
+        sent_auth, sent_tokens, sent_tls = self._config.auth, self._tokens, self._tls
+        sent_level = logs.level_name()
+        settings = FrontConfig(
+            index,
+            sent_level,  # now: LogSettings or SIGHUP may have changed it
+            self._daemon_target,
+            self._config.model_dump(mode="json"),
+            ArenaRegion(arena.name, arena.size) if arena is not None else None,
+            self._access(),
+            self.address(index),
+            not self.ports,
+        )
+        link.send(frame(Kind.CONFIG, payload=settings.encode()))
+        await asyncio.wait_for(link.ready, START_TIMEOUT_S)
+        changed = (self._config.auth, self._tokens, self._tls) != (sent_auth, sent_tokens, sent_tls)
+        if changed:
+            link.send(self._auth_frame())
+        if logs.level_name() != sent_level:
+            link.send(_level_frame(logs.level_name()))
 
     def address(self, index: int) -> str:
         """Where front `index` listens: grpc_address, shared, or a port of its own on that host."""
@@ -349,6 +354,21 @@ class FrontPool:
             if front.link.transport is not None:
                 front.link.transport.close()
         await self._relays.close(5.0)  # the fronts' last words (their stderr closes as they exit)
+
+
+async def _abandon(
+    link: FrontLink, parent: socket.socket, arena: Region | None, process: asyncio.subprocess.Process | None
+) -> None:
+    """Undo a front's start that failed: its arena, the daemon's end of the link, its process."""
+    if arena is not None:
+        arena.unlink()
+        arena.drop_fd()
+    if link.transport is not None:
+        link.transport.close()
+    else:
+        parent.close()
+    if process is not None:
+        await _end(process, 0.0)
 
 
 async def _end(process: asyncio.subprocess.Process, timeout_s: float) -> None:

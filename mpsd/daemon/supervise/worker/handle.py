@@ -76,6 +76,15 @@ class WorkerProcess:
         await self.channel.connect(sock, self._on_closed)
         log.info("worker started", worker=self.launch.label, pid=self.pid, kind=self.launch.kind)
         self.process.pump_output()
+        self._send_init()
+        reply = await self._await_ready(load_reply, timeout_s)
+        self.ready = reply
+        self._log_ready(reply)
+        self.liveness.watch(self.died)
+        return reply
+
+    def _send_init(self) -> None:
+        """What the worker loads and how; the fronts' arenas it inherited are mapped on this side first."""
         init = p.Init(
             self.launch.model,
             self.launch.instance,
@@ -88,6 +97,11 @@ class WorkerProcess:
         )
         self.channel.arenas.map(self.process.arenas)
         self.channel.send(init)
+
+    async def _await_ready(self, load_reply: asyncio.Future[object], timeout_s: float) -> p.Ready:
+        """The worker's Ready, its CUDA device numbered as the daemon numbers its GPUs; LoadError when the
+        load failed (the worker then exits by itself), or the worker ended, did not answer in time or
+        answered something else (it is then killed)."""
         try:
             reply = await asyncio.wait_for(asyncio.shield(load_reply), timeout_s)
         except (ConnectionError, TimeoutError) as exc:
@@ -105,7 +119,11 @@ class WorkerProcess:
         if self.launch.gpu is not None and reply.device.get("kind") == "cuda":
             # Reported as the GPU's index among the daemon's, the numbering `gpus` and metrics use.
             reply = dataclasses.replace(reply, device={**reply.device, "index": self.launch.gpu})
-        self.ready = reply
+        return reply
+
+    def _log_ready(self, reply: p.Ready) -> None:
+        """Log where the worker runs and what loading it took; warn when Triton's mps accelerator was asked
+        for and the worker is not on MPS."""
         device = reply.device
         skipped = device.get("skipped")
         extra: dict[str, object] = {"skipped_devices": skipped} if skipped else {}  # KIND_AUTO: why not a GPU
@@ -138,8 +156,6 @@ class WorkerProcess:
                 device=device.get("kind"),
                 reason=reason or "unknown",
             )
-        self.liveness.watch(self.died)
-        return reply
 
     def _hung(self, reason: str) -> None:
         """No heartbeat, or no answer in time: the worker is stopped or wedged; kill it."""
