@@ -76,7 +76,7 @@ def test_unbatched_output_is_classified_whole_and_k_is_capped() -> None:
     assert (datatype, shape, elements) == ("BYTES", (4,), ["7:2", "5:0", "5:3", "-2:1"])
 
 
-def test_class_count_zero_keeps_the_values() -> None:
+def test_other_outputs_and_class_count_zero_keep_their_values() -> None:
     scores = Version("scores", 1, config([5], max_batch_size=4), labels={"y": tuple(LABELS)})
     datatype, shape, values = _classified(scores, SCORES, "FP32", 0)
     assert (datatype, shape) == ("FP32", (2, 5))
