@@ -134,10 +134,15 @@ class Worker:
     async def next(self) -> object:
         return await asyncio.to_thread(recv_blocking, self.theirs)
 
-    def execution(self, req_id: int = 1, model: str = "caller", deadline: float | None = None) -> None:
-        self.router.begin(
-            req_id, cast(Any, p.ModelSpec)(model, 1, "", "", 0, (), ()), frozenset(), deadline, ()
-        )
+    def execution(
+        self,
+        req_id: int = 1,
+        model: str = "caller",
+        deadline: float | None = None,
+        chain: frozenset[tuple[str, int]] = frozenset(),
+    ) -> None:
+        """An execution of `model` version 1 sent to the worker, whose request came through `chain`."""
+        self.router.begin(req_id, cast(Any, p.ModelSpec)(model, 1, "", "", 0, (), ()), chain, deadline, ())
 
     def close(self) -> None:
         self.ours.close()
@@ -344,3 +349,36 @@ def test_a_streamed_call_to_a_model_that_is_not_decoupled_gets_its_one_answer_th
     part, done = run(models, body)
     assert isinstance(part, p.CallPart) and np.frombuffer(part.outputs[0].data, np.float32).tolist() == [2, 4]
     assert done == p.CallDone(7)
+
+
+def test_a_call_back_to_a_version_its_request_came_through_is_refused() -> None:
+    """An ensemble step or an earlier call made the request: calling back would wait for itself."""
+    called = Called("called", doubled)
+    models = Models(Version("called", config(), called))
+
+    async def body(worker: Worker) -> object:
+        worker.execution(chain=frozenset({("called", 1)}))
+        worker.router.received(call())
+        return await worker.next()
+
+    failed = run(models, body)
+    assert isinstance(failed, p.CallFailed) and failed.code == ErrorCode.FAILED_PRECONDITION.value
+    assert "called model 'called' version 1, which its request came through" in failed.message, failed
+    assert called.seen == []
+
+
+def test_a_worker_whose_daemon_runs_no_calls_is_refused() -> None:
+    async def body() -> object:
+        router = CallRouter(None)
+        worker = Worker(Models())
+        router.transport = cast(Any, worker)
+        try:
+            router.begin(1, cast(Any, p.ModelSpec)("caller", 1, "", "", 0, (), ()), frozenset(), None, ())
+            router.received(call())
+            return await worker.next()
+        finally:
+            worker.close()
+
+    failed = asyncio.run(body())
+    assert isinstance(failed, p.CallFailed) and failed.code == ErrorCode.UNAVAILABLE.value
+    assert failed.message == "call to model 'called' refused: this daemon runs no calls between models"
