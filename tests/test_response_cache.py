@@ -19,7 +19,6 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.config.model_file import validate_model_config
 from mpsd.daemon.api.call import InferCall, InputCall, OutputCall
 from mpsd.daemon.api.operations import Operations
-from mpsd.daemon.api.pipeline import HASH_INLINE_BYTES
 from mpsd.daemon.api.response_cache import ResponseCache, request_key
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from tests.test_pipeline import Registry, Version
@@ -40,7 +39,7 @@ class Cached:
     """Operations over `cached` and `plain`, with one response cache."""
 
     def __init__(self) -> None:
-        self.cache = ResponseCache(1 << 20)
+        self.cache = ResponseCache(16 << 20)
         self.cached = Version("cached", 1, ModelConfig.model_validate(_config(True)), fingerprint=("a", "1"))
         self.plain = Version("plain", 1, ModelConfig.model_validate(_config(False)))
         self.registry = Registry(self.cached, self.plain)
@@ -74,9 +73,9 @@ def test_a_repeated_request_is_answered_from_the_cache() -> None:
 
 
 def test_a_repeated_large_request_is_answered_from_the_cache() -> None:
-    """Inputs hashed beside the event loop make the same key."""
+    """Inputs large enough to be hashed beside the event loop (a MiB) make the same key."""
     c = Cached()
-    x = np.ones(HASH_INLINE_BYTES // 4 + 1, dtype=np.float32)
+    x = np.ones(1 << 18, dtype=np.float32)
     c.infer("cached", x)
     c.infer("cached", x)
     assert c.runs("cached") == 1 and c.cached.stats.cache_hit.count == 1
