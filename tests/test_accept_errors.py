@@ -1,18 +1,14 @@
 """Accept failures (out of file descriptors) are logged at most once a second, with the count of those held
-back: in-process with a fake clock, and for real with a daemon whose open-file limit is pinned low under
-more connections than it can take, which keeps serving once they close."""
+back, in-process with a fake clock. A real daemon out of descriptors, which keeps serving once they close,
+is test_open_files.py's."""
 
 from __future__ import annotations
 
 import errno
-import json
 import socket
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from conftest import RunningDaemon, http_request, wait_for
 from structlog.testing import capture_logs
 
 from mpsd.net.accept_errors import AcceptErrors
@@ -113,49 +109,3 @@ def test_other_exceptions_go_to_the_default_handler() -> None:
         handler(loop, other)  # type: ignore[arg-type]
         handler(loop, refused)  # type: ignore[arg-type]
     assert loop.defaulted == [other, refused] and logs == []
-
-
-# ---- for real ---------------------------------------------------------------------------------------------
-
-CONNECTIONS = 150  # a daemon of 64 descriptors holds about 40 of them; the rest wait in the accept queue
-
-
-def events(daemon: RunningDaemon) -> list[dict[str, Any]]:
-    found = []
-    for line in daemon.log().splitlines():
-        if line.startswith("{"):
-            event = json.loads(line)
-            if event.get("event") == EVENT:
-                found.append(event)
-    return found
-
-
-def test_a_daemon_out_of_descriptors_logs_it_a_bounded_number_of_times_and_serves_again(
-    tmp_path: Path, start_daemon
-) -> None:  # type: ignore[no-untyped-def]
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    config = tmp_path / "mpsd.yaml"
-    config.write_text("open_files: 64\n")  # not raised beyond where it starts
-    daemon = start_daemon(repo, config=config, open_files_soft=64)
-    daemon.wait_ready()
-    host, _, port = daemon.http_address.rpartition(":")
-    started = time.monotonic()
-    held = [socket.create_connection((host, int(port)), timeout=30) for _ in range(CONNECTIONS)]
-    try:
-        # the failures of asyncio's first pass over its backlog, held back and told at the interval's end
-        wait_for(lambda: any(e["suppressed"] > 0 for e in events(daemon)), 30, f"{EVENT} with a count")
-    finally:
-        for sock in held:
-            sock.close()
-    wait_for(
-        lambda: http_request(daemon.http_address, "GET", "/v2/health/live", timeout=5)[0] == 200,
-        60,
-        "the daemon serving HTTP again",
-    )
-    assert daemon.client.is_server_live()
-    elapsed = time.monotonic() - started
-    told = events(daemon)
-    assert ASYNCIO_LINE not in daemon.log()  # asyncio's own handler, a traceback per failure, never ran
-    assert len(told) <= elapsed + 2, (len(told), elapsed)  # one a second at most (and the last count)
-    assert told[0]["errno"] == "EMFILE" and told[0]["address"] == daemon.http_address

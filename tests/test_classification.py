@@ -1,22 +1,26 @@
-"""The classification extension through the real daemon with the stock tritonclient (gRPC and HTTP): top-K
-classes as "value:index:label" strings, row by row for a batched model and whole for an unbatched one,
-labels from the output's label file; and the label file's own failures, which fail that model's load."""
+"""The classification extension in one process (api/classification.py through the pipeline, `Operations`,
+over a fake registry whose model versions have fake data planes answering with the input): top-K classes as
+"value:index:label" strings, row by row for a batched model and whole for an unbatched one, labels from the
+output's label file; and the label file's own failures, which fail that model's load. The extension over
+the wire (tritonclient's `class_count`, gRPC and HTTP) is test_infer.py's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import struct
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 import yaml
-from tritonclient.utils import InferenceServerException
 
 from mpsd.config.repository import load_model_source
+from mpsd.daemon.api.call import InferCall, InputCall, OutputCall, Param
+from mpsd.daemon.api.operations import Operations
+from mpsd.errors import ErrorCode, MpsdError
 from tests import models
-from tests.conftest import RunningDaemon, serving
+from tests.test_pipeline import Registry, Version, config
 
 LABELS = ["cat", "dog", "", "bird"]  # index 2 has an empty label, index 4 none at all
 
@@ -28,17 +32,6 @@ def _with_labels(model_dir: Path, labels: list[str]) -> None:
     (model_dir / "labels.txt").write_text("".join(f"{label}\n" for label in labels))
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    tmp = tmp_path_factory.mktemp("classification")
-    repo = tmp / "repo"
-    _with_labels(models.identity(repo, "scores", "TYPE_FP32", [5], max_batch_size=4), LABELS)
-    models.identity(repo, "counts", "TYPE_INT32", [2, 2])
-    models.identity(repo, "halves", "TYPE_FP16", [3])
-    with serving(repo, tmp / "daemon.log") as d:
-        yield d
-
-
 SCORES = np.array([[0.1, 0.7, 0.2, 0.7, 0.05], [3.0, -1.0, 2.5, 0.0, 9.25]], dtype=np.float32)
 # Descending, equal values lowest index first; values as C++'s std::to_string writes them.
 TOP3 = [
@@ -47,52 +40,62 @@ TOP3 = [
 ]
 
 
-def test_grpc_top_classes_of_each_row_with_labels(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
-    x = grpcclient.InferInput("IN", list(SCORES.shape), "FP32")
-    x.set_data_from_numpy(SCORES)
-    result = client.infer("scores", [x], outputs=[grpcclient.InferRequestedOutput("OUT", class_count=3)])
-    out = result.as_numpy("OUT")
-    assert result.get_output("OUT").datatype == "BYTES" and out.shape == (2, 3)
-    assert [[e.decode() for e in row] for row in out] == TOP3
+def _classified(
+    version: Version, x: np.ndarray, datatype: str, count: int
+) -> tuple[str, tuple[int, ...], Any]:
+    """The output `y` of `x` through the pipeline with `count` classes asked for: its datatype, shape and
+    elements (strings, or the values when it is not classified)."""
+    ops = Operations(cast(Any, Registry(version)), lambda: False)
+    wanted = OutputCall("y", {"classification": Param("int64", count)})
+    call = InferCall(
+        version.name, "", "r", {}, (InputCall("x", datatype, x.shape),), (wanted,), (x.tobytes(),)
+    )
+    out = asyncio.run(ops.infer(call)).result.outputs[0]
+    if out.datatype != "BYTES":
+        return out.datatype, out.shape, np.frombuffer(out.data, x.dtype).reshape(out.shape)
+    data, strings = bytes(out.data), []
+    while data:
+        (n,) = struct.unpack_from("<I", data)
+        strings.append(data[4 : 4 + n].decode())
+        data = data[4 + n :]
+    return out.datatype, out.shape, strings
 
 
-def test_http_top_classes_as_json_and_binary(daemon: RunningDaemon) -> None:
-    client = httpclient.InferenceServerClient(daemon.http_address)
-    x = httpclient.InferInput("IN", list(SCORES.shape), "FP32")
-    x.set_data_from_numpy(SCORES)
-    for binary in (False, True):
-        wanted = httpclient.InferRequestedOutput("OUT", binary_data=binary, class_count=3)
-        out = client.infer("scores", [x], outputs=[wanted]).as_numpy("OUT")
-        got = [[e.decode() if isinstance(e, bytes) else e for e in row] for row in out]
-        assert got == TOP3, binary
+def test_top_classes_of_each_row_with_labels() -> None:
+    scores = Version("scores", 1, config([5], max_batch_size=4), labels={"y": tuple(LABELS)})
+    datatype, shape, elements = _classified(scores, SCORES, "FP32", 3)
+    assert (datatype, shape) == ("BYTES", (2, 3))
+    assert [elements[:3], elements[3:]] == TOP3
 
 
-def test_unbatched_output_is_classified_whole_and_k_is_capped(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
+def test_unbatched_output_is_classified_whole_and_k_is_capped() -> None:
     counts = np.array([[5, -2], [7, 5]], dtype=np.int32)
-    x = grpcclient.InferInput("IN", [2, 2], "INT32")
-    x.set_data_from_numpy(counts)
-    result = client.infer("counts", [x], outputs=[grpcclient.InferRequestedOutput("OUT", class_count=10)])
-    assert [e.decode() for e in result.as_numpy("OUT")] == ["7:2", "5:0", "5:3", "-2:1"]
+    datatype, shape, elements = _classified(
+        Version("counts", 1, config([2, 2], "TYPE_INT32")), counts, "INT32", 10
+    )
+    assert (datatype, shape, elements) == ("BYTES", (4,), ["7:2", "5:0", "5:3", "-2:1"])
 
 
-def test_other_outputs_and_class_count_zero_keep_their_values(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
-    x = grpcclient.InferInput("IN", list(SCORES.shape), "FP32")
-    x.set_data_from_numpy(SCORES)
-    result = client.infer("scores", [x], outputs=[grpcclient.InferRequestedOutput("OUT", class_count=0)])
-    np.testing.assert_array_equal(result.as_numpy("OUT"), SCORES)
+def test_other_outputs_and_class_count_zero_keep_their_values() -> None:
+    scores = Version("scores", 1, config([5], max_batch_size=4), labels={"y": tuple(LABELS)})
+    datatype, shape, values = _classified(scores, SCORES, "FP32", 0)
+    assert (datatype, shape) == ("FP32", (2, 5))
+    np.testing.assert_array_equal(values, SCORES)
 
 
-def test_a_type_triton_does_not_classify_is_refused_with_its_message(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
-    x = grpcclient.InferInput("IN", [3], "FP16")
-    x.set_data_from_numpy(np.ones(3, dtype=np.float16))
-    with pytest.raises(InferenceServerException) as info:
-        client.infer("halves", [x], outputs=[grpcclient.InferRequestedOutput("OUT", class_count=1)])
-    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
-    assert info.value.message() == "class result not available for output due to unsupported type 'FP16'"
+def test_a_type_triton_does_not_classify_is_refused_with_its_message() -> None:
+    halves = Version("halves", 1, config([3], "TYPE_FP16"))
+    with pytest.raises(MpsdError) as info:
+        _classified(halves, np.ones(3, dtype=np.float16), "FP16", 1)
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert info.value.message == "class result not available for output due to unsupported type 'FP16'"
+
+
+def test_a_negative_class_count_is_refused() -> None:
+    with pytest.raises(MpsdError) as info:
+        _classified(Version("counts", 1, config([2], "TYPE_INT32")), np.ones(2, np.int32), "INT32", -1)
+    assert info.value.code == ErrorCode.INVALID_ARGUMENT
+    assert "parameter 'classification' must be a non-negative integer" in info.value.message
 
 
 def test_label_file_problems_fail_the_model_naming_the_field(tmp_path: Path) -> None:

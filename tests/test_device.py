@@ -101,22 +101,6 @@ def test_auto_falls_back_to_cpu_without_a_gpu() -> None:
     assert explicit.skipped == {}
 
 
-@no_gpu_here
-def test_the_daemon_logs_which_devices_kind_auto_passed_over(tmp_path: Path) -> None:
-    import json
-
-    from tests import models
-    from tests.conftest import serving
-
-    repo = tmp_path / "repo"
-    models.add_sub(repo, instance_group=[{"kind": "KIND_AUTO", "count": 1}])
-    with serving(repo, tmp_path / "daemon.log") as daemon:
-        events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
-    (ready,) = [e for e in events if e["event"] == "worker ready"]
-    assert ready["device"] == "cpu"
-    assert set(ready["skipped_devices"]) == {"mps", "cuda"}, ready
-
-
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown instance kind 'KIND_TPU'"):
         select_device("KIND_TPU", None)

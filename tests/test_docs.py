@@ -1,5 +1,5 @@
 """The documentation stays true: every config field is documented with its real default, every link
-resolves, and the README quickstart runs as written against a real daemon."""
+resolves, and the README quickstart and the docs' curl examples run as written against a real daemon."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.model_config import ModelConfig
-from tests.conftest import ROOT, RunningDaemon, serving
+from tests.conftest import ROOT, RunningDaemon, free_port, serving
 
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
@@ -162,13 +162,21 @@ def shell_line(line: str, address: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def example_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    """What `make run` serves: the example repository with its models built, here on a free port."""
+def example(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, str]]:
+    """What `make run` serves: the example repository with its models built, here on free ports; the
+    daemon and its metrics address."""
     repo = tmp_path_factory.mktemp("quickstart") / "models"
     shutil.copytree(ROOT / "config" / "models", repo, ignore=shutil.ignore_patterns("*.pt", "*.pt2"))
     subprocess.run([sys.executable, "-m", "mpsd.examples", str(repo)], check=True, capture_output=True)
-    with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as daemon:
-        yield daemon
+    metrics = f"127.0.0.1:{free_port()}"
+    log = tmp_path_factory.mktemp("log") / "daemon.log"
+    with serving(repo, log, extra_args=["--metrics-address", metrics]) as daemon:
+        yield daemon, metrics
+
+
+@pytest.fixture
+def example_daemon(example: tuple[RunningDaemon, str]) -> RunningDaemon:
+    return example[0]
 
 
 def test_readme_quickstart_runs(example_daemon: RunningDaemon, tmp_path: Path) -> None:
@@ -252,3 +260,43 @@ def test_every_module_compiles_with_the_oldest_python_supported() -> None:
     *errors, version = done.stdout.splitlines()
     assert version == str(tuple(int(n) for n in floor.split("."))), version
     assert not errors, "\n".join(errors)
+
+
+# ---- curl examples ---------------------------------------------------------------------------------------
+# Every `curl` line of the `sh` blocks of docs/api.md and docs/observability.md runs as written against the
+# example daemon, pointed at its addresses.
+
+HTTP, METRICS = "127.0.0.1:8000", "127.0.0.1:8002"  # the addresses the examples name
+needs_curl = pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+
+
+def curl_lines(page: Path) -> list[str]:
+    text = page.read_text()
+    blocks = re.findall(r"^```sh\n(.*?)^```", text, re.MULTILINE | re.DOTALL)
+    return [
+        line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("curl ")
+    ]
+
+
+def test_the_docs_have_curl_examples() -> None:
+    assert len(curl_lines(DOCS / "api.md")) >= 4
+    assert len(curl_lines(DOCS / "observability.md")) >= 4
+
+
+@needs_curl
+@pytest.mark.parametrize("page", ["api.md", "observability.md"])
+def test_curl_examples_run(example: tuple[RunningDaemon, str], page: str) -> None:
+    daemon, metrics = example
+    outputs = {}
+    for line in curl_lines(DOCS / page):
+        command = line.replace(HTTP, daemon.http_address).replace(METRICS, metrics)
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"{line}\n{done.stdout}\n{done.stderr}"
+        assert done.stdout.strip(), f"{line} printed nothing"
+        assert '"error"' not in done.stdout, f"{line}\n{done.stdout}"
+        outputs[line] = done.stdout
+    if page == "api.md":
+        assert any('"data":[2.5,5.0,7.5]' in out for out in outputs.values()), outputs
+    else:
+        codes = [out.strip() for out in outputs.values() if out.strip().isdigit()]
+        assert codes and set(codes) == {"200"}, outputs

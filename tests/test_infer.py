@@ -16,6 +16,8 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import yaml
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -49,6 +51,24 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
             raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')
         return {'y': inputs['x']}
         """,
+    )
+    scores = models.identity(repo, "scores", "TYPE_FP32", [5], max_batch_size=4)
+    config = yaml.safe_load((scores / "config.yaml").read_text())
+    config["output"][0]["label_filename"] = "labels.txt"
+    models.write_config(scores, config)
+    (scores / "labels.txt").write_text("cat\ndog\n\nbird\n")
+    f = {"data_type": "TYPE_FP32", "dims": [-1]}
+    models.python_model(
+        repo,
+        "cached",
+        "return {'y': inputs['x'] * 2}",
+        config={
+            "backend": "python",
+            "max_batch_size": 0,
+            "input": [{"name": "x", **f}],
+            "output": [{"name": "y", **f}],
+            "response_cache": {"enable": True},
+        },
     )
     with serving(repo, tmp_path_factory.mktemp("log") / "daemon.log") as d:
         yield d
@@ -444,3 +464,65 @@ def test_the_log_is_json_lines_when_stderr_is_not_a_terminal(daemon: RunningDaem
     assert all(isinstance(e, dict) and "event" in e and "level" in e for e in events)
     listening = [e for e in events if e["event"] == "listening"]  # docs/troubleshooting.md: names the address
     assert len(listening) == 1 and daemon.address in json.dumps(listening[0])
+
+
+SCORES = np.array([[0.1, 0.7, 0.2, 0.7, 0.05], [3.0, -1.0, 2.5, 0.0, 9.25]], dtype=np.float32)
+# The classification extension (test_classification.py has its cases): tritonclient's class_count, as
+# each protocol carries it; labels from the output's label file (index 2's is empty, index 4 has none).
+TOP3 = [
+    ["0.700000:1:dog", "0.700000:3:bird", "0.200000:2"],
+    ["9.250000:4", "3.000000:0:cat", "2.500000:2"],
+]
+
+
+def test_grpc_top_classes_of_each_row_with_labels(daemon: RunningDaemon) -> None:
+    client = grpcclient.InferenceServerClient(daemon.address)
+    x = grpcclient.InferInput("IN", list(SCORES.shape), "FP32")
+    x.set_data_from_numpy(SCORES)
+    result = client.infer("scores", [x], outputs=[grpcclient.InferRequestedOutput("OUT", class_count=3)])
+    out = result.as_numpy("OUT")
+    assert result.get_output("OUT").datatype == "BYTES" and out.shape == (2, 3)
+    assert [[e.decode() for e in row] for row in out] == TOP3
+
+
+def test_http_top_classes_as_json_and_binary(daemon: RunningDaemon) -> None:
+    client = httpclient.InferenceServerClient(daemon.http_address)
+    x = httpclient.InferInput("IN", list(SCORES.shape), "FP32")
+    x.set_data_from_numpy(SCORES)
+    for binary in (False, True):
+        wanted = httpclient.InferRequestedOutput("OUT", binary_data=binary, class_count=3)
+        out = client.infer("scores", [x], outputs=[wanted]).as_numpy("OUT")
+        got = [[e.decode() if isinstance(e, bytes) else e for e in row] for row in out]
+        assert got == TOP3, binary
+
+
+def _cache_counts(client: grpcclient.InferenceServerClient) -> tuple[int, int, int]:
+    stats = client.get_inference_statistics("cached", as_json=True)["model_stats"][0]
+    inference = stats["inference_stats"]
+    return (
+        int(stats.get("execution_count", 0)),
+        int(inference.get("cache_hit", {}).get("count", 0)),
+        int(inference.get("cache_miss", {}).get("count", 0)),
+    )
+
+
+def test_a_repeated_request_is_answered_from_the_response_cache_over_both_protocols(
+    daemon: RunningDaemon,
+) -> None:
+    """The cache's cases are test_response_cache.py's; here: a hit over either protocol, in the statistics."""
+    client = grpcclient.InferenceServerClient(daemon.address)
+    x = np.arange(6, dtype=np.float32)
+    results = []
+    for module, c in (
+        (grpcclient, client),
+        (httpclient, httpclient.InferenceServerClient(daemon.http_address)),
+    ):
+        tensor = module.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        for _ in range(2 if module is grpcclient else 1):
+            results.append(c.infer("cached", [tensor]).as_numpy("y"))
+            if len(results) == 1:
+                executions, hits, misses = _cache_counts(client)
+    for y in results:
+        np.testing.assert_array_equal(y, x * 2)
+    assert _cache_counts(client) == (executions, hits + 2, misses)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
@@ -341,3 +344,14 @@ def test_log_settings_change_the_level_at_runtime(
             c.update_log_settings(bad)
         assert err.value.status() == "StatusCode.INVALID_ARGUMENT", bad
     assert c.get_log_settings(as_json=True)["settings"]["log_info"] == {"bool_param": True}
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="a GPU is present")
+def test_the_daemon_logs_which_devices_kind_auto_passed_over(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    models.add_sub(repo, instance_group=[{"kind": "KIND_AUTO", "count": 1}])
+    with serving(repo, tmp_path / "daemon.log") as daemon:
+        events = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+    (ready,) = [e for e in events if e["event"] == "worker ready"]
+    assert ready["device"] == "cpu"
+    assert set(ready["skipped_devices"]) == {"mps", "cuda"}, ready

@@ -1,6 +1,8 @@
 """The daemon's open-file limit: raised at start towards `open_files`, within the hard limit and macOS's
 OPEN_MAX (checked here with darwin's facts and a fake getrlimit/setrlimit), and for real: a daemon started
-under macOS's 256 serves more connections at once than 256 descriptors hold."""
+under macOS's 256 serves more connections at once than 256 descriptors hold, and one whose limit is pinned
+low under more connections than it can take logs its accept failures a bounded number of times and serves
+again once they close."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ import contextlib
 import errno
 import json
 import resource
+import socket
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import RunningDaemon
+from conftest import RunningDaemon, http_request, wait_for
 
 from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
@@ -152,3 +157,55 @@ def test_a_daemon_started_under_256_serves_300_http_connections_and_60_grpc_chan
     finally:
         for client in clients:
             client.close()
+
+
+# ---- out of descriptors: accept failures, logged at most once a second (test_accept_errors.py) -----------
+
+ACCEPT_FAILED = "accepting connections failed"
+ASYNCIO_LINE = "socket.accept() out of system resource"  # what asyncio's own handler writes, each time
+CONNECTIONS = 150  # a daemon of 64 descriptors holds about 40 of them; the rest wait in the accept queue
+
+
+def accept_failures(daemon: RunningDaemon) -> list[dict[str, Any]]:
+    found = []
+    for line in daemon.log().splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event.get("event") == ACCEPT_FAILED:
+                found.append(event)
+    return found
+
+
+def test_a_daemon_out_of_descriptors_logs_it_a_bounded_number_of_times_and_serves_again(
+    tmp_path: Path, start_daemon
+) -> None:  # type: ignore[no-untyped-def]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("open_files: 64\n")  # not raised beyond where it starts
+    daemon = start_daemon(repo, config=config, open_files_soft=64)
+    daemon.wait_ready()
+    host, _, port = daemon.http_address.rpartition(":")
+    started = time.monotonic()
+    held = [socket.create_connection((host, int(port)), timeout=30) for _ in range(CONNECTIONS)]
+    try:
+        # the failures of asyncio's first pass over its backlog, held back and told at the interval's end
+        wait_for(
+            lambda: any(e["suppressed"] > 0 for e in accept_failures(daemon)),
+            30,
+            f"{ACCEPT_FAILED} with a count",
+        )
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(
+        lambda: http_request(daemon.http_address, "GET", "/v2/health/live", timeout=5)[0] == 200,
+        60,
+        "the daemon serving HTTP again",
+    )
+    assert daemon.client.is_server_live()
+    elapsed = time.monotonic() - started
+    told = accept_failures(daemon)
+    assert ASYNCIO_LINE not in daemon.log()  # asyncio's own handler, a traceback per failure, never ran
+    assert len(told) <= elapsed + 2, (len(told), elapsed)  # one a second at most (and the last count)
+    assert told[0]["errno"] == "EMFILE" and told[0]["address"] == daemon.http_address

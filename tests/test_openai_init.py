@@ -1,7 +1,8 @@
 """`mpsd init-model --openai`: from a Hugging Face model folder to an OpenAI endpoint in one command. The
 folders are real (a WordPiece tokenizer and a small BERT; a word-level tokenizer with a chat template and a
 small GPT-2, random weights, built here); the written models serve, through the official `openai` client,
-what transformers computes from the same folders in this process."""
+what transformers computes from the same folders in this process, and the chat model's stream never shows
+a stop string that spans two tokens."""
 
 from __future__ import annotations
 
@@ -190,3 +191,30 @@ def test_init_model_refuses_what_does_not_apply(tmp_path: Path) -> None:
     assert done.returncode != 0 and "no config.json" in done.stderr
     done = init_model("x", "--openai", "chat", "--from", str(tmp_path), "--aoti", "cpu")
     assert done.returncode != 0 and "--aoti" in done.stderr
+
+
+STOP_TOKENS = 10
+
+
+def test_a_stop_string_across_two_tokens_is_never_streamed(written: Written) -> None:
+    """Streamed from the chat model: the text that may begin a stop string is held back until the next
+    token says whether it does, so no part of the stop string is ever streamed, and the answer ends right
+    before it with finish_reason "stop"."""
+    client = written.client
+    expected = _greedy(written.gpt, MESSAGES, STOP_TOKENS)
+    words = expected.split(" ")
+    assert len(words) >= 6, expected
+    stop = words[3] + " " + words[4]  # two words: two tokens of the word-level tokenizer
+    before = expected[: expected.index(stop)]
+    stream = client.chat.completions.create(
+        model="assistant",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=STOP_TOKENS,
+        temperature=0,
+        stop=[stop],
+        stream=True,
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    streamed = "".join(c.delta.content or "" for c in chunks)
+    assert streamed == before, (streamed, stop)
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["stop"]

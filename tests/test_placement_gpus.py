@@ -4,6 +4,7 @@ Where each worker runs is read from what the worker reports (ListWorkers: its de
 daemon's numbering of its GPUs) and, where nvidia-smi lists the workers' processes, from the driver
 (compute apps by pid). A worker's environment cannot tell: the worker's process title rewrites the memory
 /proc/PID/environ reads. The readings run here on a CPU worker; the placement itself needs two GPUs.
+CPU workers' own placement on real workers too: a model's thread count, and a pinned daemon's cores.
 """
 
 from __future__ import annotations
@@ -124,3 +125,50 @@ def test_an_unpinned_gpu_model_gets_an_instance_on_every_gpu(tmp_path: Path) -> 
     finally:
         daemon.stop()
         daemon.kill_group()
+
+
+def test_a_real_worker_runs_with_the_models_thread_count(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """End to end: the parameter reaches torch in the worker process (the model reports its thread count)."""
+    repo = tmp_path / "repo"
+    for name, threads in (("one", "1"), ("two", "2")):
+        models.python_model(
+            repo,
+            name,
+            "return {'y': torch.full_like(inputs['x'], float(torch.get_num_threads()))}",
+            instance_group=[{"kind": "KIND_CPU", "count": 1}],
+            parameters={"intra_op_thread_count": threads},
+        )
+    daemon = start_daemon(repo)
+    daemon.wait_ready()
+    for name, threads in (("one", 1.0), ("two", 2.0)):
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.zeros(2, np.float32))
+        assert daemon.client.infer(name, [inp]).as_numpy("y").tolist() == [threads, threads]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or "OMP_NUM_THREADS" in os.environ,
+    reason="needs sched_setaffinity (Linux), 2 CPUs to pin to 1, and torch's default thread count",
+)
+def test_a_pinned_daemons_cpu_worker_runs_torch_on_the_daemons_cores(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A daemon started on one CPU of several (as under `taskset -c`): a CPU model with no thread count of
+    its own runs torch on one thread, the CPUs the worker may use, not one per CPU of the machine."""
+    repo = tmp_path / "repo"
+    models.python_model(
+        repo,
+        "threads",
+        "return {'y': torch.full_like(inputs['x'], float(torch.get_num_threads()))}",
+        instance_group=[{"kind": "KIND_CPU", "count": 1}],
+    )
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # this thread only; the daemon started from it inherits it
+    try:
+        daemon = start_daemon(repo)
+    finally:
+        os.sched_setaffinity(0, mine)
+    daemon.wait_ready()
+    inp = grpcclient.InferInput("x", [2], "FP32")
+    inp.set_data_from_numpy(np.zeros(2, np.float32))
+    assert daemon.client.infer("threads", [inp]).as_numpy("y").tolist() == [1.0, 1.0]

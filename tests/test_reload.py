@@ -1,4 +1,5 @@
-"""Hot reload: the repository changes under load and mpsd follows without dropping a request."""
+"""Hot reload: the repository changes under load and mpsd follows without dropping a request; a repository
+given through a symlink is watched too (its real-path events are placed in it: test_watch_symlink.py)."""
 
 from __future__ import annotations
 
@@ -412,3 +413,19 @@ def test_triggers_during_a_reconcile_coalesce_into_one_more_run() -> None:
         return calls, most
 
     assert asyncio.run(asyncio.wait_for(scenario(), 30)) == (2, 1)
+
+
+def test_a_model_added_to_a_symlinked_repository_after_start_is_loaded(start_daemon, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    real = tmp_path / "real"
+    models.add_sub(real, name="first", dims=4)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text("reload_quiet_period_s: 0.3\nmetrics_address: ''\n")
+    daemon: RunningDaemon = start_daemon(link, config=config)
+    daemon.wait_ready()
+    staging = tmp_path / "staging"
+    models.add_sub(staging, name="second", dims=4)
+    os.rename(staging / "second", real / "second")
+    wait_for(lambda: daemon.client.is_model_ready("second"), 120, f"the added model to load\n{daemon.log()}")
+    assert "repository watcher stopped" not in daemon.log()

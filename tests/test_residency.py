@@ -2,7 +2,8 @@
 least recently used idle model, never a pinned or busy one, refuse what cannot fit with the figures.
 
 Footprints are declared (`residency.footprint_bytes`) and the CPU budget is given in bytes, so which model
-goes is decided by the test's numbers, not by this machine's memory.
+goes is decided by the test's numbers, not by this machine's memory. The per-device memory budget of
+memory fractions is checked before any worker of a model starts: refused or warned about, as configured.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,3 +356,36 @@ def test_explicit_unload_and_load_work_on_models_that_load_on_demand(strict: Run
     with pytest.raises(InferenceServerException) as err:
         strict.client.load_model("x")  # y and z are young: no room
     assert "min_residency_s 600" in str(err.value.message())
+
+
+# ---- the per-device memory budget, checked before any worker of a model starts -------------------------
+
+
+def two_models(repo: Path, fraction: float) -> None:
+    # KIND_AUTO on Linux counts against cuda:0 (and runs on the CPU here, where no GPU exists).
+    group = [{"kind": "KIND_AUTO", "count": 1, "memory_fraction": fraction}]
+    models.add_sub(repo, "first", instance_group=group)
+    models.add_sub(repo, "second", instance_group=group)
+
+
+@pytest.mark.parametrize("policy", ["refuse", "warn"])
+def test_fractions_over_one_device(
+    tmp_path: Path, start_daemon: Callable[..., RunningDaemon], policy: str
+) -> None:
+    repo = tmp_path / "repo"
+    two_models(repo, 0.6)
+    config = tmp_path / "mpsd.yaml"
+    config.write_text(yaml.safe_dump({"memory_budget_policy": policy, "metrics_address": ""}))
+    daemon = start_daemon(repo, config=config)
+    daemon.wait_models_settled()
+    rows = {r["name"]: r for r in daemon.client.get_model_repository_index(as_json=True)["models"]}
+    if policy == "refuse":
+        refused = [r for r in rows.values() if r["state"] == "UNAVAILABLE"]
+        assert len(refused) == 1, rows  # the model that would overcommit the device is refused
+        reason = refused[0]["reason"]
+        assert "memory fractions add up to 1.2" in reason
+        assert "first/1" in reason and "second/1" in reason
+        assert sum(r["state"] == "READY" for r in rows.values()) == 1
+    else:
+        assert all(r["state"] == "READY" for r in rows.values()), rows
+        assert "memory budget exceeded" in daemon.log()

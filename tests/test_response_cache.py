@@ -1,27 +1,27 @@
-"""The response cache through the real daemon with the stock tritonclient: a repeated request is answered
-without running the model (its execution count does not move, Triton's cache_hit counts it), a changed
-byte or other requested outputs are not, a model without `response_cache` never is, and a reloaded version
-does not answer from its predecessor's entries."""
+"""The response cache through the pipeline in one process (api/pipeline.py and core/response_cache.py, through
+`Operations` over a fake registry whose versions have fake data planes): a repeated request is answered
+without reaching the model's plane (the version's cache_hit counts it), a changed byte or other requested
+outputs are not, a model without `response_cache` never is, and a reloaded version does not answer from
+its predecessor's entries. The cache's own bounds are test_response_cache_bounds.py's; a repeated request
+over gRPC and HTTP answered from the cache is test_infer.py's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 
+from mpsd.config.model_config import ModelConfig
 from mpsd.config.model_file import validate_model_config
-from mpsd.daemon.core.response_cache import request_key
+from mpsd.daemon.api.call import InferCall, InputCall, OutputCall
+from mpsd.daemon.api.operations import Operations
+from mpsd.daemon.core.response_cache import ResponseCache, request_key
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
-from tests import models
-from tests.conftest import RunningDaemon, serving
-
-BODY = "return {'y': inputs['x'] * 2, 'z': inputs['x'] + 1}"
+from tests.test_pipeline import Registry, Version
 
 
 def _config(cache: bool) -> dict[str, Any]:
@@ -35,81 +35,82 @@ def _config(cache: bool) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    tmp = tmp_path_factory.mktemp("cache")
-    repo = tmp / "repo"
-    models.python_model(repo, "cached", BODY, config=_config(True))
-    models.python_model(repo, "plain", BODY, config=_config(False))
-    with serving(repo, tmp / "daemon.log") as d:
-        yield d
+class Cached:
+    """Operations over `cached` and `plain`, with one response cache."""
+
+    def __init__(self) -> None:
+        self.cache = ResponseCache(16 << 20)
+        self.cached = Version("cached", 1, ModelConfig.model_validate(_config(True)), fingerprint=("a", "1"))
+        self.plain = Version("plain", 1, ModelConfig.model_validate(_config(False)))
+        self.registry = Registry(self.cached, self.plain)
+        self.ops = Operations(cast(Any, self.registry), lambda: False, response_cache=self.cache)
+
+    def infer(self, model: str, x: np.ndarray, outputs: tuple[str, ...] = ("y", "z")) -> list[bytes]:
+        call = InferCall(
+            model,
+            "",
+            "r",
+            {},
+            (InputCall("x", "FP32", x.shape),),
+            tuple(OutputCall(o) for o in outputs),
+            (x.tobytes(),),
+        )
+        return [bytes(o.data) for o in asyncio.run(self.ops.infer(call)).result.outputs]
+
+    def runs(self, model: str) -> int:
+        return len(self.registry.served[model][1].plane.seen)
 
 
-def _counts(client: grpcclient.InferenceServerClient, model: str) -> tuple[int, int, int]:
-    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    inference = stats["inference_stats"]
-    return (
-        int(stats.get("execution_count", 0)),
-        int(inference.get("cache_hit", {}).get("count", 0)),
-        int(inference.get("cache_miss", {}).get("count", 0)),
+def test_a_repeated_request_is_answered_from_the_cache() -> None:
+    c = Cached()
+    x = np.arange(6, dtype=np.float32)
+    first = c.infer("cached", x)
+    assert c.runs("cached") == 1 and c.cached.stats.cache_miss.count == 1
+    assert c.infer("cached", x) == first == c.infer("cached", x.copy())
+    assert (
+        c.runs("cached") == 1 and c.cached.stats.cache_hit.count == 2 and c.cached.stats.cache_miss.count == 1
     )
 
 
-def _infer(
-    client: Any, module: Any, model: str, x: np.ndarray, outputs: tuple[str, ...] = ("y", "z")
-) -> list[Any]:
-    tensor = module.InferInput("x", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x)
-    result = client.infer(model, [tensor], outputs=[module.InferRequestedOutput(o) for o in outputs])
-    return [result.as_numpy(o) for o in outputs]
+def test_a_repeated_large_request_is_answered_from_the_cache() -> None:
+    """Inputs large enough to be hashed beside the event loop (a MiB) make the same key."""
+    c = Cached()
+    x = np.ones(1 << 18, dtype=np.float32)
+    c.infer("cached", x)
+    c.infer("cached", x)
+    assert c.runs("cached") == 1 and c.cached.stats.cache_hit.count == 1
 
 
-def test_a_repeated_request_is_answered_from_the_cache(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
-    x = np.arange(6, dtype=np.float32)
-    first = _infer(client, grpcclient, "cached", x)
-    executions, hits, misses = _counts(client, "cached")
-    for module, other in (
-        (grpcclient, client),
-        (httpclient, httpclient.InferenceServerClient(daemon.http_address)),
-    ):
-        again = _infer(other, module, "cached", x)
-        for a, b in zip(first, again, strict=True):
-            np.testing.assert_array_equal(a, b)
-    assert _counts(client, "cached") == (executions, hits + 2, misses)
-
-
-def test_a_changed_byte_or_other_outputs_run_the_model(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
+def test_a_changed_byte_or_other_outputs_run_the_model() -> None:
+    c = Cached()
     x = np.full(4, 7.0, dtype=np.float32)
-    _infer(client, grpcclient, "cached", x)
-    executions, hits, _ = _counts(client, "cached")
+    c.infer("cached", x)
     changed = x.copy()
     changed.view(np.uint8)[0] ^= 1
-    (y,) = _infer(client, grpcclient, "cached", changed, ("y",))
-    np.testing.assert_array_equal(y, changed * 2)
-    _infer(client, grpcclient, "cached", x, ("z",))
-    assert _counts(client, "cached")[:2] == (executions + 2, hits)
+    (y,) = c.infer("cached", changed, ("y",))
+    assert y == changed.tobytes()  # the fake plane answers its input
+    c.infer("cached", x, ("z",))
+    assert c.runs("cached") == 3 and c.cached.stats.cache_hit.count == 0
 
 
-def test_a_model_without_the_cache_runs_every_time(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
+def test_a_model_without_the_cache_runs_every_time() -> None:
+    c = Cached()
     x = np.ones(3, dtype=np.float32)
-    before = _counts(client, "plain")[0]
     for _ in range(3):
-        _infer(client, grpcclient, "plain", x)
-    assert _counts(client, "plain") == (before + 3, 0, 0)
+        c.infer("plain", x)
+    assert c.runs("plain") == 3 and len(c.cache) == 0
+    assert (c.plain.stats.cache_hit.count, c.plain.stats.cache_miss.count) == (0, 0)
 
 
-def test_a_reloaded_version_does_not_answer_from_its_predecessors_entries(daemon: RunningDaemon) -> None:
-    client = grpcclient.InferenceServerClient(daemon.address)
+def test_a_reloaded_version_does_not_answer_from_its_predecessors_entries() -> None:
+    c = Cached()
     x = np.full(2, 3.0, dtype=np.float32)
-    _infer(client, grpcclient, "cached", x, ("y",))
-    model_file = Path(daemon.repo) / "cached" / "1" / "model.py"
-    model_file.write_text(model_file.read_text().replace("inputs['x'] * 2", "inputs['x'] * 3"))
-    client.load_model("cached")
-    (y,) = _infer(client, grpcclient, "cached", x, ("y",))
-    np.testing.assert_array_equal(y, x * 3)
+    c.infer("cached", x, ("y",))
+    reloaded = Version("cached", 1, c.cached.config, fingerprint=("a", "2"))  # same label, new files
+    c.registry.add(reloaded)
+    c.infer("cached", x, ("y",))
+    assert len(reloaded.plane.seen) == 1 and reloaded.stats.cache_hit.count == 0
+    assert len(c.cache) == 1  # the predecessor's entry went once the new version was seen
 
 
 def test_a_decoupled_model_cannot_enable_the_cache(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The response cache's bounds in one process (core/response_cache.py): it holds at most
 `response_cache_bytes` (outputs and keys counted), a hit makes an entry the most recently used, and the
-least recently used entries go first when a new one needs room."""
+least recently used entries go first when a new one needs room; an entry put again counts once, and a
+version seen with a new fingerprint loses its entries (and only its own)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,22 @@ def test_a_hit_makes_the_entry_the_last_to_be_evicted() -> None:
     cache.get(_key(3))  # least recently used first: 1, 4, 3
     cache.put("m/1", _key(5), _outputs(5))
     assert _cached(cache, 1, 3, 4, 5) == [3, 4, 5]
+
+
+def test_an_entry_put_again_is_counted_once() -> None:
+    cache = ResponseCache(capacity_bytes=300)
+    for _ in range(3):
+        cache.put("m/1", _key(1), _outputs(1))
+    assert len(cache) == 1 and cache.used == 100
+
+
+def test_a_new_fingerprint_drops_that_versions_entries_and_only_those() -> None:
+    cache = ResponseCache(capacity_bytes=1000)
+    cache.seen("m/1", "a")
+    cache.put("m/1", _key(1), _outputs(1))
+    cache.put("m/1", _key(2), _outputs(2))
+    cache.put("other/1", _key(3), _outputs(3))
+    cache.seen("m/1", "a")  # the same version again: nothing goes
+    assert _cached(cache, 1, 2, 3) == [1, 2, 3]
+    cache.seen("m/1", "b")  # reloaded: its predecessor's entries go, and their bytes
+    assert _cached(cache, 1, 2, 3) == [3] and cache.used == 100

@@ -1,6 +1,7 @@
 """String (BYTES) and wide unsigned tensors through the real daemon, with the stock tritonclient: gRPC raw
 contents and bytes_contents, HTTP JSON and binary data, system shared memory, dynamic batching of string
-requests, string outputs of a decoupled model, and warm-up samples of strings.
+requests, string outputs of a decoupled model, and warm-up samples of strings; and a real text model
+(a small BERT) called with sentences over gRPC and HTTP, batched with other requests.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 
 from mpsd.config.model_file import validate_model_config
 from mpsd.ipc.strings import serialize as strings_bytes
-from tests import models, posix_shm
+from tests import models, posix_shm, text_models
 from tests.conftest import RunningDaemon, serving, wait_for
 from tests.triton_shm import shm
 
@@ -128,6 +129,18 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     )
     for bits in (16, 32, 64):
         models.identity(repo, f"identity_u{bits}", f"TYPE_UINT{bits}", [-1], max_batch_size=4)
+    text_models.embedder(
+        repo,
+        "embedder",
+        {
+            "backend": "python",
+            "max_batch_size": 8,
+            "dynamic_batching": {"max_queue_delay_microseconds": 50_000},
+            "input": [{"name": "TEXT", "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": "EMBEDDING", "data_type": "TYPE_FP32", "dims": [text_models.HIDDEN]}],
+            "instance_group": [{"kind": "KIND_CPU"}],
+        },
+    )
     with serving(repo, tmp / "daemon.log") as d:
         yield d
 
@@ -386,3 +399,66 @@ def test_torch_backends_refuse_strings_with_the_reason(tmp_path: Path) -> None:
         validate_model_config(tmp_path / "config.yaml", config)
     assert "input 'x' is TYPE_STRING, which a torchscript model cannot take or return" in str(info.value)
     assert "torch has no string tensors" in str(info.value)
+
+
+# ---- a real text model: sentences in, embeddings out --------------------------------------------------
+# A WordPiece tokenizer trained here with `tokenizers` and a small BERT (random weights from a
+# `transformers` config) inside a python model that takes sentences and returns mean-pooled embeddings;
+# its answers equal the same code run in this process.
+
+SENTENCES = [
+    "the lazy dog sleeps",
+    "apple silicon serves pytorch models",
+    "embeddings out",
+    "an unseen wordpiece like zyzzyva",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def served(daemon: RunningDaemon) -> tuple[RunningDaemon, Path]:
+    """The daemon once its embedder is ready (its worker imports transformers: seconds of CPU), and the
+    embedder's version folder."""
+    wait_for(lambda: daemon.client.is_model_ready("embedder"), 300, f"the embedder to load\n{daemon.log()}")
+    return daemon, Path(daemon.repo) / "embedder" / "1"
+
+
+def _reference(folder: Path, sentences: list[str]) -> np.ndarray:
+    return text_models.reference(folder, sentences)[0]
+
+
+def test_strings_in_embeddings_out_over_grpc_and_http(served: tuple[RunningDaemon, Path]) -> None:
+    daemon, folder = served
+    expected = _reference(folder, SENTENCES)
+    texts = np.array([[s.encode()] for s in SENTENCES], dtype=np.object_)
+    grpc_in = grpcclient.InferInput("TEXT", list(texts.shape), "BYTES")
+    grpc_in.set_data_from_numpy(texts)
+    got_grpc = (
+        grpcclient.InferenceServerClient(daemon.address).infer("embedder", [grpc_in]).as_numpy("EMBEDDING")
+    )
+    np.testing.assert_allclose(got_grpc, expected, rtol=1e-4, atol=1e-5)
+    client = httpclient.InferenceServerClient(daemon.http_address)
+    for binary in (False, True):
+        http_in = httpclient.InferInput("TEXT", list(texts.shape), "BYTES")
+        http_in.set_data_from_numpy(texts, binary_data=binary)
+        got_http = client.infer("embedder", [http_in]).as_numpy("EMBEDDING")
+        np.testing.assert_allclose(got_http, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_sentences_sent_at_once_are_batched_and_each_gets_its_own(served: tuple[RunningDaemon, Path]) -> None:
+    daemon, folder = served
+    expected = _reference(folder, SENTENCES)
+    client = grpcclient.InferenceServerClient(daemon.address)
+
+    def one(sentence: str) -> np.ndarray:
+        text = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+        text.set_data_from_numpy(np.array([[sentence.encode()]], dtype=np.object_))
+        return client.infer("embedder", [text]).as_numpy("EMBEDDING")[0]
+
+    before = client.get_inference_statistics("embedder", as_json=True)["model_stats"][0]
+    with concurrent.futures.ThreadPoolExecutor(len(SENTENCES)) as pool:
+        got = np.stack(list(pool.map(one, SENTENCES)))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    after = client.get_inference_statistics("embedder", as_json=True)["model_stats"][0]
+    executions = int(after.get("execution_count", 0)) - int(before.get("execution_count", 0))
+    assert executions < len(SENTENCES)  # some were run together
