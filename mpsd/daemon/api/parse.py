@@ -48,8 +48,8 @@ _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_by
 # Request parameters Triton clients send, with the value kinds each may have. `timeout` (microseconds) bounds
 # the time to the start of the execution (`call_deadline`), or is the queue's timeout where the request's
 # priority level lets it override the level's (`Deadline.queue`); `priority` is the request's priority level
-# (the queue's, dataplane/levels.py); the sequence ones place a request of a model with sequence batching in
-# its sequence (`sequence_params`), and mean nothing to other models, as in Triton; the others are accepted.
+# (the queue's, dataplane/priorities.py); the sequence ones place a request of a model with sequence batching
+# in its sequence (`sequence_params`), and mean nothing to other models as in Triton; the others are accepted.
 # Any other key is the model's own: a python model gets it (`infer(inputs, parameters)`), and any other model
 # refuses it, so that a misspelt or unsupported option is never silently ignored.
 REQUEST_PARAMS: dict[str, tuple[str, ...]] = {

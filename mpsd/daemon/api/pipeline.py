@@ -150,7 +150,9 @@ class Pipeline:
             parsed = bind(mv.config)
             if parsed is None:
                 return None
-            queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
+            queued = deadline  # a request without a timeout of its own queues with the client's deadline
+            if parsed.timeout_us:
+                queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
             return Answered(await mv.plane.infer(parsed, queued), frozenset())
         finally:
             self.registry.touch(model)
