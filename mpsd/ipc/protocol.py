@@ -253,6 +253,7 @@ class Ready:
     cuda_graphs: tuple[int, ...] = ()  # the batch sizes CUDA graphs were recorded at
     cuda_graphs_ms: float = 0.0
     compile_ms: float | None = None  # torch.compile (optimization.compile): the compiling warm-up's time
+    calls_models: bool = True  # the model may call other models (a python model that takes `models`)
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ def _parsed_inputs(
     call: InferCall, config: ModelConfig, shm: ShmLease | None
 ) -> tuple[tuple[InputTensor, ...], int]:
     """The call's inputs, each checked against the config, in config order; and the batch size."""
-    configured = config.input_by_name()
+    configured = config.input_by_name
     raw = iter(call.raw)
     seen: dict[str, InputTensor] = {}
     batch: int | None = None
@@ -285,7 +285,7 @@ def _shm_data(name: str, cfg: InputConfig, shm: ShmLease, ref: ShmRef, count: in
 
 
 def _requested_outputs(call: InferCall, config: ModelConfig, shm: ShmLease | None) -> tuple[str, ...]:
-    known = config.output_by_name()
+    known = config.output_by_name
     names: list[str] = []
     for out in call.outputs:
         check_name("output", out.name)

@@ -142,7 +142,7 @@ class ModelCalls:
         inputs, batch = named_inputs(
             mv.name, config, [InputTensor(t.name, t.datatype, t.shape, t.data) for t in call.inputs]
         )
-        known = config.output_by_name()
+        known = config.output_by_name
         named: list[str] = []
         for name in call.outputs:
             check_output(mv.name, name, known, named)

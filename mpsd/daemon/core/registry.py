@@ -169,9 +169,10 @@ class Registry:
 
     def known(self, name: str, version: str) -> None:
         """UnknownModel unless the model (and version) is known, running or loading on demand."""
-        requested_version(version)
+        if version:  # "" names the latest: nothing to read
+            requested_version(version)
         entry = self.entries.get(name)
-        if entry is None or not self.residency.cold(entry):
+        if entry is None or entry.versions or not self.residency.cold(entry):  # running: never cold
             self.route(name, version)
 
     def model_available(self, name: str) -> bool:

@@ -2,9 +2,10 @@
 
 A request reaches a version's plane from four places: a client's call, checked against the model
 (`from_client`: gRPC, HTTP, OpenAI's API and /generate all read their request into one call first), a
-ModelInfer whose header was checked before (`from_known_header`), a python model's call to another model
-(`from_call`) and an ensemble's step (`for_step`). Each source says what it can in `Terms`, and `_build`
-alone decides what the request carries:
+ModelInfer whose header was checked before (the request `from_client` built for the header's first call,
+kept without its bytes by `api.grpc.known_headers`, with this call's id and bytes), a python model's call
+to another model (`from_call`) and an ensemble's step (`for_step`). Each source says what it can in
+`Terms`, and `_build` alone decides what the request carries:
 
 - priority and timeout: the request's own; a step's are its ensemble request's, as in Triton; a model's
   call has neither (the worker's call API carries only its timeout), so it has the model's default level;
@@ -119,21 +120,6 @@ def from_client(
         config, model, version, request_id, inputs, outputs, batch_size, terms, sequence=sequence,
         shm_outputs=shm_outputs,
     )  # fmt: skip
-
-
-def from_known_header(
-    config: ModelConfig,
-    model: str,
-    version: str,
-    request_id: str,
-    inputs: tuple[InputTensor, ...],
-    outputs: tuple[str, ...],
-    batch_size: int,
-    terms: Terms,
-) -> InferRequest:
-    """A ModelInfer whose header is known (`api.grpc.known_headers`): the terms of the request it was
-    learned from, with this one's id and bytes."""
-    return _build(config, model, version, request_id, inputs, outputs, batch_size, terms)
 
 
 def from_call(

@@ -41,6 +41,7 @@ class Caller:
         self.chain = chain
         self.deadline = deadline
         self.ended: asyncio.Future[MpsdError] = asyncio.get_running_loop().create_future()
+        self.running = 0  # its calls in flight
         self._waiting = waiting
         for future in waiting:
             future.add_done_callback(self._check)
@@ -54,10 +55,11 @@ class Caller:
         if all(f.done() for f in self._waiting):
             self.end(Cancelled(f"the request to model '{self.model}' that made this call was cancelled"))
 
-    def end(self, error: MpsdError) -> None:
+    def end(self, error: MpsdError | None) -> None:
+        """Its calls in flight fail with `error` (None: there are none, and none can come any more)."""
         for future in self._waiting:
             future.remove_done_callback(self._check)
-        if not self.ended.done():
+        if error is not None and not self.ended.done():
             self.ended.set_result(error)
 
 
@@ -110,8 +112,9 @@ class CallRouter:
     def answered(self, req_id: int) -> None:
         """The execution is over: its calls still in flight are cancelled."""
         caller = self._callers.pop(req_id, None) if self._callers else None
-        if caller is not None:
-            caller.end(Cancelled(f"the request to model '{caller.model}' that made this call has ended"))
+        if caller is not None:  # the error only where a call waits for it: most executions made none
+            why = f"the request to model '{caller.model}' that made this call has ended"
+            caller.end(Cancelled(why) if caller.running else None)
 
     def received(self, msg: p.Call | p.CallAck) -> None:
         if isinstance(msg, p.CallAck):
@@ -131,9 +134,11 @@ class CallRouter:
         link = self._links[msg.call_id] = CallLink(msg.call_id, self._send)
         task = asyncio.ensure_future(self.handler(msg, caller, link))
         self._tasks.add(task)
-        task.add_done_callback(lambda t: self._done(t, msg.call_id))
+        caller.running += 1
+        task.add_done_callback(lambda t: self._done(t, msg.call_id, caller))
 
-    def _done(self, task: asyncio.Task[None], call_id: int) -> None:
+    def _done(self, task: asyncio.Task[None], call_id: int, caller: Caller) -> None:
+        caller.running -= 1
         self._tasks.discard(task)
         self._links.pop(call_id, None)
         if not task.cancelled():

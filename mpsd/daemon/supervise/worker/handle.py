@@ -106,6 +106,8 @@ class WorkerProcess:
             # Reported as the GPU's index among the daemon's, the numbering `gpus` and metrics use.
             reply = dataclasses.replace(reply, device={**reply.device, "index": self.launch.gpu})
         self.ready = reply
+        if not reply.calls_models:  # no execution of this model can call another: its router stays out
+            self.channel.calls.handler = None
         device = reply.device
         skipped = device.get("skipped")
         extra: dict[str, object] = {"skipped_devices": skipped} if skipped else {}  # KIND_AUTO: why not a GPU
