@@ -178,7 +178,7 @@ class Registry:
     def model_available(self, name: str) -> bool:
         """Ready, or loads on its next request (what per-model health reports to load balancers)."""
         entry = self.entries.get(name)
-        if entry is not None and self.residency.cold(entry) and entry.error is None:
+        if entry is not None and not entry.versions and self.residency.cold(entry) and entry.error is None:
             return True
         return self.model_ready(name)
 
