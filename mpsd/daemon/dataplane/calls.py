@@ -41,7 +41,7 @@ class Caller:
         self.chain = chain
         self.deadline = deadline
         self.ended: asyncio.Future[MpsdError] = asyncio.get_running_loop().create_future()
-        self.running = 0  # its calls in flight
+        self.running = 0  # its calls not answered yet
         self._waiting = waiting
         for future in waiting:
             future.add_done_callback(self._check)
@@ -65,12 +65,20 @@ class Caller:
 
 class CallLink:
     """The channel's end of one call: `send` an answer to the worker; `wanted` waits for the worker's
-    acknowledgement of the part sent last (False: the model wants no more)."""
+    acknowledgement of the part sent last (False: the model wants no more). Its final answer ends the call
+    for its `caller`, before the worker can read it."""
 
-    def __init__(self, call_id: int, send: Callable[[object], None]) -> None:
+    def __init__(self, call_id: int, send: Callable[[object], None], caller: Caller | None = None) -> None:
         self.call_id = call_id
-        self.send = send
+        self._send = send
+        self._caller = caller
         self.acks: asyncio.Queue[bool] = asyncio.Queue()
+
+    def send(self, msg: object) -> None:
+        if self._caller is not None and isinstance(msg, p.CallDone | p.CallFailed):
+            self._caller.running -= 1
+            self._caller = None
+        self._send(msg)
 
     async def wanted(self) -> bool:
         return await self.acks.get()
@@ -131,14 +139,13 @@ class CallRouter:
             error = Unavailable(f"call to model '{msg.model}' {why}")
             self._send(p.CallFailed(msg.call_id, error.code.value, error.message))
             return
-        link = self._links[msg.call_id] = CallLink(msg.call_id, self._send)
+        caller.running += 1
+        link = self._links[msg.call_id] = CallLink(msg.call_id, self._send, caller)
         task = asyncio.ensure_future(self.handler(msg, caller, link))
         self._tasks.add(task)
-        caller.running += 1
-        task.add_done_callback(lambda t: self._done(t, msg.call_id, caller))
+        task.add_done_callback(lambda t: self._done(t, msg.call_id))
 
-    def _done(self, task: asyncio.Task[None], call_id: int, caller: Caller) -> None:
-        caller.running -= 1
+    def _done(self, task: asyncio.Task[None], call_id: int) -> None:
         self._tasks.discard(task)
         self._links.pop(call_id, None)
         if not task.cancelled():
