@@ -83,7 +83,7 @@ class Recorder:
         self.out = out
 
     def record(self, request: Callable[[], object]) -> set[Call]:
-        request()  # once before: what a first request loads or learns is not the walk
+        request()  # twice before: what a first request loads or learns (a header, a template) is not the walk
         request()
         os.kill(self.daemon.pid, signal.SIGUSR1)
         wait_for(lambda: (self.out / "recording").exists(), 30, "the recording to start")
@@ -262,7 +262,7 @@ def test_no_call_of_a_walk_goes_up_a_layer(walks: dict[str, set[Call]], kind: st
     assert upward(walks[kind], layers()) == set()
 
 
-def test_a_call_up_a_layer_or_a_file_left_out_is_found() -> None:
+def test_the_checks_find_a_call_up_a_layer_and_a_helper_named_in_a_stop() -> None:
     """The checks themselves: a data plane module calling core is upward, api calling core is not; a walk's
     helper named inside a stop counts as listed."""
     order = layers()
