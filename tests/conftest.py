@@ -81,6 +81,7 @@ class RunningDaemon:
         shutdown_grace: float | None = 0.0,
         port: int | None = None,
         open_files_soft: int | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
         self.repo = repo
         self.port = port if port is not None else free_port()
@@ -88,6 +89,8 @@ class RunningDaemon:
         self.http_address = f"127.0.0.1:{free_port()}"  # every daemon its own HTTP port, unless given
         self.log_path = log_path
         args = serve_command(repo, self.address)
+        if launcher is not None:  # what runs `serve` instead of `python -m mpsd` (a wrapper around it)
+            args[:3] = launcher
         if config is not None:
             args += ["--config", str(config)]
         if shutdown_grace is not None:  # tests stop many daemons: no grace unless asked (None: config's)

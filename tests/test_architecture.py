@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import grimp
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_MODULE_LINES = 400
@@ -141,66 +140,3 @@ def test_the_architecture_page_names_files_that_exist() -> None:
         if not any(path.is_file() for path in candidates):
             missing.append(name)
     assert missing == []
-
-
-ROOMS = ("mpsd.daemon.api", "mpsd.daemon.dataplane", "mpsd.worker")
-MAX_STOPS = 10
-
-
-def walk(heading: str) -> list[str]:
-    """The modules a walk in docs/architecture.md stops in, in its order (`N. \\`path\\`` items)."""
-    import re
-
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    section = text.split(f"### {heading}", 1)[1].split("\n#", 1)[0]
-    paths = re.findall(r"^\d+\. `([\w/]+)\.py`", section, re.MULTILINE)
-    return ["mpsd." + path.replace("/", ".") for path in paths]
-
-
-def room(module: str) -> int | None:
-    return next((i for i, prefix in enumerate(ROOMS) if module.startswith(prefix + ".")), None)
-
-
-def walk_problems(stops: list[str], graph: grimp.ImportGraph) -> list[str]:
-    """What is wrong with a walk: more than ten stops, a stop outside the rooms, a room left out or gone
-    back to, a module that does not exist, or a stop that no earlier stop of its room (for a room's first
-    stop, the stop before it) reaches by imports; the worker's first stop excepted: the worker is reached
-    over its socket."""
-    problems = []
-    if len(stops) > MAX_STOPS:
-        problems.append(f"{len(stops)} stops")
-    rooms = [room(m) for m in stops]
-    if None in rooms:
-        problems.append(f"outside the rooms: {[m for m, r in zip(stops, rooms, strict=True) if r is None]}")
-    elif rooms != sorted(rooms) or set(rooms) != {0, 1, 2}:
-        problems.append(f"rooms out of order or missing: {rooms}")
-    for i, stop in enumerate(stops):
-        if stop not in graph.modules:
-            problems.append(f"no module {stop}")
-            continue
-        if i == 0 or (rooms[i] == 2 and rooms[i - 1] != 2):
-            continue
-        same_room = [s for s in stops[:i] if room(s) == rooms[i]]
-        sources = same_room or stops[i - 1 : i]  # a room's first stop: from the last stop before it
-        if not any(graph.find_shortest_chain(s, stop) is not None for s in sources):
-            problems.append(f"{stop} is not reached by imports from a stop before it")
-    return problems
-
-
-@pytest.mark.parametrize("heading", ["gRPC ModelInfer", "HTTP infer", "OpenAI embeddings"])
-def test_a_walk_stops_in_at_most_ten_files_through_three_rooms_in_order(heading: str) -> None:
-    stops = walk(heading)
-    assert len(stops) >= 3, stops
-    assert walk_problems(stops, grimp.build_graph("mpsd")) == []
-
-
-def test_a_walk_that_goes_back_a_room_skips_one_or_passes_ten_stops_is_refused() -> None:
-    graph = grimp.build_graph("mpsd")
-    good = walk("HTTP infer")
-    assert walk_problems(good + good[-1:], graph) == ["11 stops"]
-    assert walk_problems([good[0], good[-1], good[4]], graph)[0] == "rooms out of order or missing: [0, 2, 1]"
-    assert walk_problems([good[0], "mpsd.daemon.core.registry", good[-1]], graph)[0].startswith("outside")
-    plane, channel = "mpsd.daemon.dataplane.plane", "mpsd.daemon.dataplane.channel"
-    assert walk_problems([good[0], channel, plane, good[-1]], graph) == [
-        f"{plane} is not reached by imports from a stop before it"
-    ]

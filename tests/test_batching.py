@@ -230,7 +230,7 @@ def _marker_expired_first(got: list[tuple[str, object, object]], log: Path, stat
 def test_a_timeout_parameter_answers_a_request_waiting_in_the_worker_at_once(
     setup: tuple[RunningDaemon, Path],
 ) -> None:
-    """One instance runs a 0.5 s batch; the next request waits in the worker's second slot with a 0.1 s
+    """One instance runs a 0.5 s batch; the next request waits in the worker's second seat with a 0.1 s
     `timeout` parameter (microseconds, as tritonclient sends it): it is answered DEADLINE_EXCEEDED at its
     timeout, not once the batch ahead of it is done, and it never runs. It is a full batch (max_batch_size
     rows), so it goes to the worker at once; a short one would wait in the daemon's queue while the batch
@@ -250,7 +250,7 @@ def test_a_timeout_parameter_answers_a_request_waiting_in_the_worker_at_once(
 def test_a_timeout_parameter_answers_a_queued_request_at_once_over_http(
     setup: tuple[RunningDaemon, Path],
 ) -> None:
-    """The same over HTTP, for a request in the queue (both of the worker's slots are taken): 504 at its
+    """The same over HTTP, for a request in the queue (both of the worker's seats are taken): 504 at its
     timeout, while every instance is still busy."""
     daemon, tmp = setup
 

@@ -381,8 +381,8 @@ def test_platform_defaults_to_this_one() -> None:
 def test_a_config_copy_with_other_tensors_looks_them_up_by_their_own_names() -> None:
     """The name maps are cached per config; a copy made with `update` must not keep the original's."""
     original = config()
-    assert list(original.input_by_name()) == [t.name for t in original.input]  # cached now
+    assert list(original.input_by_name) == [t.name for t in original.input]  # cached now
     renamed = [t.model_copy(update={"name": "renamed"}) for t in original.input[:1]]
     copy = original.model_copy(update={"input": renamed})
-    assert list(copy.input_by_name()) == ["renamed"]
-    assert list(original.input_by_name()) != ["renamed"]
+    assert list(copy.input_by_name) == ["renamed"]
+    assert list(original.input_by_name) != ["renamed"]

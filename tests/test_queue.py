@@ -1,6 +1,6 @@
 """The waiting a request does before it runs, in one process on virtual time: in its version's queue (the
 queue delay, max_batch_size, preferred_batch_size, the queue's timeout and the client's deadline) and in
-its worker's second slot, behind the execution that runs (the deadline). No daemon, no worker process.
+its worker's second seat, behind the execution that runs (the deadline). No daemon, no worker process.
 
 The event loop's clock is virtual (`VirtualLoop`): where the loop would sleep until its next timer, time
 jumps there at once. Each promise is checked at the virtual moment it is kept (a batch goes at its delay
@@ -614,7 +614,7 @@ def test_a_requests_timeout_overrides_its_levels_only_where_allowed(
     run(scenario)
 
 
-# ---- the worker's second slot ------------------------------------------------------------------------------
+# ---- the worker's second seat ------------------------------------------------------------------------------
 
 LAUNCH = WorkerLaunch(p.ModelSpec("m", 1, "torchscript", "/nowhere", 8, (), ()), 0, "KIND_CPU", None, {})
 
@@ -674,12 +674,12 @@ class Worker:
         return self.executions[n - 1]
 
     def control(self, execution: p.Infer) -> int:
-        region = self.channel.slots[execution.slot].input
+        region = self.channel.seats[execution.seat].input
         assert region is not None
         return region.buf[0]
 
     def start(self, execution: p.Infer) -> None:
-        region = self.channel.slots[execution.slot].input
+        region = self.channel.seats[execution.seat].input
         assert region is not None and region.buf[0] == 0
         region.buf[0] = p.STARTED
 
@@ -715,10 +715,10 @@ def execution(
     return task, waiting
 
 
-def test_a_batch_waiting_in_the_second_slot_is_answered_at_its_deadline_while_the_first_runs() -> None:
-    """The worker runs one execution; the next waits in the worker's socket, in the second slot. At its
+def test_a_batch_waiting_in_the_second_seat_is_answered_at_its_deadline_while_the_first_runs() -> None:
+    """The worker runs one execution; the next waits in the worker's socket, in the second seat. At its
     deadline it is answered DEADLINE_EXCEEDED at once, while the first still runs, and marked expired for
-    the worker, which skips it; its slot is taken until the worker says so."""
+    the worker, which skips it; its seat is taken until the worker says so."""
 
     async def scenario(loop: VirtualLoop) -> None:
         channel, worker = await connected()
@@ -729,7 +729,7 @@ def test_a_batch_waiting_in_the_second_slot_is_answered_at_its_deadline_while_th
             # The channel takes deadlines in time.monotonic(); only the loop's clock is virtual.
             second, _ = execution(loop, channel, "second", time.monotonic() + 60)
             waiting = await worker.received(2)
-            assert waiting.slot != running.slot
+            assert waiting.seat != running.seat
             await asyncio.sleep(30)
             assert not second.done() and worker.control(waiting) == 0
             with pytest.raises(DeadlineExceeded, match="past its deadline before its worker started it"):
@@ -739,9 +739,9 @@ def test_a_batch_waiting_in_the_second_slot_is_answered_at_its_deadline_while_th
 
             third, _ = execution(loop, channel, "third", None)
             await turns()
-            assert len(worker.executions) == 2  # both slots still taken: the worker has not answered
+            assert len(worker.executions) == 2  # both seats still taken: the worker has not answered
             worker.answer(p.InferFailed(waiting.req_id, "DEADLINE_EXCEEDED", "skipped"))
-            worker.start(await worker.received(3))  # into the slot the skipped execution had
+            worker.start(await worker.received(3))  # into the seat the skipped execution had
             worker.done(running)
             assert await first == "first"
             worker.done(worker.executions[2])

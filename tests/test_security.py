@@ -596,6 +596,34 @@ def test_open_categories_need_no_token_and_unknown_methods_are_denied() -> None:
     assert unknown is not None and unknown.code.value == "PERMISSION_DENIED"
 
 
+def test_the_gates_shortcut_answers_only_the_inference_methods_open_to_every_caller() -> None:
+    """Without tokens the shortcut (grpc's own table, before the gate) hands an inference method its handler,
+    unchecked, except an operator-only one reachable from the network; once SIGHUP brings tokens, only the
+    open categories' methods stay in it, and the gate checks every other call's token."""
+    from mpsd.daemon.api.grpc.gate import Gate, Services
+
+    def handler(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return grpc.unary_unary_rpc_method_handler(lambda request, context: details.method)
+
+    services = Services()
+    services.add_generic_rpc_handlers([type("Any", (), {"service": staticmethod(handler)})()])
+    gate = Gate(AccessPolicy([], repository_changes="loopback", local_only=False), services.handlers)
+
+    def shortcut(method: str) -> object:
+        found = gate.shortcut.service(
+            type("Details", (), {"method": f"/inference.GRPCInferenceService/{method}"})
+        )
+        return found if found is None else found.unary_unary(None, None)
+
+    assert shortcut("ModelInfer") == "/inference.GRPCInferenceService/ModelInfer"
+    assert shortcut("RepositoryModelLoad") is None  # operator-only, and other hosts can reach the daemon
+    gate.policy = AccessPolicy(
+        [Token(b"secret", frozenset({"inference"}), "test")], open_categories=["health"]
+    )
+    assert shortcut("ModelInfer") is None
+    assert shortcut("ServerLive") == "/inference.GRPCInferenceService/ServerLive"
+
+
 def test_tokens_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/security.md: hmac.compare_digest over SHA-256 digests, every configured token compared on every
     call: whichever token is sent (the first, the last, none of them, a long one), each check makes one

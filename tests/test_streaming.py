@@ -390,7 +390,7 @@ def test_soak_of_concurrent_streams_with_cancels_and_a_worker_kill(setup: tuple[
     assert "done" in outcome.values(), messages
     wait_for(lambda: daemon.client.is_model_ready("gen"), 60, "the model ready again")
     assert process.memory_info().rss - rss_before < 64 * 2**20
-    # Each of the two workers holds at most an input and an output region per slot (SLOTS = 2); the killed
+    # Each of the two workers holds at most an input and an output region per seat (SEATS = 2); the killed
     # worker's regions must be gone, not kept beside its successor's.
     assert len(own_segments(daemon)) <= 2 * 2 * 2, sorted(own_segments(daemon))
 

@@ -15,7 +15,7 @@ from mpsd.daemon.supervise.instance import Instance, SupervisorSettings
 from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import LoadError
-from mpsd.ipc.protocol import SLOTS, ModelSpec
+from mpsd.ipc.protocol import SEATS, ModelSpec
 
 LAUNCH = WorkerLaunch(ModelSpec("m", 1, "torchscript", "/nowhere", 8, (), ()), 0, "KIND_CPU", None, {})
 SETTINGS = SupervisorSettings(backoff_initial_s=0.5, backoff_max_s=2.0, stop_timeout_s=1.0)
@@ -90,6 +90,9 @@ class Rig:
 
     async def next_batch(self, partial: Callable[[], bool] | None = None) -> str:
         return await self.batches.get()
+
+    def __len__(self) -> int:
+        return self.batches.qsize()
 
     def wake(self) -> None:
         pass
@@ -173,8 +176,8 @@ def test_start_makes_the_instance_ready_and_its_worker_runs_the_batches() -> Non
     run(scenario)
 
 
-@pytest.mark.parametrize(("instances", "depth"), [(1, SLOTS), (2, 1)])
-def test_a_lone_instance_keeps_its_worker_slots_busy_and_one_of_several_takes_a_batch_at_a_time(
+@pytest.mark.parametrize(("instances", "depth"), [(1, SEATS), (2, 1)])
+def test_a_lone_instance_keeps_its_worker_seats_busy_and_one_of_several_takes_a_batch_at_a_time(
     instances: int, depth: int
 ) -> None:
     async def scenario() -> None:
@@ -195,7 +198,7 @@ def test_a_lone_instance_keeps_its_worker_slots_busy_and_one_of_several_takes_a_
     run(scenario)
 
 
-@pytest.mark.parametrize(("instances", "depth"), [(1, SLOTS), (2, 1)])
+@pytest.mark.parametrize(("instances", "depth"), [(1, SEATS), (2, 1)])
 def test_a_direct_execution_needs_an_idle_instance_and_counts_toward_the_depth(
     instances: int, depth: int
 ) -> None:

@@ -408,7 +408,7 @@ def test_a_region_shrunk_by_its_owner_fails_the_request_not_the_daemon(
     try:
         client.register_system_shared_memory("shrink_in", source.key, x_in.nbytes)
         client.register_system_shared_memory("shrink_out", sink.key, 16)
-        # The worker's two slots are taken (11 runs, 12 waits behind it): the next request waits in the queue.
+        # The worker's two seats are taken (11 runs, 12 waits behind it): the next request waits in the queue.
         first = _gated_call(client, np.array([11, 0, 0, 0], np.float32))
         wait_for(lambda: (gate / "11.started").exists(), 60, "the first request to reach the model")
         second = _gated_call(client, np.array([12, 0, 0, 0], np.float32), ("shrink_out", "out"))

@@ -148,7 +148,7 @@ def test_the_caches_tell_apart_messages_that_differ_in_any_field() -> None:
         dataclasses.replace(base, output_region=p.RegionRef(OUT.name, OUT.size + 4096)),
         dataclasses.replace(base, output_region=p.RegionRef(IN.name, OUT.size)),
         dataclasses.replace(base, inputs=base.inputs[:2]),
-        dataclasses.replace(base, req_id=12, slot=1, sent_ns=5, requests=4),
+        dataclasses.replace(base, req_id=12, seat=1, sent_ns=5, requests=4),
     ]
     for field in ("name", "datatype", "shape", "offset", "nbytes"):
         changed = {"name": "MASK2", "datatype": "UINT8", "shape": (4, 1, 8), "offset": 130, "nbytes": 32}

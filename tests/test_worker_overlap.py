@@ -63,16 +63,16 @@ class Model:
 
 
 @pytest.fixture
-def slots() -> Iterator[list[Region]]:
-    regions = [Region.create(1 << 16) for _ in range(2 * p.SLOTS)]  # input and output of each slot
+def seats() -> Iterator[list[Region]]:
+    regions = [Region.create(1 << 16) for _ in range(2 * p.SEATS)]  # input and output of each seat
     yield regions
     for region in regions:
         region.unlink()
         region.close()
 
 
-def execution(slots: list[Region], number: int, slot: int) -> p.Infer:
-    inputs, outputs = slots[2 * slot], slots[2 * slot + 1]
+def execution(seats: list[Region], number: int, seat: int) -> p.Infer:
+    inputs, outputs = seats[2 * seat], seats[2 * seat + 1]
     inputs.buf[0] = 0
     inputs.buf[p.CONTROL_BYTES : p.CONTROL_BYTES + ROW] = np.full(4, number, np.float32).tobytes()
     ref = p.TensorRef("x", "FP32", (1, 4), p.CONTROL_BYTES, ROW)
@@ -82,7 +82,7 @@ def execution(slots: list[Region], number: int, slot: int) -> p.Infer:
         ("y",),
         p.RegionRef(inputs.name, inputs.size),
         p.RegionRef(outputs.name, outputs.size),
-        slot,
+        seat,
     )
 
 
@@ -116,47 +116,47 @@ def serve(log: Log, messages: list[object], overlap: bool = True, model: Model |
         theirs.close()
 
 
-def outputs(slots: list[Region], slot: int, done: object) -> list[float]:
+def outputs(seats: list[Region], seat: int, done: object) -> list[float]:
     assert isinstance(done, p.InferDone), done
     (ref,) = done.outputs
-    out = slots[2 * slot + 1]
+    out = seats[2 * seat + 1]
     values: list[float] = np.frombuffer(out.buf[ref.offset : ref.offset + ref.nbytes], np.float32).tolist()
     return values
 
 
-def test_the_next_execution_is_launched_before_the_running_one_is_answered(slots: list[Region]) -> None:
+def test_the_next_execution_is_launched_before_the_running_one_is_answered(seats: list[Region]) -> None:
     log = Log()
-    first, second = execution(slots, 1, 0), execution(slots, 2, 1)
+    first, second = execution(seats, 1, 0), execution(seats, 2, 1)
     answers = serve(log, [first, second, p.Shutdown()])
     # The second was queued on the device while the first ran; the first was waited for only then.
     assert log.events == [("call", 1), ("call", 2), ("wait", 1), ("wait", 2)]
     assert [(type(a), getattr(a, "req_id", None)) for a in answers] == [(p.InferDone, 1), (p.InferDone, 2)]
-    assert outputs(slots, 0, answers[0]) == [2.0] * 4
-    assert outputs(slots, 1, answers[1]) == [4.0] * 4
+    assert outputs(seats, 0, answers[0]) == [2.0] * 4
+    assert outputs(seats, 1, answers[1]) == [4.0] * 4
 
 
-def test_one_at_a_time_without_completions(slots: list[Region]) -> None:
+def test_one_at_a_time_without_completions(seats: list[Region]) -> None:
     """Where the device has no completion events (the CPU, MPS), each execution is answered before the
     next is launched."""
     log = Log()
-    answers = serve(log, [execution(slots, 1, 0), execution(slots, 2, 1), p.Shutdown()], overlap=False)
+    answers = serve(log, [execution(seats, 1, 0), execution(seats, 2, 1), p.Shutdown()], overlap=False)
     assert log.events == [("call", 1), ("call", 2)]
     assert [getattr(a, "req_id", None) for a in answers] == [1, 2]
 
 
-def test_answers_keep_their_order_and_rows_when_one_launch_fails(slots: list[Region]) -> None:
+def test_answers_keep_their_order_and_rows_when_one_launch_fails(seats: list[Region]) -> None:
     """An execution whose callers all went away fails at its launch; its answer still comes after the
     answer of the one that ran before it, and the one after it runs."""
     log = Log()
-    first, second = execution(slots, 1, 0), execution(slots, 2, 1)
-    slots[2].buf[0] = p.ABANDONED_CANCELLED  # the second's callers were cancelled before it ran
+    first, second = execution(seats, 1, 0), execution(seats, 2, 1)
+    seats[2].buf[0] = p.ABANDONED_CANCELLED  # the second's callers were cancelled before it ran
     answers = serve(log, [first, second, p.Shutdown()])
     assert [(type(a), getattr(a, "req_id", None)) for a in answers] == [(p.InferDone, 1), (p.InferFailed, 2)]
     failed = answers[1]
     assert isinstance(failed, p.InferFailed) and failed.code == ErrorCode.CANCELLED.value
     assert "cancelled" in failed.message
     assert log.events == [("call", 1), ("wait", 1)]
-    assert outputs(slots, 0, answers[0]) == [2.0] * 4
+    assert outputs(seats, 0, answers[0]) == [2.0] * 4
 
 
 class PoisonableModel(Model):
@@ -184,7 +184,7 @@ def test_overlapped_launches_answer_as_one_at_a_time(plan: list[tuple[int, bool,
     """The fast path (the next execution launched behind the running one) against the plain one (each
     answered before the next is launched): the same answers, in the same order, with the same rows, for
     executions of 1-3 rows, some failing in the model, some abandoned before they run. Each execution has
-    regions of its own, in slots taken in turn."""
+    regions of its own, in seats taken in turn."""
     regions = [Region.create(1 << 12) for _ in range(2 * len(plan))]
     try:
         got = []
@@ -206,7 +206,7 @@ def test_overlapped_launches_answer_as_one_at_a_time(plan: list[tuple[int, bool,
                         ("y",),
                         p.RegionRef(inputs.name, inputs.size),
                         p.RegionRef(out.name, out.size),
-                        k % p.SLOTS,
+                        k % p.SEATS,
                     )
                 )
             log = Log()

@@ -129,6 +129,6 @@ class ModelConfig(ModelFields):
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelConfig:
         """A copy without the cached name maps, which `update` may have made wrong."""
         copy = super().model_copy(update=update, deep=deep)
-        for cached in ("_inputs_by_name", "_outputs_by_name"):
+        for cached in ("input_by_name", "output_by_name"):
             copy.__dict__.pop(cached, None)
         return copy

@@ -199,7 +199,7 @@ def _check_sequence(config: ModelFields) -> None:
                 f"sequence_batching.oldest.preferred_batch_size {too_large[0]} exceeds max_batch_size "
                 f"{config.max_batch_size}",
             )
-    inputs, outputs = config.input_by_name(), config.output_by_name()
+    inputs, outputs = config.input_by_name, config.output_by_name
     for ci in sb.control_input:
         if ci.name in inputs:
             raise RuleError(
@@ -231,7 +231,7 @@ def _check_openai(config: ModelFields) -> None:
     section = config.openai
     if section is None:
         return
-    inputs, outputs = config.input_by_name(), config.output_by_name()
+    inputs, outputs = config.input_by_name, config.output_by_name
     text_out = section.task != "embeddings"
     named: list[tuple[str, str | None, dict[str, Any], tuple[str, ...]]] = [
         ("input", section.input, inputs, ("TYPE_STRING",)),
@@ -287,7 +287,7 @@ def _check_openai(config: ModelFields) -> None:
 
 def _check_warmup(config: ModelFields) -> None:
     """Every sample feeds every required input with a shape and type the model accepts."""
-    configured = config.input_by_name()
+    configured = config.input_by_name
     for sample in config.model_warmup:
         where = f"model_warmup '{sample.name}'"
         unknown = sorted(set(sample.inputs) - set(configured))

@@ -59,11 +59,12 @@ class TensorConfig(_Strict):
                 raise ValueError(f"dimension {d} is not allowed: use a positive size or -1 for variable")
         return dims
 
-    @property
+    # Kept once read (the config is frozen): every request's checks read them, at no call after the first.
+    @functools.cached_property
     def wire_datatype(self) -> str:
         return config_to_wire(self.data_type)
 
-    @property
+    @functools.cached_property
     def itemsize(self) -> int | None:
         """Bytes per element; None for strings, whose elements have sizes of their own."""
         return DATATYPES[self.wire_datatype].itemsize
@@ -373,17 +374,12 @@ class ModelFields(_Strict):
             return {str(k): (v if isinstance(v, str) else str(v)) for k, v in value.items()}
         return value
 
-    def input_by_name(self) -> dict[str, InputConfig]:
-        """Read-only by convention: built once per (frozen) config, as every request looks inputs up."""
-        return self._inputs_by_name
-
-    def output_by_name(self) -> dict[str, OutputConfig]:
-        return self._outputs_by_name
-
     @functools.cached_property
-    def _inputs_by_name(self) -> dict[str, InputConfig]:
+    def input_by_name(self) -> dict[str, InputConfig]:
+        """Read-only by convention: built once per (frozen) config, as every request looks inputs up (an
+        attribute once read: no call per request)."""
         return {t.name: t for t in self.input}
 
     @functools.cached_property
-    def _outputs_by_name(self) -> dict[str, OutputConfig]:
+    def output_by_name(self) -> dict[str, OutputConfig]:
         return {t.name: t for t in self.output}

@@ -38,7 +38,7 @@ def check_buckets(config: ModelFields) -> None:
             raise ValueError(f"shape_buckets and {other} do not go together")
     if config.model_transaction_policy.decoupled:
         raise ValueError("shape_buckets is not supported for a decoupled model")
-    inputs, outputs = config.input_by_name(), config.output_by_name()
+    inputs, outputs = config.input_by_name, config.output_by_name
     for name, bucketed in buckets.inputs.items():
         tensor = inputs.get(name)
         if tensor is None:

@@ -77,7 +77,9 @@ class Daemon:
         self.reconciler = Reconciler(self.registry)
         self.notifier = SdNotifier()
         self.shutting_down = False  # from the stop signal on: health says NOT_SERVING
-        self.refusing = False  # from the end of shutdown_grace_s on: new calls are refused
+        # From the end of shutdown_grace_s on, new calls are refused. A flag the adapters read (every HTTP
+        # request asks it), rather than a function of this module's: the layers below never call up into it.
+        self.refusing = asyncio.Event()
         self._skip_grace = asyncio.Event()
         self.health = HealthService(
             registry_status(self.registry, lambda: self.shutting_down, {ADMIN_SERVICE})
@@ -95,7 +97,7 @@ class Daemon:
             self.registry,
             lambda: self.shutting_down,
             config.model_control,
-            refusing=lambda: self.refusing,
+            refusing=self.refusing.is_set,
             server_name=config.server_name,
             response_cache=ResponseCache(config.response_cache_bytes)
             if config.response_cache_bytes
@@ -302,7 +304,7 @@ class Daemon:
             self.deadline.arm(SECOND_SIGNAL_S, "a second stop signal")
             self.config.drain_timeout_s = 0.0
             self._skip_grace.set()
-            if not self.refusing:  # still in the grace: the drain, next, now takes no time
+            if not self.refusing.is_set():  # still in the grace: the drain, next, now takes no time
                 return
             if self.ports.fronts is not None:
                 self.ports.fronts.hurry()
@@ -336,7 +338,7 @@ class Daemon:
         self.notifier.stopping()
         await self._update_health()
         await self._grace()
-        self.refusing = True
+        self.refusing.set()
         log.info("stopping: draining in-flight requests", drain_timeout_s=self.config.drain_timeout_s)
         self.admin.close()
         drain = self.config.drain_timeout_s

@@ -141,7 +141,7 @@ class ArenaRef:
 
 @dataclass(frozen=True)
 class Piece:
-    """Bytes of an execution's input that are in a front's arena, not in the slot's input region: the worker
+    """Bytes of an execution's input that are in a front's arena, not in the seat's input region: the worker
     takes `nbytes` from offset `src` of arena `arena_id` for input `input` (its index), to stand at offset
     `dst` of the input region's layout (the region's bytes there are not written)."""
 
@@ -175,15 +175,15 @@ class Init:
 
 @dataclass(frozen=True)
 class Infer:
-    """One execution. The daemon may send the next before this one is answered (at most `SLOTS` in flight):
-    each uses the regions of its own slot, and the worker runs them in order."""
+    """One execution. The daemon may send the next before this one is answered (at most `SEATS` in flight):
+    each uses the regions of its own seat, and the worker runs them in order."""
 
     req_id: int
     inputs: tuple[TensorRef, ...]
     outputs: tuple[str, ...]
     input_region: RegionRef
     output_region: RegionRef
-    slot: int = 0
+    seat: int = 0  # the execution's seat: which regions it uses (not a sequence slot, see `sequence`)
     sent_ns: int = 0  # time.monotonic_ns() when the daemon sent it (a clock both processes share)
     requests: int = 1  # client requests batched into this execution (a profile's request window counts them)
     pieces: tuple[Piece, ...] = ()  # input bytes the worker reads from fronts' arenas in place
@@ -198,8 +198,8 @@ class Infer:
     trace: str = ""
 
 
-SLOTS = 2
-# The first CONTROL_BYTES of every input region are its slot's control block. Byte 0 is 0 when the daemon
+SEATS = 2  # executions a worker holds at once, each in its own seat (input and output regions)
+# The first CONTROL_BYTES of every input region are its seat's control block. Byte 0 is 0 when the daemon
 # sends the execution and is set once nobody waits for it any more; the worker reads it just before running
 # the execution and answers InferFailed instead of running it, or marks it STARTED and runs it (the daemon
 # then lets it finish).
@@ -253,6 +253,7 @@ class Ready:
     cuda_graphs: tuple[int, ...] = ()  # the batch sizes CUDA graphs were recorded at
     cuda_graphs_ms: float = 0.0
     compile_ms: float | None = None  # torch.compile (optimization.compile): the compiling warm-up's time
+    calls_models: bool = True  # the model may call other models (a python model that takes `models`)
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,7 @@ class InferDone:
 
 @dataclass(frozen=True)
 class StreamPart:
-    """One response of a decoupled model's request `req_id`, in its slot's output region. The worker waits
+    """One response of a decoupled model's request `req_id`, in its seat's output region. The worker waits
     for the StreamAck before it reuses the region or resumes the model: one unacknowledged part at a time.
     The request ends with InferDone (no outputs: the final flag) or InferFailed."""
 

@@ -30,7 +30,7 @@ INFER, INFER_DONE, INFER_FAILED, STREAM_PART, STREAM_ACK = 1, 2, 3, 4, 5
 
 # Each message: a fixed head, then for some a variable tail. Integers are little-endian int64, lengths and
 # counts uint16 (a string's length in UTF-8 bytes).
-_INFER = struct.Struct("<Bqqqq")  # kind, req_id, slot, sent_ns, requests; tail: _INFER_TAIL
+_INFER = struct.Struct("<Bqqqq")  # kind, req_id, seat, sent_ns, requests; tail: _INFER_TAIL
 _DONE = struct.Struct("<Bqqqqq?q")  # kind, req_id, compute input/infer/output ns, waited, has device, device
 _PART = struct.Struct("<Bqq")  # kind, req_id, index; tail: refs
 _ACK = struct.Struct("<Bqq?")  # kind, req_id, index, stop
@@ -144,7 +144,7 @@ def _pack_infer(msg: p.Infer) -> bytes:
     tail = _infer_tails.get(key)
     if tail is None:
         tail = _remember(_infer_tails, key, _infer_tail(msg))
-    return _INFER.pack(INFER, msg.req_id, msg.slot, msg.sent_ns, msg.requests) + tail
+    return _INFER.pack(INFER, msg.req_id, msg.seat, msg.sent_ns, msg.requests) + tail
 
 
 def _pack_refs(refs: tuple[p.TensorRef, ...]) -> bytes:
@@ -264,7 +264,7 @@ def _refs_at(payload: Buffer, start: int) -> tuple[p.TensorRef, ...]:
 
 
 def _unpack_infer(payload: Buffer) -> p.Infer:
-    _, req_id, slot, sent_ns, requests = _INFER.unpack_from(payload)
+    _, req_id, seat, sent_ns, requests = _INFER.unpack_from(payload)
     tail = bytes(payload[_INFER.size :])
     parts = _infer_parts.get(tail)
     if parts is None:
@@ -277,7 +277,7 @@ def _unpack_infer(payload: Buffer) -> p.Infer:
         outputs=outputs,
         input_region=input_region,
         output_region=output_region,
-        slot=slot,
+        seat=seat,
         sent_ns=sent_ns,
         requests=requests,
         pieces=(),

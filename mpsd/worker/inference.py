@@ -283,7 +283,7 @@ class Runner:
         parameters: RequestParameters = (),
     ) -> Generator[dict[str, Value], None, None]:
         """A decoupled model's responses, each on the host's side of a synchronize; closing this closes the
-        model's generator. The inputs stay views of the region, which the slot holds until the request
+        model's generator. The inputs stay views of the region, which the seat holds until the request
         ends."""
         stream = getattr(self.backend, "stream", None)
         if stream is None:

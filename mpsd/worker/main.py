@@ -76,6 +76,7 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
             recorded,
             (t3 - t2) * 1e3,
             compile_ms,
+            calls,
         ),
     )
     from mpsd.worker.inference import Runner

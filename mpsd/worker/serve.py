@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from mpsd.worker.profiling import Profiler
 
 
-# Each slot's regions, by role name in the region cache.
-_INPUT_ROLES = tuple(f"input{slot}" for slot in range(p.SLOTS))
-_OUTPUT_ROLES = tuple(f"output{slot}" for slot in range(p.SLOTS))
+# Each seat's regions, by role name in the region cache.
+_INPUT_ROLES = tuple(f"input{seat}" for seat in range(p.SEATS))
+_OUTPUT_ROLES = tuple(f"output{seat}" for seat in range(p.SEATS))
 
 
 def _waited_ns(msg: p.Infer) -> int:
@@ -153,12 +153,12 @@ class Serving:
     # ---- one execution ---------------------------------------------------------------------------
 
     def _launch(self, msg: p.Infer) -> Launch:
-        """Queue one execution's work on the device (on the CPU: run it), from its slot's input region."""
+        """Queue one execution's work on the device (on the CPU: run it), from its seat's input region."""
         waited_ns = _waited_ns(msg)
         inputs = self._claim(msg)
         self.inbox.req_id = msg.req_id  # the model's calls are made from this execution
         self.inbox.trace = msg.trace  # and are traced under it when it is
-        views = self.regions.views(_INPUT_ROLES[msg.slot])
+        views = self.regions.views(_INPUT_ROLES[msg.seat])
         if msg.sequence:  # a sequence model's rows: the slots whose implicit state they take and give back
             from mpsd.worker.sequence_state import StateKeeper
 
@@ -174,8 +174,8 @@ class Serving:
     def _claim(self, msg: p.Infer) -> Region:
         """The execution's input region, marked started; an execution nobody waits for any more (every
         caller cancelled or past its deadline) fails instead."""
-        inputs = self.regions.get(_INPUT_ROLES[msg.slot], msg.input_region)
-        abandoned = inputs.buf[0]  # the slot's control block: nobody waits for this execution any more
+        inputs = self.regions.get(_INPUT_ROLES[msg.seat], msg.input_region)
+        abandoned = inputs.buf[0]  # the seat's control block: nobody waits for this execution any more
         if abandoned == p.ABANDONED_EXPIRED:
             raise MpsdError(
                 "every request of the batch was past its deadline before it ran", ErrorCode.DEADLINE_EXCEEDED
@@ -186,7 +186,7 @@ class Serving:
         return inputs
 
     def _answer(self, msg: p.Infer, launch: Launch) -> p.InferDone:
-        """Wait for a launched execution and write its outputs to its slot's output region.
+        """Wait for a launched execution and write its outputs to its seat's output region.
 
         Messages that arrive while it waits for a larger output region (the daemon's next request) go to
         `early`, to be handled after it.
@@ -199,12 +199,12 @@ class Serving:
         tensors = launch.host if launch.host is not None else runner.prepare_outputs(outputs, msg.outputs)
         del outputs
         out_ref = self._output_region(msg, msg.output_region, host_nbytes(tensors))
-        refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+        refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.seat], out_ref), msg.outputs, tensors)
         output_ns = time.perf_counter_ns() - t0
         return p.InferDone(msg.req_id, refs, in_ns, infer_ns, output_ns, launch.waited_ns, device_ns)
 
     def _infer(self, msg: p.Infer) -> p.InferDone:
-        """Run one request from shared memory to shared memory (the regions of its slot), nothing else on
+        """Run one request from shared memory to shared memory (the regions of its seat), nothing else on
         the device meanwhile."""
         if self.runner.spec.decoupled:
             waited_ns = _waited_ns(msg)
@@ -228,7 +228,7 @@ class Serving:
         return None
 
     def _output_region(self, msg: p.Infer, current: p.RegionRef, needed: int) -> p.RegionRef:
-        """The slot's output region, asking the daemon for a larger one when `needed` bytes do not fit."""
+        """The seat's output region, asking the daemon for a larger one when `needed` bytes do not fit."""
         if needed <= current.size:
             return current
         send_blocking(self.sock, p.NeedOutput(msg.req_id, needed))
@@ -237,7 +237,7 @@ class Serving:
         return reply.region
 
     def _stream(self, msg: p.Infer, inputs: Region, waited_ns: int) -> p.InferDone:
-        """A decoupled model's request: each response goes to the daemon as a StreamPart through the slot's
+        """A decoupled model's request: each response goes to the daemon as a StreamPart through the seat's
         output region, and the model is resumed only once the daemon acknowledges it (so a slow client
         holds the model back); a `stop` in the acknowledgement closes the model's generator. The InferDone
         at the end carries no outputs: it is the final flag."""
@@ -245,7 +245,7 @@ class Serving:
 
         t0 = time.perf_counter_ns()
         out_ref = msg.output_region
-        views = self.regions.views(_INPUT_ROLES[msg.slot])
+        views = self.regions.views(_INPUT_ROLES[msg.seat])
         parts = self.runner.compute_stream(inputs, msg.inputs, views, msg.pieces, self.arenas, msg.parameters)
         index = 0
         try:
@@ -253,7 +253,7 @@ class Serving:
                 tensors = self.runner.prepare_outputs(outputs, msg.outputs)
                 del outputs
                 out_ref = self._output_region(msg, out_ref, host_nbytes(tensors))
-                refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.slot], out_ref), msg.outputs, tensors)
+                refs = write_outputs(self.regions.get(_OUTPUT_ROLES[msg.seat], out_ref), msg.outputs, tensors)
                 send_blocking(self.sock, p.StreamPart(msg.req_id, index, refs))
                 while not (
                     isinstance(ack := self.inbox.recv_wait(), p.StreamAck) and ack.req_id == msg.req_id

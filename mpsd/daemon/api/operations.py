@@ -28,7 +28,7 @@ from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.overrides import LoadParameters
 from mpsd.daemon.core.registry import IndexRow, Registry
 from mpsd.daemon.core.response_cache import ResponseCache
-from mpsd.daemon.core.stages import Stages
+from mpsd.daemon.core.requests import Stages
 from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, UnknownModel
@@ -64,7 +64,7 @@ class Operations(Pipeline):
     ) -> None:
         self.registry = registry
         self.tracing = tracing if tracing is not None else Tracing(TraceConfig())
-        # The stages every source's requests pass (core/stages.py): the response cache (None: off) and the
+        # The stages every source's requests pass (core/requests.py): the response cache (None: off) and the
         # trace settings' decision for requests made for another; the registry's, shared with models' calls
         # and ensembles' steps.
         self.stages = stages if stages is not None else Stages()

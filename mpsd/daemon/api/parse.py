@@ -49,8 +49,8 @@ _SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_by
 # Request parameters Triton clients send, with the value kinds each may have. `timeout` (microseconds) bounds
 # the time to the start of the execution (`call_deadline`), or is the queue's timeout where the request's
 # priority level lets it override the level's (`Deadline.queue`); `priority` is the request's priority level
-# (the queue's, dataplane/levels.py); the sequence ones place a request of a model with sequence batching in
-# its sequence (`sequence_params`), and mean nothing to other models, as in Triton; the others are accepted.
+# (the queue's, dataplane/priorities.py); the sequence ones place a request of a model with sequence batching
+# in its sequence (`sequence_params`), and mean nothing to other models as in Triton; the others are accepted.
 # Any other key is the model's own: a python model gets it (`infer(inputs, parameters)`), and any other model
 # refuses it, so that a misspelt or unsupported option is never silently ignored.
 REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
@@ -215,7 +215,7 @@ def _parsed_inputs(
     call: InferCall, config: ModelConfig, shm: ShmLease | None
 ) -> tuple[tuple[InputTensor, ...], int]:
     """The call's inputs, each checked against the config, in config order; and the batch size."""
-    configured = config.input_by_name()
+    configured = config.input_by_name
     raw = iter(call.raw)
     seen: dict[str, InputTensor] = {}
     batch: int | None = None
@@ -289,7 +289,7 @@ def _shm_data(name: str, cfg: InputConfig, shm: ShmLease, ref: ShmRef, count: in
 
 
 def _requested_outputs(call: InferCall, config: ModelConfig, shm: ShmLease | None) -> tuple[str, ...]:
-    known = config.output_by_name()
+    known = config.output_by_name
     names: list[str] = []
     for out in call.outputs:
         check_name("output", out.name)

@@ -21,7 +21,7 @@ from mpsd.daemon.api.tracing import Incoming, Tracing
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.requests import Deadline
-from mpsd.daemon.core.stages import Stages
+from mpsd.daemon.core.requests import Stages
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
 from mpsd.daemon.dataplane.tracing import NO_TRACE, Trace
 from mpsd.errors import MpsdError, Unimplemented
@@ -36,6 +36,12 @@ class Answered:
     result: InferResult
     in_shm: frozenset[str]
     trace: Trace = NO_TRACE  # the request's: the adapter ends it with its answer (`trace.answering()`)
+
+
+def _classes(call: InferCall) -> dict[str, int]:
+    """The outputs a call asks classes of (`classification.py`, Triton's extension), read only when an
+    output has parameters at all: nearly no call has, and then the extension is not entered."""
+    return requested(call) if any(out.parameters for out in call.outputs) else {}
 
 
 class Pipeline:
@@ -76,7 +82,7 @@ class Pipeline:
                     if learn is not None and not self.stages.caches(parsed):  # a cached one: never known
                         learn(parsed, mv.config)
                     result = await self.stages.infer(mv, parsed, limits.queue(parsed, mv.config))
-                    wanted = requested(call)
+                    wanted = _classes(call)
                     if wanted:
                         result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
                     shm.write_outputs(result.outputs)
@@ -111,7 +117,9 @@ class Pipeline:
             parsed = bind(mv.config)
             if parsed is None:
                 return None
-            queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
+            queued = deadline  # a request without a timeout of its own queues with the client's deadline
+            if parsed.timeout_us:
+                queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
             return Answered(await mv.plane.infer(parsed, queued), frozenset())
         finally:
             self.registry.touch(model)
@@ -156,7 +164,7 @@ class Pipeline:
                     parsed = parse_infer_request(call, mv.config, shm, trace.carried)
                 if parsed.sequence is not None and not parsed.sequence.start:
                     mv = self._continuing(mv, parsed)
-                wanted = requested(call)
+                wanted = _classes(call)
                 responses = mv.plane.stream(parsed, limits.queue(parsed, mv.config))
                 try:
                     async for result in responses:

@@ -1,7 +1,7 @@
 """Which requests are traced, and the start of their traces: the adapters read the W3C traceparent a
 request carries (gRPC metadata, an HTTP header) only while tracing is on, and the trace settings decide
 (`trace_settings.py`), for a client's request and for a request made for another (a python model's call:
-`core/stages.py` asks); the spans themselves are made by `dataplane/tracing.py`."""
+`core/requests.py` asks); the spans themselves are made by `dataplane/tracing.py`."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class Tracing:
     def continued(self, model: str, version: str, request_id: str, parent: str, name: str) -> Trace:
         """A request made for another (a python model's call): traced when its parent is (`parent`, a
         traceparent, "": not traced), as a request that carries a traceparent is, unless the model's
-        trace level is OFF (`core.stages.Tracer`)."""
+        trace level is OFF (`core.requests.Tracer`)."""
         if not parent or not self.on:
             return NO_TRACE
         return self.begin(model, version, request_id, Incoming(parent, now_ns(), name))

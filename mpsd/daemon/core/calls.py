@@ -11,7 +11,7 @@ call is cancelled: a queued call is dropped, a stream stops the called model at 
 that would come back to a model version its request came through (a model calling itself, or a cycle) is
 refused: it would wait for the instance that waits for it.
 
-A call from a traced execution is traced too (`core/stages.py`): its span is a child of the execution's,
+A call from a traced execution is traced too (`core/requests.py`): its span is a child of the execution's,
 whose traceparent the worker sends with the call, and the called model's stages are children of it. The
 response cache answers a call as it would a client's request.
 """
@@ -29,10 +29,10 @@ from mpsd.daemon.core import requests
 from mpsd.daemon.core.ensemble import StepModels
 from mpsd.daemon.core.inputs import check_output, named_inputs
 from mpsd.daemon.core.model_version import ModelVersion
-from mpsd.daemon.core.stages import Stages
+from mpsd.daemon.core.requests import Stages
 from mpsd.daemon.dataplane.calls import Caller, CallLink
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor, OutputTensor
-from mpsd.daemon.dataplane.tracing import RequestTrace
+from mpsd.daemon.dataplane.tracing import NO_TRACE, RequestTrace
 from mpsd.errors import (
     DeadlineExceeded,
     ErrorCode,
@@ -91,7 +91,13 @@ class ModelCalls:
 
     async def _run(self, call: p.Call, caller: Caller, link: CallLink, limits: requests.Deadline) -> None:
         # A traced execution's call: a span under the execution's (`call.trace`), its stages under it.
-        trace = self.stages.tracer.continued(call.model, call.version, call.request_id, call.trace, "call")
+        # An untraced one's (no traceparent) is NO_TRACE without asking the tracer, as an adapter's is.
+        tracer = self.stages.tracer
+        trace = (
+            tracer.continued(call.model, call.version, call.request_id, call.trace, "call")
+            if call.trace
+            else NO_TRACE
+        )
         try:
             mv = await self.stages.acquire(self.models, call.model, call.version, limits.bounded, trace)
             try:
@@ -163,7 +169,7 @@ class ModelCalls:
         inputs, batch = named_inputs(
             mv.name, config, [InputTensor(t.name, t.datatype, t.shape, t.data) for t in call.inputs]
         )
-        known = config.output_by_name()
+        known = config.output_by_name
         named: list[str] = []
         for name in call.outputs:
             check_output(mv.name, name, known, named)

@@ -20,7 +20,7 @@ from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.core import requests
 from mpsd.daemon.core.inputs import check_input
 from mpsd.daemon.core.model_version import ModelVersion
-from mpsd.daemon.core.stages import Stages
+from mpsd.daemon.core.requests import Stages
 from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.dataplane.request import Deferred, InferRequest, InferResult, InputTensor, OutputTensor
 from mpsd.daemon.dataplane.tracing import RequestTrace, stage_of
@@ -234,11 +234,11 @@ class EnsemblePlane(VersionPlane):
         """The step's request: its model's inputs from the ensemble's tensors, checked against that model's
         config as a client's would be (datatype, dims, batch size)."""
         config = mv.config
-        configured = config.input_by_name()
+        configured = config.input_by_name
         unknown = sorted(set(step.input_map) - set(configured))
         if unknown:
             raise InvalidArgument(f"input_map names input(s) {', '.join(unknown)} the model does not have")
-        outputs = config.output_by_name()
+        outputs = config.output_by_name
         missing = sorted(set(step.output_map) - set(outputs))
         if missing:
             raise InvalidArgument(f"output_map names output(s) {', '.join(missing)} the model does not have")

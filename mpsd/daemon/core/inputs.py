@@ -99,7 +99,7 @@ def named_inputs(
 ) -> tuple[tuple[InputTensor, ...], int]:
     """Tensors given by name (a model's call), checked as a client's: names, datatypes, shapes, one batch
     size, their bytes; in config order, with the batch size."""
-    configured = config.input_by_name()
+    configured = config.input_by_name
     max_batch = config.max_batch_size
     seen: dict[str, InputTensor] = {}
     batch: int | None = None

@@ -123,7 +123,7 @@ class Registry:
 
     def route(self, name: str, version: str) -> ModelVersion:
         """The version that answers a request for (name, version); "" means the latest serving one."""
-        number = requested_version(version)  # Triton reads the version first: a bad one, whatever the name
+        number = requested_version(version) if version else None  # read first, as Triton does; "": latest
         entry = self.entries.get(name)
         if entry is None:
             raise UnknownModel(name, number, unloaded=name in self.unloaded)
@@ -159,7 +159,7 @@ class Registry:
     def loads_first(self, name: str) -> bool:
         """Whether a request for the model must wait for it to load (`acquire`)."""
         entry = self.entries.get(name)
-        return entry is not None and self.residency.cold(entry)
+        return entry is not None and not entry.versions and self.residency.cold(entry)  # running: never cold
 
     def touch(self, name: str) -> None:
         """The model served a request now: it is the most recently used."""
@@ -169,15 +169,16 @@ class Registry:
 
     def known(self, name: str, version: str) -> None:
         """UnknownModel unless the model (and version) is known, running or loading on demand."""
-        requested_version(version)
+        if version:  # "" names the latest: nothing to read
+            requested_version(version)
         entry = self.entries.get(name)
-        if entry is None or not self.residency.cold(entry):
+        if entry is None or entry.versions or not self.residency.cold(entry):  # running: never cold
             self.route(name, version)
 
     def model_available(self, name: str) -> bool:
         """Ready, or loads on its next request (what per-model health reports to load balancers)."""
         entry = self.entries.get(name)
-        if entry is not None and self.residency.cold(entry) and entry.error is None:
+        if entry is not None and not entry.versions and self.residency.cold(entry) and entry.error is None:
             return True
         return self.model_ready(name)
 

@@ -2,9 +2,10 @@
 
 A request reaches a version's plane from four places: a client's call, checked against the model
 (`from_client`: gRPC, HTTP, OpenAI's API and /generate all read their request into one call first), a
-ModelInfer whose header was checked before (`from_known_header`), a python model's call to another model
-(`from_call`) and an ensemble's step (`for_step`). Each source says what it can in `Terms`, and `_build`
-alone decides what the request carries:
+ModelInfer whose header was checked before (the request `from_client` built for the header's first call,
+kept without its bytes by `api.grpc.known_headers`, with this call's id and bytes), a python model's call
+to another model (`from_call`) and an ensemble's step (`for_step`). Each source says what it can in
+`Terms`, and `_build` alone decides what the request carries:
 
 - priority and timeout: the request's own; a step's are its ensemble request's, as in Triton; a model's
   call has neither (the worker's call API carries only its timeout), so it has the model's default level;
@@ -14,9 +15,17 @@ alone decides what the request carries:
 - the deadline it queues with (`Deadline.queue`): the earlier of the one of whoever waits for it and its
   timeout counted from its arrival, or only the former where its priority level lets its timeout override
   the level's (the queue then applies the timeout with the level's action);
-- its trace (`trace`): a traced request's spans, given by its source (`core/stages.py`);
+- its trace (`trace`): a traced request's spans, given by its source (`Stages`, below);
 - response cache eligibility (`cacheable`): the model enables the cache, answers once (not decoupled),
   and the request is no sequence's step and has no input or output in a client's shared memory.
+
+Once built, every request passes the same stages on its way to its version's plane (`Stages`): the wait
+for a load on demand, the response cache, and its trace. A request's trace is a value that is always there
+(`dataplane.tracing.Trace`): a `RequestTrace` whose stages are spans, or `NO_TRACE`, whose stages do
+nothing, so traced and untraced requests run one path. Which requests are traced is the trace settings'
+decision (`api/tracing.py`, injected as the `Tracer`: core knows no protocol and no settings). A request
+made for another (a model's call, an ensemble's step) belongs to its parent's trace: traced when its parent
+is, as a child of the parent's span.
 
 The module sits in core, the lowest layer every source can import: the api (client calls, known headers)
 imports it downward, core's own calls and ensembles beside it; and the rules read the model's config,
@@ -25,15 +34,22 @@ which the data plane below takes as given.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Protocol
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.dataplane.request import InferRequest, InputTensor, SequenceStep
-from mpsd.daemon.dataplane.tracing import RequestTrace
+from mpsd.daemon.core.model_version import ModelVersion
+from mpsd.daemon.core.response_cache import ResponseCache, request_key
+from mpsd.daemon.dataplane.request import InferRequest, InferResult, InputTensor, SequenceStep
+from mpsd.daemon.dataplane.tracing import NO_TRACE, RequestTrace, Trace
 from mpsd.ipc.protocol import RequestParameters
 
 Chain = frozenset[tuple[str, int]]
+# Inputs of at least this many bytes are hashed for the response cache on a thread of their own.
+HASH_INLINE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,21 +142,6 @@ def from_client(
     )  # fmt: skip
 
 
-def from_known_header(
-    config: ModelConfig,
-    model: str,
-    version: str,
-    request_id: str,
-    inputs: tuple[InputTensor, ...],
-    outputs: tuple[str, ...],
-    batch_size: int,
-    terms: Terms,
-) -> InferRequest:
-    """A ModelInfer whose header is known (`api.grpc.known_headers`): the terms of the request it was
-    learned from, with this one's id and bytes."""
-    return _build(config, model, version, request_id, inputs, outputs, batch_size, terms)
-
-
 def from_call(
     config: ModelConfig,
     model: str,
@@ -209,3 +210,82 @@ def _overrides(request: InferRequest, config: ModelConfig) -> bool:
     """Whether the request's priority level lets its timeout stand for the level's queue timeout."""
     db = config.dynamic_batching
     return db is not None and db.policy(db.level(request.priority)).allow_timeout_override
+
+
+# The stages every request passes between its model version and that version's data plane, whatever its
+# source: the wait for a load on demand, the response cache, and its trace.
+class Tracer(Protocol):
+    """Which requests made for another are traced (api's `Tracing`, under the trace settings)."""
+
+    def continued(self, model: str, version: str, request_id: str, parent: str, name: str) -> Trace:
+        """The trace of a request for `model` made by the one whose span `parent` names (a W3C
+        traceparent; "": that one is not traced)."""
+        ...
+
+
+class NoTracer:
+    """A daemon that traces nothing (until the api's tracing is installed)."""
+
+    def continued(self, model: str, version: str, request_id: str, parent: str, name: str) -> Trace:
+        return NO_TRACE
+
+
+class Loads(Protocol):
+    """The registry as the stages use it."""
+
+    async def acquire(self, name: str, version: str, deadline: float | None) -> ModelVersion: ...
+
+    def loads_first(self, name: str) -> bool: ...
+
+
+class Stages:
+    """The response cache (None: off) and the tracer, shared by every source of requests."""
+
+    def __init__(self, cache: ResponseCache | None = None, tracer: Tracer | None = None) -> None:
+        self.cache = cache
+        self.tracer: Tracer = tracer if tracer is not None else NoTracer()
+
+    def acquire(
+        self, models: Loads, name: str, version: str, deadline: float | None, trace: Trace
+    ) -> Awaitable[ModelVersion]:
+        """The model version for a request; a traced request's wait for a load on demand is a span. (Not a
+        coroutine of its own, as `infer`: an untraced request awaits no more frames than the registry's.)"""
+        waiting = models.acquire(name, version, deadline)
+        return trace.timed("load", waiting) if models.loads_first(name) else waiting
+
+    def caches(self, request: InferRequest) -> bool:
+        """Whether the response cache answers the request (then the known-header path never learns it)."""
+        return request.cacheable and self.cache is not None
+
+    def infer(
+        self, mv: ModelVersion, request: InferRequest, deadline: float | None
+    ) -> Awaitable[InferResult]:
+        """The request's result: from the response cache where it applies, from the model otherwise."""
+        if request.cacheable and self.cache is not None:
+            return self._cached(self.cache, mv, request, deadline)
+        return mv.plane.infer(request, deadline)
+
+    @staticmethod
+    async def _cached(
+        cache: ResponseCache, mv: ModelVersion, request: InferRequest, deadline: float | None
+    ) -> InferResult:
+        """The request's result from the response cache, or from the model and then kept there."""
+        start = time.perf_counter_ns()
+        cache.seen(mv.label, mv.fingerprint)
+        if sum(len(t.data) for t in request.inputs) < HASH_INLINE_BYTES:
+            key = request_key(mv.fingerprint, request)
+        else:  # hashing releases the GIL: large inputs are hashed beside the event loop, not on it
+            key = await asyncio.to_thread(request_key, mv.fingerprint, request)
+        if key is None:  # inputs in shared memory
+            return await mv.plane.infer(request, deadline)
+        hit = cache.get(key)
+        if hit is not None:
+            now = time.perf_counter_ns()
+            mv.stats.record_cache_hit(now - start, now - start)
+            return InferResult(mv.name, mv.version, hit)
+        looked_up = time.perf_counter_ns() - start
+        result = await mv.plane.infer(request, deadline)
+        t0 = time.perf_counter_ns()
+        cache.put(mv.label, key, result.outputs)
+        mv.stats.cache_miss.add(looked_up + time.perf_counter_ns() - t0)
+        return result

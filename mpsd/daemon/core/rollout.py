@@ -20,7 +20,7 @@ from mpsd.config.repository import ModelSource
 from mpsd.daemon.core.calls import ModelCalls
 from mpsd.daemon.core.ensemble import EnsemblePlane, StepModels
 from mpsd.daemon.core.model_version import ModelVersion, VersionState
-from mpsd.daemon.core.stages import Stages
+from mpsd.daemon.core.requests import Stages
 from mpsd.daemon.dataplane.request import InferRequest
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.daemon.supervise.launch import plan_version

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from mpsd.daemon.dataplane.levels import Queued, Sizes
+from mpsd.daemon.dataplane.priorities import Queued, Sizes
 from mpsd.daemon.dataplane.request import InferRequest
 
 

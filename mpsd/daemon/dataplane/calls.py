@@ -41,6 +41,7 @@ class Caller:
         self.chain = chain
         self.deadline = deadline
         self.ended: asyncio.Future[MpsdError] = asyncio.get_running_loop().create_future()
+        self.running = 0  # its calls not answered yet
         self._waiting = waiting
         for future in waiting:
             future.add_done_callback(self._check)
@@ -54,21 +55,30 @@ class Caller:
         if all(f.done() for f in self._waiting):
             self.end(Cancelled(f"the request to model '{self.model}' that made this call was cancelled"))
 
-    def end(self, error: MpsdError) -> None:
+    def end(self, error: MpsdError | None) -> None:
+        """Its calls in flight fail with `error` (None: there are none, and none can come any more)."""
         for future in self._waiting:
             future.remove_done_callback(self._check)
-        if not self.ended.done():
+        if error is not None and not self.ended.done():
             self.ended.set_result(error)
 
 
 class CallLink:
     """The channel's end of one call: `send` an answer to the worker; `wanted` waits for the worker's
-    acknowledgement of the part sent last (False: the model wants no more)."""
+    acknowledgement of the part sent last (False: the model wants no more). Its final answer ends the call
+    for its `caller`, before the worker can read it."""
 
-    def __init__(self, call_id: int, send: Callable[[object], None]) -> None:
+    def __init__(self, call_id: int, send: Callable[[object], None], caller: Caller | None = None) -> None:
         self.call_id = call_id
-        self.send = send
+        self._send = send
+        self._caller = caller
         self.acks: asyncio.Queue[bool] = asyncio.Queue()
+
+    def send(self, msg: object) -> None:
+        if self._caller is not None and isinstance(msg, p.CallDone | p.CallFailed):
+            self._caller.running -= 1
+            self._caller = None
+        self._send(msg)
 
     async def wanted(self) -> bool:
         return await self.acks.get()
@@ -110,8 +120,9 @@ class CallRouter:
     def answered(self, req_id: int) -> None:
         """The execution is over: its calls still in flight are cancelled."""
         caller = self._callers.pop(req_id, None) if self._callers else None
-        if caller is not None:
-            caller.end(Cancelled(f"the request to model '{caller.model}' that made this call has ended"))
+        if caller is not None:  # the error only where a call waits for it: most executions made none
+            why = f"the request to model '{caller.model}' that made this call has ended"
+            caller.end(Cancelled(why) if caller.running else None)
 
     def received(self, msg: p.Call | p.CallAck) -> None:
         if isinstance(msg, p.CallAck):
@@ -128,7 +139,8 @@ class CallRouter:
             error = Unavailable(f"call to model '{msg.model}' {why}")
             self._send(p.CallFailed(msg.call_id, error.code.value, error.message))
             return
-        link = self._links[msg.call_id] = CallLink(msg.call_id, self._send)
+        caller.running += 1
+        link = self._links[msg.call_id] = CallLink(msg.call_id, self._send, caller)
         task = asyncio.ensure_future(self.handler(msg, caller, link))
         self._tasks.add(task)
         task.add_done_callback(lambda t: self._done(t, msg.call_id))

@@ -1,7 +1,7 @@
 """The execution channel to one worker: the frames on its socket, and what each message from the worker
 means for the executions in flight, the worker's signs of life and its profiles.
 
-The executions themselves (a slot's shared memory, the Infer frame, the wait for the answer) are
+The executions themselves (a seat's shared memory, the Infer frame, the wait for the answer) are
 `execution.py`'s, which `Channel` inherits; the caller lays out, writes and reads the tensors (`Tensors`).
 """
 
@@ -15,15 +15,79 @@ from typing import Protocol
 
 from mpsd.daemon.dataplane.arenas import WorkerArenas
 from mpsd.daemon.dataplane.calls import CallHandler, CallRouter
-from mpsd.daemon.dataplane.execution import Executions
+from mpsd.daemon.dataplane.execution import Executions, region_ref
 from mpsd.daemon.dataplane.profiling import ProfileRun
 from mpsd.errors import ResourceExhausted, WorkerDied
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
+from mpsd.ipc.shm import Region, page_round
 
 # Silence allowed of a worker from the start of a profile until its ProfileDone: ending the profile and
 # exporting its trace hold the worker's interpreter for seconds after a long window on a busy model.
 PROFILE_PATIENCE_S = 120.0
+
+
+INITIAL_REGION = 1 << 20
+
+
+class SeatRegions:
+    """The shared memory of one seat, owned by the daemon: reused from request to request and only replaced
+    (by a region twice as large) when a request does not fit, so no request allocates shared memory. A new
+    region's name is unlinked once the worker has mapped it. Not a front's arena (`ipc/front_arena.py`),
+    which holds requests on their way from a front to the daemon."""
+
+    def __init__(self) -> None:
+        self.input: Region | None = None
+        self.output: Region | None = None
+        self.named = False  # a region still has its name: the worker has not answered through it yet
+        self._mapped: list[Region] = []
+
+    def input_for(self, nbytes: int) -> Region:
+        """The input region, replaced by a larger one first if `nbytes` do not fit."""
+        if self.input is None or self.input.size < nbytes:
+            old = self.input
+            self.input = self._new(max(nbytes, INITIAL_REGION, 2 * (old.size if old else 0)))
+            if old is not None:
+                self._retire(old)
+        return self.input
+
+    def output_region(self) -> Region:
+        if self.output is None:
+            self.output = self._new(INITIAL_REGION)
+        return self.output
+
+    def grow_output(self, nbytes: int) -> p.RegionRef:
+        """A larger output region for the request in progress (the worker asked with NeedOutput)."""
+        old = self.output
+        self.output = self._new(max(nbytes, 2 * (old.size if old else 0)))
+        if old is not None:
+            self._retire(old)
+        return region_ref(self.output)
+
+    def mapped_by_worker(self) -> None:
+        """The worker answered a request using both regions: their names are no longer needed."""
+        self.named = False
+        for region in (self.input, self.output):
+            if region is not None:
+                region.unlink()
+
+    def release(self) -> None:
+        for region in self._mapped:
+            region.unlink()
+            region.close()
+        self._mapped.clear()
+        self.input = self.output = None
+
+    def _new(self, size: int) -> Region:
+        region = Region.create(page_round(size))
+        self._mapped.append(region)
+        self.named = True
+        return region
+
+    def _retire(self, region: Region) -> None:
+        region.unlink()
+        if region.close():
+            self._mapped.remove(region)
 
 
 class Signs(Protocol):
@@ -39,6 +103,8 @@ class Signs(Protocol):
 class Channel(Executions):
     """`hung(reason)` is called when an execution gets no answer within `request_timeout_s` (0: no limit);
     every message counts as a sign of life for `liveness`, and memory snapshots go to it."""
+
+    seats: tuple[SeatRegions, ...]  # each seat's shared memory, which the channel owns
 
     def __init__(
         self,
@@ -59,6 +125,7 @@ class Channel(Executions):
         self._transport: asyncio.Transport | None = None
         self._reply: asyncio.Future[object] | None = None
         self._closed: Callable[[], None] = lambda: None
+        self.seats = tuple(SeatRegions() for _ in range(p.SEATS))
         super().__init__()  # the executions in flight (`execution.py`)
         self.profile: ProfileRun | None = None  # the one profile of this worker under way
         self._profile_ids = itertools.count(1)
@@ -112,12 +179,13 @@ class Channel(Executions):
                 parts.put_nowait(msg)
         elif isinstance(msg, (p.InferDone, p.InferFailed)):
             entry = self._inflight.pop(msg.req_id, None)
-            self.calls.answered(msg.req_id)
+            if self.calls.handler is not None:  # a model that may call others
+                self.calls.answered(msg.req_id)
             if entry is None:
                 return
             if msg.req_id in self._abandoned:
                 self._abandoned.discard(msg.req_id)
-                self._give_slot(entry[1])
+                self._give_seat(entry[1])
             elif not entry[0].done():
                 entry[0].set_result(msg)
         elif isinstance(msg, (p.Call, p.CallAck)):
@@ -144,9 +212,9 @@ class Channel(Executions):
             self.profile.fail(WorkerDied(message.replace("while running the request", "while profiling")))
         inflight = list(self._inflight.items())
         self._inflight.clear()
-        for req_id, (pending, slot) in inflight:
+        for req_id, (pending, seat) in inflight:
             if req_id in self._abandoned:
-                self._give_slot(slot)
+                self._give_seat(seat)
             elif not pending.done():
                 pending.set_exception(WorkerDied(message))
         self._abandoned.clear()
@@ -178,18 +246,18 @@ class Channel(Executions):
             self.profile = None
 
     def close(self) -> None:
-        """Close the socket and unmap the slots' regions."""
+        """Close the socket and unmap the seats' regions."""
         self.arenas.close()
         if self._transport is not None:
             self._transport.close()
         self.release()
 
-    def _grow_output(self, slot: int, nbytes: int) -> None:
-        region = self.slots[slot].grow_output(nbytes)
+    def _grow_output(self, seat: int, nbytes: int) -> None:
+        region = self.seats[seat].grow_output(nbytes)
         assert self._transport is not None
         self._transport.write(encode(p.OutputRegion(region)))
 
     def release(self) -> None:
-        """Unmap the slots' regions (an execution still running finds them gone)."""
-        for regions in self.slots:
+        """Unmap the seats' regions (an execution still running finds them gone)."""
+        for regions in self.seats:
             regions.release()

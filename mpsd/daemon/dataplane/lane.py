@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
-from mpsd.ipc.protocol import SLOTS
+from mpsd.ipc.protocol import SEATS
 from mpsd.net.tasks import TaskGroup
 
 
@@ -33,6 +33,10 @@ class Batches(Protocol[B]):
     """The version's queue, as a lane pulls from it."""
 
     async def next_batch(self, partial: Callable[[], bool] | None = None) -> B: ...
+
+    def __len__(self) -> int:
+        """Requests queued now."""
+        ...
 
     def wake(self) -> None:
         """An execution of the lane ended: `partial` may answer otherwise now."""
@@ -69,6 +73,7 @@ class Lane(Generic[B, C]):
         self._idle = asyncio.Event()  # set while no execution of this lane runs
         self._idle.set()
         self._running = TaskGroup()  # executions the dispatcher started
+        self._dispatched = 0  # of them, those not ended (counted here: `_busy` runs for every request)
         self._direct = 0  # executions run by their caller's task (`run_direct`)
         self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
 
@@ -91,10 +96,10 @@ class Lane(Generic[B, C]):
         """Executions this lane keeps in flight. With one lane the next batch waits in the worker while the
         current one runs, so the worker never idles between them; with several, each takes one at a time,
         so a batch always goes to an idle lane while there is one."""
-        return SLOTS if self._lanes() == 1 else 1
+        return SEATS if self._lanes() == 1 else 1
 
     def _busy(self) -> int:
-        return len(self._running) + self._direct
+        return self._dispatched + self._direct
 
     async def dispatch(self, channel: C, done_with: asyncio.Event) -> None:
         """Feed `channel` batches from the queue until it refuses, the lane stops, or `done_with` is set."""
@@ -114,6 +119,7 @@ class Lane(Generic[B, C]):
                 queue.requeue(batch)
                 continue
             self._idle.clear()
+            self._dispatched += 1
             self._running.spawn(self._execute(batch, channel)).add_done_callback(self._finished)
 
     def direct_channel(self) -> C | None:
@@ -160,6 +166,7 @@ class Lane(Generic[B, C]):
             await self._execute_batch(batch, channel)
 
     def _finished(self, _task: asyncio.Task[None]) -> None:
+        self._dispatched -= 1
         self._ended()
 
     def _nothing_running(self) -> bool:
@@ -167,7 +174,8 @@ class Lane(Generic[B, C]):
 
     def _ended(self) -> None:
         self._freed.set()
-        self._batches.wake()
+        if len(self._batches):  # a dispatcher holding a short batch may send it now; an empty queue has none
+            self._batches.wake()
         if not self._busy():
             self._idle.set()
 

@@ -2,7 +2,7 @@
 dimension into the input region, and each request's rows of every output it asked for copied back out.
 
 The worker's handle provides the regions and moves no tensor bytes itself; it calls `BatchTensors` while it
-holds the execution's slot, so the regions cannot change under the copies.
+holds the execution's seat, so the regions cannot change under the copies.
 """
 
 from __future__ import annotations

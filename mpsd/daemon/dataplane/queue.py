@@ -5,7 +5,7 @@ form the batch, and when it goes, is batch forming's (`batching.py`), whose meth
 inherits.
 
 Priority levels order the queue and each level's queue policy applies (size limit, timeout, REJECT or
-DELAY: `levels.py`); a model with one level and no DELAY has the plain first-in first-out queue.
+DELAY: `priorities.py`); a model with one level and no DELAY has the plain first-in first-out queue.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.dataplane.batching import BatchForming, disarm
-from mpsd.daemon.dataplane.levels import Levels, Policy, Sizes, place, queue_full, timeout_expired
+from mpsd.daemon.dataplane.priorities import Policy, Priorities, Sizes, place, queue_full, timeout_expired
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, Timings
 from mpsd.daemon.dataplane.streaming import ResponseStream
 from mpsd.errors import DeadlineExceeded, MpsdError
@@ -46,7 +46,7 @@ class Pending:
 
     @property
     def rank(self) -> int:
-        """Where it belongs in the queue: a smaller rank is taken first (`levels.py`)."""
+        """Where it belongs in the queue: a smaller rank is taken first (`priorities.py`)."""
         return self.level * 2 + self.delayed
 
     @functools.cached_property
@@ -82,7 +82,7 @@ class RequestQueue(BatchForming[Pending]):
         preferred = db.preferred_batch_size if db is not None else []
         self.target_rows = min(max(preferred), self.max_rows) if preferred else self.max_rows
         self.delay_s = (db.max_queue_delay_microseconds / 1e6) if db is not None else 0.0
-        self.levels = levels = Levels(db)
+        self.priorities = levels = Priorities(db)
         self.max_size = levels.default.max_size
         self._ordered = levels.ordered  # requests placed by rank, not appended
         self._delays = levels.delays  # a DELAY policy may move a request back
@@ -130,7 +130,7 @@ class RequestQueue(BatchForming[Pending]):
             self._time(item, self._policy(item))
 
     def _policy(self, item: Pending) -> Policy:
-        levels = self.levels
+        levels = self.priorities
         if levels.several:
             item.level = levels.level(item.request)
         return levels.policy(item.level)
@@ -151,7 +151,7 @@ class RequestQueue(BatchForming[Pending]):
     def _put_ranked(self, item: Pending) -> None:
         policy = self._policy(item)
         if policy.max_size:
-            queued = self._sizes.of(item.level) if self.levels.several else len(self._items)
+            queued = self._sizes.of(item.level) if self.priorities.several else len(self._items)
             if queued >= policy.max_size:
                 raise queue_full(item.request)
         if self._timed:
@@ -239,6 +239,8 @@ class RequestQueue(BatchForming[Pending]):
 
     def _prune(self) -> None:
         """Drop requests that were cancelled or whose deadline passed while they waited."""
+        if not self._items:
+            return
         now = self._clock()
         kept: deque[Pending] = deque()
         late: list[Pending] = []

@@ -58,7 +58,7 @@ class InferRequest:
     sequence: SequenceStep | None = None  # set for a model with sequence batching only
     trace: RequestTrace | None = None  # a traced request's spans (dataplane/tracing.py); None: not traced
     # The request's `priority` and `timeout` (microseconds) parameters, 0 where not given: the queue finds
-    # the request's priority level and that level's timeout from them (dataplane/levels.py).
+    # the request's priority level and that level's timeout from them (dataplane/priorities.py).
     priority: int = 0
     timeout_us: int = 0
     # Whether the response cache may answer it; decided where every request is built (core/requests.py).

@@ -386,6 +386,9 @@ class LaneSlots:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.arrived.wait(), timeout)
 
+    def __len__(self) -> int:  # requests queued in the lane's sequences: what a wake may find ready
+        return sum(len(seq.queue) for seq in self.slots if seq is not None)
+
     def wake(self) -> None:
         self.arrived.set()
 

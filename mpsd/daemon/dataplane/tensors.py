@@ -13,7 +13,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 class Tensors(Protocol[T_co]):
     """One execution's tensors, laid out, written and read by the caller (`marshal`): the
-    channel provides the slot's regions and calls these while it holds the slot."""
+    channel provides the seat's regions and calls these while it holds the seat."""
 
     @property
     def refs(self) -> tuple[p.TensorRef, ...]:
@@ -60,12 +60,3 @@ class PhaseTimes(Protocol):
     device_compute_ns: int | None
     trace: str  # a traced execution's span, as a traceparent for its Infer frame ("": not traced)
     worker_span: p.WorkerSpan | None  # the worker's span of a traced execution
-
-
-def take_phases(timings: PhaseTimes, reply: p.InferDone, write_ns: int, read_ns: int) -> None:
-    """An execution's phases from its worker's answer, with the daemon's own writing and reading."""
-    timings.worker_wait_ns = reply.waited_ns
-    timings.compute_input_ns = write_ns + reply.compute_input_ns
-    timings.compute_infer_ns = reply.compute_infer_ns
-    timings.compute_output_ns = reply.compute_output_ns + read_ns
-    timings.device_compute_ns = reply.device_compute_ns

@@ -14,12 +14,11 @@ through the full path again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.parse import MAX_ID
-from mpsd.daemon.core import requests
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.ipc import strings
 
@@ -47,7 +46,7 @@ class KnownHeader:
     outputs: tuple[str, ...]
     batch_size: int
     raw_count: int
-    terms: requests.Terms = requests.NO_TERMS  # of the request it was learned from
+    request: InferRequest  # the request it was learned from (`requests.from_client`), less its bytes
 
     def bind(self, raw: Sequence[bytes | memoryview], request_id: str) -> InferRequest | None:
         """The request with these tensor bytes and this id; None when they do not fit the header (the full
@@ -60,10 +59,7 @@ class KnownHeader:
             if len(data) != known.nbytes:
                 return None
             inputs.append(InputTensor(known.name, known.datatype, known.shape, data))
-        return requests.from_known_header(
-            self.config, self.model, self.version, request_id, tuple(inputs), self.outputs, self.batch_size,
-            self.terms,
-        )  # fmt: skip
+        return replace(self.request, id=request_id, inputs=tuple(inputs))
 
 
 def known_id(raw_id: bytes | None) -> str | None:
@@ -104,7 +100,7 @@ def known_header(call: InferCall, parsed: InferRequest, config: ModelConfig) -> 
         parsed.outputs,
         parsed.batch_size,
         len(call.inputs),
-        requests.terms_of(parsed),
+        replace(parsed, id="", inputs=()),
     )
 
 

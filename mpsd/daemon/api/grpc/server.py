@@ -40,7 +40,8 @@ def services(servicer: InferenceServicer, health: HealthService, admin: AdminSer
 
 
 def grpc_server(gate: Gate, options: Sequence[tuple[str, Any]]) -> grpc.aio.Server:
-    """A server whose every call goes through `gate` (shared by the daemon's servers), no port bound yet."""
+    """A server whose every call goes through `gate` (shared by the daemon's servers), no port bound yet: its
+    shortcut first, for the inference methods open to every caller."""
     server = grpc.aio.server(options=list(options))
-    server.add_generic_rpc_handlers((gate,))
+    server.add_generic_rpc_handlers((gate.shortcut, gate))
     return server

@@ -14,8 +14,6 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mpsd.ipc.front_wire import nbytes
-
 RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
 RAW_OUTPUT_CONTENTS = 6  # field number of ModelInferResponse.raw_output_contents
 _ID = 3  # field number of ModelInferRequest.id
@@ -141,6 +139,6 @@ def raw_output_parts(header: bytes, contents: Sequence[bytes | memoryview]) -> l
     entries are not copied: a scatter-gather send can write them as they are."""
     parts: list[bytes | memoryview] = [header]
     for data in contents:
-        size = nbytes(data)
+        size = data.nbytes if type(data) is memoryview else len(data)  # bytes, not a view's items
         parts += (_OUTPUT_TAG, varint_bytes(size), data) if size else (_OUTPUT_TAG, varint_bytes(0))
     return parts

@@ -6,7 +6,9 @@
   before the port closes.
 - Each route stands for a KServe RPC, whose access category (`net.auth`) decides with the `Authorization:
   Bearer` header, exactly as on gRPC: the request is refused before its body is read, and before a client
-  that sent `Expect: 100-continue` is told to send it.
+  that sent `Expect: 100-continue` is told to send it. A route the policy lets a request without
+  credentials take (every one but the operator-only ones, while no tokens are configured) is let through
+  without a check: the set of them is made whenever the policy is.
 - An MpsdError becomes its HTTP status (`net.status`, the one table) with Triton's `{"error": "..."}` body;
   aiohttp's own refusals (404, 405, 413) get the same body; anything else is a logged 500. Under the
   prefix of another adapter mounted on the server (`api.web.Mount`), that adapter words the error.
@@ -23,7 +25,7 @@ from aiohttp.typedefs import Handler
 
 from mpsd.daemon.api.web import ErrorWriter, Mount, method_of
 from mpsd.errors import MpsdError, Unauthenticated, Unavailable
-from mpsd.net.auth import AccessPolicy
+from mpsd.net.auth import METHOD_CATEGORY, AccessPolicy
 from mpsd.net.status import http_status
 
 from .responses import error_response
@@ -58,7 +60,7 @@ class Admission:
         refusing: Callable[[], bool] | None = None,
         mounts: Sequence[Mount] = (),
     ) -> None:
-        self.policy = policy
+        self.policy = policy  # and the methods it leaves open (`_open`)
         self.mounts = tuple(mounts)
         self.limit = limit  # the largest body accepted, in bytes
         self.shutting_down = shutting_down
@@ -66,6 +68,16 @@ class Admission:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @property
+    def policy(self) -> AccessPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: AccessPolicy) -> None:
+        self._policy = policy
+        # What it lets a request without credentials do, it lets every request do: no check per request.
+        self._open = frozenset(m for m in METHOD_CATEGORY if policy.check(m, None) is None)
 
     async def idle(self) -> None:
         """Until no request is in progress."""
@@ -88,7 +100,7 @@ class Admission:
         # live stays true while in-flight work ends; readiness says no from the signal, the rest after grace
         if request.path != LIVE and (self.refusing() or (readiness and self.shutting_down())):
             raise Unavailable("the daemon is shutting down")
-        if method is not None:
+        if method is not None and method not in self._open:
             credentials = [("authorization", v) for v in request.headers.getall("Authorization", ())]
             refused = self.policy.check(method, credentials)
             if refused is not None:

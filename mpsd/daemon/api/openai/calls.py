@@ -31,7 +31,7 @@ def rows_per_call(config: ModelConfig, section: OpenAIConfig) -> int | None:
     """How many texts one call may carry (None: any number)."""
     if config.max_batch_size > 0:
         return config.max_batch_size
-    return None if config.input_by_name()[section.input].dims == [-1] else 1
+    return None if config.input_by_name[section.input].dims == [-1] else 1
 
 
 def chunks(items: Sequence[bytes], size: int | None) -> list[Sequence[bytes]]:

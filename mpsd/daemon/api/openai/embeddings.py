@@ -118,7 +118,7 @@ class EmbeddingsHandler:
             raise InvalidField("encoding_format", "'encoding_format' must be 'float' or 'base64'")
         dimensions = integer(body, "dimensions", 1)
         # refused before the model runs where its config gives the size (-1: once it has answered)
-        check_dimensions(dimensions, config.output_by_name()[section.output].dims[-1], section, name)
+        check_dimensions(dimensions, config.output_by_name[section.output].dims[-1], section, name)
         parameters = passed_on(body, USED, section, name, input_type="tokens" if tokens else "text")
         parts = chunks(texts, rows_per_call(config, section))
         calls = [

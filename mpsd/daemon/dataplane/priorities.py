@@ -1,5 +1,5 @@
-"""Priority levels and their queue policies (Triton's `priority_levels`, `default_queue_policy` and
-`priority_queue_policy`), as the queue applies them.
+"""A model's priorities: its priority levels and their queue policies (Triton's `priority_levels`,
+`default_queue_policy` and `priority_queue_policy`), as the queue applies them.
 
 A request's level is its `priority` parameter, or the model's default level for 0 and for a number past
 `priority_levels` (Triton's rule). The queue keeps its requests ordered by rank: a smaller level first, and
@@ -50,11 +50,11 @@ class Policy:
 NO_POLICY = Policy(0, 0.0, False, False)
 
 
-class Levels:
-    """A model's levels: which a request is on and that level's policy. `timed`: some level has a timeout or
-    lets a request set one; `delays`: some DELAY policy can move a request back; `ordered`: requests can
-    have different ranks (several levels, or `delays`); `counted`: there are several levels and one has a
-    size limit, so the queue counts its requests level by level."""
+class Priorities:
+    """A model's priority levels: which a request is on and that level's policy. `timed`: some level has a
+    timeout or lets a request set one; `delays`: some DELAY policy can move a request back; `ordered`:
+    requests can have different ranks (several levels, or `delays`); `counted`: there are several levels
+    and one has a size limit, so the queue counts its requests level by level."""
 
     def __init__(self, db: DynamicBatching | None) -> None:
         self._db = db
@@ -98,7 +98,7 @@ def place(items: deque[Q], item: Q) -> None:
 
 
 class Sizes:
-    """The queued requests of each level, kept only where `counted` (`Levels.counted`)."""
+    """The queued requests of each level, kept only where `counted` (`Priorities.counted`)."""
 
     def __init__(self, counted: bool) -> None:
         self.counted = counted
