@@ -109,6 +109,22 @@ class Server:
         }
 
 
+def wait_models(server: Server, models: list[str], label: str, timeout_s: float = 120.0) -> None:
+    """Until the server says each model is ready (a peer's ServerReady may come before its models are)."""
+    deadline = time.monotonic() + timeout_s
+    for model in models:
+        while True:
+            try:
+                if server.stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=2).ready:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                log = server.log_path.read_text(errors="replace")
+                raise TimeoutError(f"{label}: {model} not ready: {log}")
+            time.sleep(0.05)
+
+
 def start_mpsd(
     repo: Path,
     workdir: Path,

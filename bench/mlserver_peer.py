@@ -19,58 +19,29 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-from bench import common
+from bench import common, peer_venv
 
 MLSERVER_VERSION = "1.7.1"
 # uvloop 0.22 made asyncio.get_event_loop() raise where no loop runs, which MLServer 1.7.1's inference workers
 # call at start: with it, parallel_workers >= 1 never gets a worker up.
 PACKAGES = [f"mlserver=={MLSERVER_VERSION}", "uvloop==0.21.0"]
 DEFAULT_VENV = Path(__file__).resolve().parent / ".mlserver-venv"
-STAMP = "mpsd-bench-installed"
 
 # Models of scenarios 1-3: name -> shape of one request (as in bench/models.py).
 MODELS = {"identity_16": [1, 16], "identity_600k": [1, 3, 224, 224]}
 
 
 def venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
+    return peer_venv.venv_python(venv)
 
 
 def ensure_installed(venv: Path = DEFAULT_VENV) -> Path | None:
     """The Python of a virtual environment with mlserver==MLSERVER_VERSION, installing it there the first
     time; None (with a message saying why) where it cannot be installed, e.g. with no network."""
-    python = venv_python(venv)
-    stamp = venv / STAMP
-    wanted = " ".join(PACKAGES)
-    if stamp.exists() and stamp.read_text().strip() == wanted and python.exists():
-        return python
-    print(f"installing {wanted} into {venv} (once; about a minute)", flush=True)
-    try:
-        if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run(
-            [*pip, "--retries", "1", "--timeout", "20", *PACKAGES],
-            check=True,
-            timeout=900,
-        )
-        check = "import mlserver; print(mlserver.__version__)"
-        version = subprocess.run([str(python), "-c", check], check=True, capture_output=True, text=True)
-        if version.stdout.strip() != MLSERVER_VERSION:
-            raise RuntimeError(f"installed mlserver {version.stdout.strip()}, not {MLSERVER_VERSION}")
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        print(
-            f"MLServer skipped: could not install {wanted} into {venv} ({exc}). "
-            "It needs a package index (network); the other sides run as usual. "
-            "--no-mlserver skips the attempt.",
-            flush=True,
-        )
-        return None
-    stamp.write_text(wanted + "\n")
-    return python
+    check = "import mlserver; print(mlserver.__version__)"
+    return peer_venv.ensure(venv, PACKAGES, check, MLSERVER_VERSION, "MLServer", "--no-mlserver")
 
 
 def versions(python: Path) -> dict[str, str]:
@@ -132,21 +103,4 @@ def start(python: Path, workdir: Path, parallel_workers: int, name: str) -> comm
 
 def wait_models(server: common.Server, timeout_s: float = 120.0) -> None:
     """Until MLServer says each identity model is ready (ServerReady may come first)."""
-    import time
-
-    import grpc
-
-    from mpsd.proto import grpc_service_pb2 as pb
-
-    deadline = time.monotonic() + timeout_s
-    for model in MODELS:
-        while True:
-            try:
-                if server.stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=2).ready:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                log = server.log_path.read_text(errors="replace")
-                raise TimeoutError(f"MLServer: {model} not ready: {log}")
-            time.sleep(0.05)
+    common.wait_models(server, list(MODELS), "MLServer", timeout_s)

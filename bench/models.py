@@ -77,6 +77,11 @@ def identity_config(dims: list[int], batching: bool = False) -> dict[str, Any]:
     return config
 
 
+# The identity models of scenarios 1-3: name -> (shape of one request, dynamic batching). The Triton peer
+# serves the same ones (bench/triton_peer.py).
+OVERHEAD_IDENTITIES = {"identity_16": ([1, 16], True), "identity_600k": ([1, 3, 224, 224], False)}
+
+
 def cnn_config(batching: bool, delay_us: int, threads: int | None = None) -> dict[str, Any]:
     config: dict[str, Any] = {
         "backend": "torchscript",
@@ -98,8 +103,8 @@ def cnn_config(batching: bool, delay_us: int, threads: int | None = None) -> dic
 def build_overhead_repo(repo: Path, cnn_delay_us: int, cnn_threads: int | None = None) -> None:
     """Models of scenarios 1-4: two identities (16 floats, 600 KB) and the CNN with and without batching
     (on `cnn_threads` CPU threads when given)."""
-    write_model(repo, "identity_16", Identity(), identity_config([1, 16], batching=True))
-    write_model(repo, "identity_600k", Identity(), identity_config([1, 3, 224, 224]))
+    for name, (shape, batching) in OVERHEAD_IDENTITIES.items():
+        write_model(repo, name, Identity(), identity_config(shape, batching))
     torch.manual_seed(0)
     cnn = SmallCNN()
     write_model(repo, "cnn_batched", cnn, cnn_config(True, cnn_delay_us, cnn_threads))

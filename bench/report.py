@@ -15,9 +15,9 @@ TARGETS: dict[str, list[tuple[str, str, float]]] = {
     "7": [("p50 HTTP / gRPC, one client", "<=", 1.3)],
 }
 
-# The speed work's targets, with MLServer as the peer (scenarios 1-3): scenario -> (what, comparison,
+# The speed work's targets, with MLServer and Triton as peers (scenarios 1-3): scenario -> (what, comparison,
 # target, summary key, the peer the ratio needs or None). Each is judged against both of MLServer's
-# configurations that ran (bench/mlserver_peer.py).
+# configurations that ran (bench/mlserver_peer.py) and against Triton (bench/triton_peer.py), where it ran.
 PEER_TARGETS: dict[str, list[tuple[str, str, float, str, str | None]]] = {
     "1": [
         ("mean latency mpsd / MLServer (in-process)", "<=", 0.9, "ratio_mean_mpsd_mlserver", "mlserver"),
@@ -28,6 +28,7 @@ PEER_TARGETS: dict[str, list[tuple[str, str, float, str, str | None]]] = {
             "ratio_mean_mpsd_mlserver_w1",
             "mlserver_w1",
         ),
+        ("p50 latency mpsd / Triton (python backend)", "<=", 1.3, "ratio_p50_mpsd_triton", "triton"),
     ],
     "2": [
         ("throughput mpsd / MLServer (in-process)", ">=", 1.3, "ratio_throughput_mpsd_mlserver", "mlserver"),
@@ -39,13 +40,15 @@ PEER_TARGETS: dict[str, list[tuple[str, str, float, str, str | None]]] = {
             "mlserver_w1",
         ),
         ("throughput mpsd / floor (speed-work target)", ">=", 0.6, "ratio_throughput_mpsd_floor", None),
+        ("throughput mpsd / Triton (python backend)", ">=", 0.5, "ratio_throughput_mpsd_triton", "triton"),
     ],
     "3": [("p50 floor / mpsd (mpsd's speed against the floor's)", ">=", 0.85, "ratio_p50_floor_mpsd", None)],
 }
-PEERS = ("mlserver", "mlserver_w1", "mpsd_before")
+PEERS = ("mlserver", "mlserver_w1", "triton", "mpsd_before")
 PEER_LABELS = {
     "mlserver": "MLServer (in-process)",
     "mlserver_w1": "MLServer (1 parallel worker)",
+    "triton": "Triton (python backend)",
     "mpsd_before": "mpsd before (--baseline-tree)",
 }
 
@@ -375,6 +378,20 @@ def _peer_lines(info: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _triton_lines(info: dict[str, Any] | None) -> list[str]:
+    if not info:
+        return []
+    if "skipped" in info:
+        return [f"- Triton: not run ({info['skipped']})."]
+    v = info["versions"]
+    return [
+        f"- Triton Inference Server {v['tritonserver']} (the binary of nvidia-pytriton "
+        f"{v['nvidia-pytriton']}; "
+        f"its python backend on Python {v['python']}, numpy {v['numpy']}), in its own virtual environment; "
+        f"{info['model']}; {info['settings']}.",
+    ]
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = ["# mpsd overhead benchmark", ""]
     lines += machine_lines(results["machine"])
@@ -397,6 +414,7 @@ def markdown(results: dict[str, Any]) -> str:
     if st.get("mpsd_env"):
         lines.append(f"- Daemon and worker environment: {', '.join(st['mpsd_env'])}.")
     lines += _peer_lines(results.get("mlserver"))
+    lines += _triton_lines(results.get("triton"))
     if results.get("baseline"):
         b = results["baseline"]
         lines.append(f"- mpsd before: commit {b['commit']}, run beside this one in scenarios 1-3.")
@@ -413,7 +431,7 @@ def markdown(results: dict[str, Any]) -> str:
         if peer_checks:
             lines += [
                 "",
-                "The speed work's targets (MLServer as the peer; mpsd's speed against the floor's):",
+                "The speed work's targets (MLServer and Triton as peers; mpsd's speed against the floor's):",
                 "",
                 "| scenario | measure | result |",
                 "|---|---|---|",

@@ -10,7 +10,9 @@ Scenarios, each run side by side with its references in interleaved rounds:
   7. identity FP32[1,16] on mpsd over HTTP (binary tensor data) vs over gRPC: one client, 16 in flight
 
 Scenarios 1-3 also run MLServer (`bench/mlserver_peer.py`, a pinned version installed into
-bench/.mlserver-venv on first use) as a peer, unless --no-mlserver or it cannot be installed.
+bench/.mlserver-venv on first use) as a peer, unless --no-mlserver or it cannot be installed, and Triton
+(`bench/triton_peer.py`, the tritonserver of a pinned nvidia-pytriton installed into bench/.triton-venv on
+first use, its python backend), unless --no-triton or it cannot be installed or run.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from bench import common, cpus, mlserver_peer, profile, report
+from bench import common, cpus, mlserver_peer, peer_venv, profile, report, triton_peer
 from bench.inprocess import InProcess, throughput_at
 from bench.loadgen import ClientPool, LoadSpec
 from mpsd.proto import grpc_service_pb2 as pb
@@ -47,7 +49,7 @@ class Ctx:
     floor: common.Server
     inproc: InProcess
     floor_hop: common.Server
-    peers: dict[str, common.Server]  # MLServer's configurations, where it runs
+    peers: dict[str, common.Server]  # MLServer's configurations and Triton, where they run
 
 
 def measure(
@@ -349,16 +351,44 @@ def run_gpu_scenario(args: argparse.Namespace) -> None:
 # MLServer's configurations: side name -> parallel_workers (0: the model in the server's own process;
 # 1, MLServer's default: one inference worker process).
 PEERS = {"mlserver": 0, "mlserver_w1": 1}
+TRITON = "triton"
 
 
 def start_peers(args: argparse.Namespace, work: Path, only: set[str]) -> dict[str, common.Server]:
-    """MLServer in its two configurations (bench/mlserver_peer.py) for scenarios 1-3, where it installs."""
-    if args.no_mlserver or not only & {"1", "2", "3"}:
+    """MLServer in its two configurations (bench/mlserver_peer.py) and Triton (bench/triton_peer.py) for
+    scenarios 1-3, each where it installs and runs."""
+    if not only & {"1", "2", "3"}:
         return {}
-    python = mlserver_peer.ensure_installed(args.mlserver_venv)
-    if python is None:
-        return {}
-    return {name: mlserver_peer.start(python, work, workers, name) for name, workers in PEERS.items()}
+    peers: dict[str, common.Server] = {}
+    python = None if args.no_mlserver else mlserver_peer.ensure_installed(args.mlserver_venv)
+    if python is not None:
+        peers.update(
+            {name: mlserver_peer.start(python, work, workers, name) for name, workers in PEERS.items()}
+        )
+    python = None if args.no_triton else triton_peer.ensure_installed(args.triton_venv)
+    if python is not None:
+        peers[TRITON] = triton_peer.start(python, work, TRITON)
+    return peers
+
+
+def wait_peer_models(name: str, peer: common.Server) -> None:
+    if name in PEERS:
+        mlserver_peer.wait_models(peer)
+    elif name == TRITON:
+        triton_peer.wait_models(peer)
+
+
+def triton_info(args: argparse.Namespace, peers: dict[str, common.Server]) -> dict[str, Any]:
+    if TRITON not in peers:
+        return {"skipped": "--no-triton" if args.no_triton else "could not be installed or run"}
+    python = peer_venv.venv_python(args.triton_venv)
+    return {
+        "packages": triton_peer.PACKAGES,
+        "versions": triton_peer.versions(python, peers[TRITON]),
+        "model": "bench/triton_identity.py on the python backend, mpsd's identity configs (bench/models.py) "
+        "with backend: python, one CPU instance",
+        "settings": "tritonserver's defaults except loopback addresses and ports; CPU only",
+    }
 
 
 def baseline_info(tree: Path) -> dict[str, str]:
@@ -444,6 +474,18 @@ def main() -> None:
         default=mlserver_peer.DEFAULT_VENV,
         help="virtual environment for MLServer, made and filled on first use (default: %(default)s)",
     )
+    parser.add_argument(
+        "--no-triton",
+        action="store_true",
+        help="scenarios 1-3 without Triton (by default it runs beside mpsd, installed on first use)",
+    )
+    parser.add_argument(
+        "--triton-venv",
+        type=Path,
+        default=triton_peer.DEFAULT_VENV,
+        help="virtual environment for nvidia-pytriton's tritonserver, made and filled on first use "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 short rounds: a smoke test, not figures")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="overhead-cpu", help="results file stem")
@@ -504,10 +546,10 @@ def main() -> None:
                 floor_hop.wait_ready()
                 for name, peer in peers.items():
                     print(f"{name} ready in {peer.wait_ready():.1f} s", flush=True)
-                    if name in PEERS:
-                        mlserver_peer.wait_models(peer)
+                    wait_peer_models(name, peer)
                 if only & {"1", "2", "3"}:
                     results["mlserver"] = peer_info(args, peers)
+                    results["triton"] = triton_info(args, peers)
                 ctx = Ctx(args, work, pool, mpsd, floor, inproc, floor_hop, peers)
                 results["scenarios"].update(run_overhead(ctx, only))
                 results["verdicts"] = report.verdicts(results["scenarios"])
