@@ -27,8 +27,8 @@ from mpsd.daemon.api.tracing import Tracing
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.overrides import LoadParameters
 from mpsd.daemon.core.registry import IndexRow, Registry
-from mpsd.daemon.core.response_cache import ResponseCache
 from mpsd.daemon.core.requests import Stages
+from mpsd.daemon.core.response_cache import ResponseCache
 from mpsd.daemon.core.versions import requested_version
 from mpsd.daemon.supervise.gpus import daemon_cuda_gpus
 from mpsd.errors import FailedPrecondition, InvalidArgument, LoadError, MpsdError, NotFound, UnknownModel

@@ -20,8 +20,7 @@ from mpsd.daemon.api.parse import call_deadline, check_name, parse_infer_request
 from mpsd.daemon.api.tracing import Incoming, Tracing
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import Registry
-from mpsd.daemon.core.requests import Deadline
-from mpsd.daemon.core.requests import Stages
+from mpsd.daemon.core.requests import Deadline, Stages
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
 from mpsd.daemon.dataplane.tracing import NO_TRACE, Trace
 from mpsd.errors import MpsdError, Unimplemented
