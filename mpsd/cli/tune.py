@@ -26,14 +26,15 @@ DESCRIPTION = (
     "point is measured once, in up to 3 windows of --duration: until two in a row agree within 10% (the "
     "first after a load can still be paying for it). A trial wins when it meets --p99-ms and the best so "
     "far does not, or both meet it and it has more than --min-gain more throughput (so noise does not "
-    "steer the search); a refused or failed trial loses to any measured one; when no trial meets the "
-    "bound, the lowest p99 is reported. Expect a few trials per axis (23 for a 1,218-point space in the "
-    "tests), each taking its load (seconds to start workers, longer with CUDA graphs to record) plus "
-    "--warmup plus 2-3 x --duration. A trial that would not fit the device's memory budget beside the "
-    "other models is refused, not run (nothing is evicted). At the end the best settings and their gain "
-    "over trial 0 are printed and, with --write, written into the model's config.yaml or config.pbtxt; "
-    "without it the model's repository config is loaded again. Mixed precision (autocast) is not "
-    "searched."
+    "steer the search); a refused or failed trial loses to any measured one; among trials that all miss "
+    "the bound, throughput decides too (at a fixed concurrency more throughput is less mean latency, and "
+    "a short window's p99 is its noisiest figure), and the best of them is reported with its p99. Expect "
+    "a few trials per axis (23 for a 1,218-point space in the tests), each taking its load (seconds to "
+    "start workers, longer with CUDA graphs to record) plus --warmup plus 2-3 x --duration. A trial that "
+    "would not fit the device's memory budget beside the other models is refused, not run (nothing is "
+    "evicted). At the end the best settings and their gain over trial 0 are printed and, with --write, "
+    "written into the model's config.yaml or config.pbtxt; without it the model's repository config is "
+    "loaded again. Mixed precision (autocast) is not searched."
 )
 
 

@@ -33,7 +33,7 @@ def trial_line(index: int, trial: Trial, objective: Objective) -> str:
 def summary(best: Trial, baseline: Trial, objective: Objective) -> list[str]:
     lines = [f"best: {best.settings.describe()}"]
     if not objective.feasible(best):
-        lines.append(f"no trial met p99 <= {objective.p99_ms:g} ms; this one came closest")
+        lines.append(f"no trial met p99 <= {objective.p99_ms:g} ms; this one had the most throughput")
     if baseline.measured and baseline.throughput > 0:
         gain = best.throughput / baseline.throughput
         lines.append(
