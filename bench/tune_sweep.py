@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -228,6 +229,12 @@ def main() -> None:
         help="the load: mpsd tune's own (threads in this process) or bench/loadgen.py's client processes "
         "(default: tuner for cnn, pool for resnet50 and encoder)",
     )
+    parser.add_argument(
+        "--final-rounds",
+        type=int,
+        default=3,
+        help="measure the tuner's choice and the sweep's best again, in turn, this many times each (0: no)",
+    )
     parser.add_argument("--client-processes", type=int, default=4, help="with --client pool (default 4)")
     parser.add_argument(
         "--limit-s",
@@ -304,6 +311,7 @@ def main() -> None:
                     label = "sweep (tuner's)" if reused else "sweep"
                     print(label, row(sweep[settings], measurer.seconds[settings]), flush=True)
                 sweep_s = time.monotonic() - began
+                side_by_side = final_rounds(measurer, search, sweep, objective, args.final_rounds)
                 load_after = os.getloadavg()
         finally:
             if pool is not None:
@@ -312,6 +320,7 @@ def main() -> None:
     result = summarize(search, sweep, objective, start)
     result.update(
         {
+            "side_by_side": side_by_side,
             "model": model + (" (tiny stand-in)" if args.tiny else ""),
             "device": "cuda" if cuda else "cpu",
             "machine": machine_info(),
@@ -337,6 +346,32 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     args.out.with_suffix(".md").write_text(markdown(result, args))
     print(args.out.with_suffix(".md").read_text())
+
+
+def final_rounds(
+    measure: Any, search: Search, sweep: dict[Settings, Trial], objective: Objective, rounds: int
+) -> dict[str, Any] | None:
+    """The tuner's choice and the sweep's best measured again, in turn, `rounds` times each: the sweep's best
+    is the highest of many noisy measurements (biased upwards), so the two are compared side by side, by
+    the medians of their rounds."""
+    feasible = [t for t in sweep.values() if objective.feasible(t)] or [
+        t for t in sweep.values() if t.measured
+    ]
+    if not rounds or not feasible:
+        return None
+    chosen, best = search.best.settings, max(feasible, key=lambda t: t.throughput).settings
+    if chosen == best:
+        return {"same_settings": True, "ratio": 1.0, "rounds": 0}
+    tuner: list[float] = []
+    swept: list[float] = []
+    for i in range(rounds):
+        for settings, into in (
+            ((chosen, tuner), (best, swept)) if i % 2 == 0 else ((best, swept), (chosen, tuner))
+        ):
+            into.append(measure(settings).throughput)
+            print(f"side by side {'tuner' if into is tuner else 'sweep'} {into[-1]:.1f}", flush=True)
+    ratio = statistics.median(tuner) / statistics.median(swept) if statistics.median(swept) > 0 else None
+    return {"same_settings": False, "rounds": rounds, "tuner": tuner, "sweep": swept, "ratio": ratio}
 
 
 def summarize(
@@ -427,6 +462,18 @@ def markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
         f" against the sweep's {len(r['sweep'])}.",
         "",
     ]
+    side = r.get("side_by_side")
+    if side and side["same_settings"]:
+        lines += ["The tuner's choice is the sweep's best: side by side, 1.0.", ""]
+    elif side:
+        lines += [
+            f"Side by side, measured again in turn {side['rounds']} times each: the tuner's choice "
+            f"{', '.join(f'{x:.1f}' for x in side['tuner'])} req/s, the sweep's best "
+            f"{', '.join(f'{x:.1f}' for x in side['sweep'])}; ratio of the medians "
+            f"**{side['ratio']:.3f}**. (The sweep's best is the highest of many noisy measurements, so one"
+            " measurement of it is biased upwards.)",
+            "",
+        ]
     return "\n".join(lines)
 
 
