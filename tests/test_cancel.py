@@ -166,6 +166,8 @@ def test_next_start_removes_shared_memory_left_by_a_dead_daemon(
         daemon = start_daemon(repo)
         daemon.wait_live()
         wait_for(lambda stale=stale: not stale.exists(), 30, "stale segment removed")  # type: ignore[misc]
+        # What a start removed is told once the daemon listens (a refused start says only why).
+        wait_for(lambda daemon=daemon: '"event": "listening"' in daemon.log(), 30, "listening")  # type: ignore[misc]
         removed = [line for line in daemon.log().splitlines() if "removed stale shared memory" in line]
         if any(stale.name in line for line in removed):
             return

@@ -273,11 +273,18 @@ def test_config_paths_are_relative_to_its_file_and_flags_override_it(tmp_path: P
 
 
 @pytest.mark.parametrize("fronts", ["0", pytest.param("2", marks=shared_port_fronts())])
-def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path, fronts: str) -> None:
+def test_a_port_in_use_is_one_line_naming_it(
+    tmp_path: Path, fronts: str, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """docs/troubleshooting.md's message, with front processes or without: one line naming the address, exit
-    status 78 (the operator's to fix, as a config error), found before anything starts."""
+    status 78 (the operator's to fix, as a config error), found before anything starts. A dead daemon's
+    socket folder, removed at every start, is told only by a start that listens."""
     repo = tmp_path / "repo"
     repo.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(sock_dir))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (sock_dir / f"mpsd-daemon-{gone.pid}-abc").mkdir()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -92,6 +92,7 @@ class Daemon:
         self._started = False  # the first load of the repository has finished
         self.deadline = ExitDeadline(self._remove_files)
         self._hurry: asyncio.Future[None] | None = None
+        self._housekeeping: dict[str, tuple[str, list[str]]] = {}  # what dead daemons left, removed at start
         # The one set of operations both protocol adapters translate to: gRPC's servicer and HTTP's routes.
         self.ops = Operations(
             self.registry,
@@ -134,16 +135,17 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._hup.set)
         self.open_files = raise_open_files(self.config.open_files)  # before any connection, worker or region
         accept_errors.install(loop)  # out of descriptors all the same: one event a second, not thousands
-        removed = shm.cleanup_stale()
-        if removed:
-            log.info("removed stale shared memory", segments=removed)
+        # What dead daemons left is removed now and told once listening, so that a start refused (a port
+        # in use) says that in its one line only.
+        self._housekeeping = {
+            "removed stale shared memory": ("segments", shm.cleanup_stale()),
+            "removed socket directories of dead daemons": ("directories", remove_stale_socket_dirs()),
+            "removed uploaded model files of dead daemons": (
+                "directories",
+                self.registry.overrides.store.remove_stale(),
+            ),
+        }
         shm.keep_record()
-        stale_dirs = remove_stale_socket_dirs()
-        if stale_dirs:
-            log.info("removed socket directories of dead daemons", directories=stale_dirs)
-        stale_uploads = self.registry.overrides.store.remove_stale()
-        if stale_uploads:
-            log.info("removed uploaded model files of dead daemons", directories=stale_uploads)
         try:
             return await self._serve()
         except BaseException:  # a start that failed half way ends within the bound too, its ports closed
@@ -169,6 +171,9 @@ class Daemon:
         await self.metrics.start()
         await self.awake.start()
         tell(self.open_files)
+        for event, (field, removed) in self._housekeeping.items():
+            if removed:
+                log.info(event, **{field: removed})
         front_ports = list(fronts.ports) if fronts is not None else []
         log.info(
             "listening",
