@@ -138,3 +138,12 @@ def child_env(facts: OsFacts | None = None) -> dict[str, str]:
     """The environment entry that gives a child process the same facts (empty for the real system's)."""
     facts = facts or _current
     return {} if facts == for_platform(sys.platform) else {ENV: facts.name}
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (`taskset`, systemd's `CPUAffinity=`, a container's
+    cpuset), not every CPU of the machine. macOS has no affinity (no `os.sched_getaffinity`): all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -90,10 +90,10 @@ def test_auto_counts_the_cpus_the_daemon_may_use_not_the_machines(monkeypatch: p
     from mpsd.daemon.supervise.fronts import policy
 
     config = DaemonConfig(front_processes="auto", grpc_address="127.0.0.1:8001")
-    monkeypatch.setattr(policy.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert policy.front_count(config, platform="linux") == 0
-    monkeypatch.setattr(policy.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert policy.front_count(config, platform="linux") == 2
 
 
@@ -146,3 +146,17 @@ def test_socket_directories_of_dead_daemons_are_removed(
     assert mine.parent == tmp_path and oct(mine.stat().st_mode & 0o777) == "0o700"
     assert sockets.remove_stale_socket_dirs() == [stale.name]
     assert not stale.exists() and alive.exists() and mine.exists()
+
+
+def test_usable_cpus_are_the_affinity_and_every_cpu_where_macos_has_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One count for fronts and workers (`osfacts.usable_cpus`): a process's affinity on Linux; macOS has no
+    `os.sched_getaffinity` (its fact injected here by removing it), so there every CPU of the machine."""
+    from mpsd import osfacts
+
+    monkeypatch.setattr(osfacts.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(osfacts.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert osfacts.usable_cpus() == 3
+    monkeypatch.delattr(osfacts.os, "sched_getaffinity")
+    assert osfacts.usable_cpus() == 16

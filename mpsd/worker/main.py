@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from setproctitle import setproctitle
 
+from mpsd import osfacts
 from mpsd.ipc import protocol as p
 from mpsd.ipc.dtypes import wire_to_config
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
@@ -147,13 +148,6 @@ SMALL_MACHINE_CPUS = 4
 SNAPSHOT_INTERVAL_S = 5.0  # memory counters to the daemon at least this often
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
 def _bound_openmp_spinning() -> None:
     """Before torch loads OpenMP, on machines of at most SMALL_MACHINE_CPUS CPUs: idle OpenMP threads spin
     briefly, then sleep.
@@ -165,7 +159,7 @@ def _bound_openmp_spinning() -> None:
     spin made a 16-thread CNN up to 3.6x slower at batch 1 (threads sleep and must be woken for every
     operator), so larger machines keep torch's defaults. Explicit settings win.
     """
-    if "OMP_WAIT_POLICY" in os.environ or _usable_cpus() > SMALL_MACHINE_CPUS:
+    if "OMP_WAIT_POLICY" in os.environ or osfacts.usable_cpus() > SMALL_MACHINE_CPUS:
         return
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     os.environ.setdefault("KMP_BLOCKTIME", "1")

@@ -4,7 +4,6 @@ start."""
 from __future__ import annotations
 
 import errno
-import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -34,25 +33,16 @@ def front_plan(config: DaemonConfig, cpu_count: int | None = None, platform: str
     return FrontPlan(0 if ports else front_count(config, cpu_count, platform), ports)
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity (`taskset`, systemd's `CPUAffinity=`, a container's
-    cpuset), not every CPU of the machine. macOS has no affinity: all of them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: str = sys.platform) -> int:
     """How many front processes to run; ConfigError when the setting cannot work with the address.
-    `auto` counts the CPUs the daemon may use (`usable_cpus`), so a daemon pinned to a few cores of a large
+    `auto` counts the CPUs the daemon may use (`osfacts.usable_cpus`), so a daemon pinned to a few cores of a
     machine runs as few fronts as a small machine would."""
     wanted = config.front_processes
     address = parse_address(config.grpc_address)
     if config.front_ports and wanted == "auto":
         return 0  # fronts on ports of their own instead (`own_ports`)
     if wanted == "auto":
-        cpus = cpu_count if cpu_count is not None else usable_cpus()
+        cpus = cpu_count if cpu_count is not None else osfacts.usable_cpus()
         if not platform.startswith("linux") or address.unix_path is not None or cpus <= 4:
             return 0
         return min(4, cpus // 4)
