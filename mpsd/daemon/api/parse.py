@@ -8,7 +8,7 @@ the expected and the received value.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from mpsd.config.model_config import InputConfig, ModelConfig
 from mpsd.daemon.api.call import TYPED_CONTENTS, InferCall, InputCall, OutputCall, Params, RawEntry
 from mpsd.daemon.api.classification import PARAM as CLASSIFICATION
 from mpsd.daemon.api.classification import class_count
-from mpsd.daemon.api.client_shm import ShmLease, ShmRef, shm_ref
+from mpsd.daemon.api.client_shm import SHM_PARAMS, ShmLease, ShmRef, shm_ref
 from mpsd.daemon.api.sequence_params import sequence_step
 from mpsd.daemon.api.values import Values, typed_bytes
 from mpsd.daemon.core import requests
@@ -45,7 +45,6 @@ TYPED_FIELDS: dict[str, tuple[str, Any]] = {
     if d.contents is not None and d.numpy is not None and d.itemsize is not None
 }
 _KNOWN_OUTPUT_PARAMS = {"binary_data"}
-_SHM_PARAMS = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
 # Request parameters Triton clients send, with the value kinds each may have. `timeout` (microseconds) bounds
 # the time to the start of the execution (`call_deadline`), or is the queue's timeout where the request's
 # priority level lets it override the level's (`Deadline.queue`); `priority` is the request's priority level
@@ -63,8 +62,8 @@ REQUEST_PARAMS: dict[str, tuple[str, ...]] = {
     "triton_enable_empty_final_response": ("bool",),
     "headers": ("string",),
 }
-INPUT_PARAMS = _SHM_PARAMS | {"binary_data_size"}
-OUTPUT_PARAMS = _SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {CLASSIFICATION}
+INPUT_PARAMS = SHM_PARAMS | {"binary_data_size"}
+OUTPUT_PARAMS = SHM_PARAMS | _KNOWN_OUTPUT_PARAMS | {CLASSIFICATION}
 
 
 def check_name(kind: str, name: str) -> None:
@@ -76,7 +75,7 @@ def check_name(kind: str, name: str) -> None:
         raise InvalidArgument(f"{kind} name {name!a} contains control or unprintable characters")
 
 
-def _check_parameters(where: str, parameters: Params, known: set[str] | dict[str, tuple[str, ...]]) -> None:
+def _check_parameters(where: str, parameters: Params, known: Collection[str]) -> None:
     unknown = sorted(k for k in parameters if k not in known)
     if unknown:
         names = ", ".join(ascii(k)[:80] for k in unknown[:5])
@@ -121,7 +120,7 @@ def _integer(call: InferCall, key: str) -> int:
 
 
 def _in_shm(tensor: InputCall) -> bool:
-    return bool(tensor.parameters and set(tensor.parameters) & _SHM_PARAMS)
+    return bool(tensor.parameters) and not SHM_PARAMS.isdisjoint(tensor.parameters)
 
 
 def _typed_used(tensor: InputCall) -> list[str]:
@@ -165,7 +164,7 @@ def parse_infer_request(
 
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
     bound in `shm`, which holds those regions until the response is built. The call's raw contents are
-    views cut out of a gRPC request's wire bytes (`wire_split`), or, from the HTTP adapter, an input's body
+    views cut out of a gRPC request's wire bytes (`grpc/wire.py`), or, from the HTTP adapter, an input's body
     bytes or its JSON elements (`Values`). What the request carries beyond its tensors (priority, timeout,
     parameters, cache eligibility) is decided by `core.requests`, as for every other source; `trace`: a
     traced request's spans, which it carries.
@@ -249,6 +248,8 @@ def _input_ref(tensor: InputCall, shm: ShmLease | None) -> ShmRef | None:
         return None
     name = tensor.name
     _check_parameters(f"input '{name}'", tensor.parameters, INPUT_PARAMS)
+    if not _in_shm(tensor):
+        return None
     ref = shm_ref(f"input '{name}'", tensor.parameters)
     if ref is not None and shm is None:
         raise Unimplemented(f"input '{name}': shared-memory inputs are not supported here")
@@ -302,7 +303,7 @@ def _requested_outputs(call: InferCall, config: ModelConfig, shm: ShmLease | Non
 
 def _check_output_parameters(out: OutputCall, shm: ShmLease | None) -> None:
     _check_parameters(f"output '{out.name}'", out.parameters, OUTPUT_PARAMS)
-    ref = shm_ref(f"output '{out.name}'", out.parameters)
+    ref = None if SHM_PARAMS.isdisjoint(out.parameters) else shm_ref(f"output '{out.name}'", out.parameters)
     if ref is not None:
         if shm is None:
             raise Unimplemented(f"output '{out.name}': shared-memory outputs are not supported here")

@@ -9,13 +9,15 @@ these, so both protocols' adapters reach them through one object.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import chain
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.api.call import InferCall
+from mpsd.daemon.api.call import InferCall, InputCall, OutputCall
 from mpsd.daemon.api.classification import classify, requested
-from mpsd.daemon.api.client_shm import ClientShmRegistry
+from mpsd.daemon.api.client_shm import SHM_PARAMS, ClientShmRegistry, ShmLease
 from mpsd.daemon.api.parse import call_deadline, check_name, parse_infer_request
 from mpsd.daemon.api.tracing import Incoming, Tracing
 from mpsd.daemon.core.model_version import ModelVersion
@@ -41,6 +43,21 @@ def _classes(call: InferCall) -> dict[str, int]:
     """The outputs a call asks classes of (`classification.py`, Triton's extension), read only when an
     output has parameters at all: nearly no call has, and then the extension is not entered."""
     return requested(call) if any(out.parameters for out in call.outputs) else {}
+
+
+def _names_shm(call: InferCall) -> bool:
+    """Whether a tensor of the call names a place in a client's shared memory: nearly no call does, and
+    then no lease of the registered regions is taken."""
+    tensors: Iterable[InputCall | OutputCall] = chain(call.inputs, call.outputs)
+    return any(t.parameters and not SHM_PARAMS.isdisjoint(t.parameters) for t in tensors)
+
+
+def _written(shm: ShmLease | None, result: InferResult) -> frozenset[str]:
+    """Write the outputs bound to the client's shared memory; the names of those written there."""
+    if shm is None:
+        return frozenset()
+    shm.write_outputs(result.outputs)
+    return frozenset(shm.outputs)
 
 
 class Pipeline:
@@ -73,7 +90,7 @@ class Pipeline:
                     "ModelStreamInfer, or over HTTP with /generate_stream or /generate"
                 )
             try:
-                with self.client_shm.lease() as shm:  # regions the request names stay open until answered
+                with self._lease(call) as shm:  # regions the request names stay open until answered
                     with trace.stage("checks"):
                         parsed = parse_infer_request(call, mv.config, shm, trace.carried)
                     if parsed.sequence is not None and not parsed.sequence.start:
@@ -84,13 +101,16 @@ class Pipeline:
                     wanted = _classes(call)
                     if wanted:
                         result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
-                    shm.write_outputs(result.outputs)
-                    return Answered(result, frozenset(shm.outputs), trace)
+                    return Answered(result, _written(shm, result), trace)
             finally:
                 self.registry.touch(call.model)
         except BaseException as exc:
             trace.end(exc)
             raise
+
+    def _lease(self, call: InferCall) -> AbstractContextManager[ShmLease | None]:
+        """The client's regions the call names, held until it is answered (None: it names none)."""
+        return self.client_shm.lease() if _names_shm(call) else nullcontext()
 
     def _continuing(self, mv: ModelVersion, request: InferRequest) -> ModelVersion:
         """Where a request of a live sequence goes: a replaced version still draining holds it, or `mv`."""
@@ -158,7 +178,7 @@ class Pipeline:
         limits = call_deadline(call, deadline)
         mv = await self.stages.acquire(self.registry, call.model, call.version, limits.bounded, trace)
         try:
-            with self.client_shm.lease() as shm:
+            with self._lease(call) as shm:
                 with trace.stage("checks"):
                     parsed = parse_infer_request(call, mv.config, shm, trace.carried)
                 if parsed.sequence is not None and not parsed.sequence.start:
@@ -169,8 +189,7 @@ class Pipeline:
                     async for result in responses:
                         if wanted:
                             result = classify(result, wanted, mv.config.max_batch_size > 0, mv.labels)
-                        shm.write_outputs(result.outputs)
-                        yield Answered(result, frozenset(shm.outputs))
+                        yield Answered(result, _written(shm, result))
                         self.registry.touch(call.model)
                 finally:
                     await responses.aclose()

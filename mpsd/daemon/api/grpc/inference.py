@@ -14,13 +14,12 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from mpsd.daemon.api import describe
-from mpsd.daemon.api.grpc.calls import infer_call
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
 from mpsd.daemon.api.grpc.load import load_parameters
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.api.grpc.stream import RequestStream
 from mpsd.daemon.api.grpc.trace import came_with, sampled, trace_setting
-from mpsd.daemon.api.grpc.wire_split import SplitRequest, split_request
+from mpsd.daemon.api.grpc.wire import SplitRequest, infer_call, split_request
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.tracing import Incoming
 from mpsd.errors import InvalidArgument, MpsdError
@@ -340,7 +339,7 @@ RAW_METHODS = frozenset({"ModelInfer"})
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """Register the service from its descriptor, like the generated `add_..._to_server`, except that the
     methods in RAW_METHODS get the request's bytes and return the response's bytes: ModelInfer cuts the
-    tensor bytes out of the wire form itself (`wire_split`) instead of letting protobuf copy them."""
+    tensor bytes out of the wire form itself (`grpc/wire.py`) instead of letting protobuf copy them."""
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
     for method in service.methods:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from mpsd.daemon.api.grpc.wire_split import raw_output_parts, varint_bytes
+from mpsd.daemon.api.grpc.wire import raw_output_parts, varint_bytes
 from mpsd.daemon.dataplane.request import InferResult
 from mpsd.proto import grpc_service_pb2 as pb
 

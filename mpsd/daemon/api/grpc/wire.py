@@ -1,18 +1,33 @@
-"""Tensor bytes in and out of the ModelInfer messages' wire form, without protobuf copying them.
+"""ModelInfer's messages in their wire form: a request read into the inference call both adapters hand on
+(`api.call`), and a response written, without protobuf copying the tensor bytes either way.
 
 protobuf copies every `raw_input_contents` entry into a new `bytes` when it parses, and again when it is
 read. The entries are instead cut out of the received buffer as memoryviews, and only the rest of the
-message, a few hundred bytes of names and shapes, is parsed: the tensor bytes are then copied once, into
-the worker's shared memory. On the way back, protobuf would copy each output into the message and again
-when serializing it; the response is instead serialized without its `raw_output_contents`, and the entries
-follow those bytes as separate pieces (joined once, or sent as they are by a scatter-gather write).
+message, a few hundred bytes of names and shapes, is parsed (`split_request`, then `infer_call`): the
+tensor bytes are then copied once, into the worker's shared memory. On the way back, protobuf would copy
+each output into the message and again when serializing it; the response is instead its header (kept
+serialized by `responses.py`) followed by the entries as separate pieces (joined once, or sent as they are
+by a scatter-gather write). Nothing here imports the generated protobuf classes: `infer_call` reads any
+message with ModelInferRequest's fields.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from mpsd.daemon.api.call import (
+    NO_PARAMS,
+    TYPED_CONTENTS,
+    InferCall,
+    InputCall,
+    OutputCall,
+    Param,
+    Params,
+    RawEntry,
+)
 
 RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
 RAW_OUTPUT_CONTENTS = 6  # field number of ModelInferResponse.raw_output_contents
@@ -142,3 +157,37 @@ def raw_output_parts(header: bytes, contents: Sequence[bytes | memoryview]) -> l
         size = data.nbytes if type(data) is memoryview else len(data)  # bytes, not a view's items
         parts += (_OUTPUT_TAG, varint_bytes(size), data) if size else (_OUTPUT_TAG, varint_bytes(0))
     return parts
+
+
+def params(parameters: Mapping[str, Any]) -> Params:
+    """InferParameters by key, each as its kind and value ("" and "" for one with no value set)."""
+    if not parameters:
+        return NO_PARAMS
+    found = {}
+    for key, value in parameters.items():
+        choice = value.WhichOneof("parameter_choice")
+        found[key] = Param(choice.removesuffix("_param"), getattr(value, choice)) if choice else Param("", "")
+    return found
+
+
+def _contents(tensor: Any) -> dict[str, Sequence[Any]]:
+    if not tensor.HasField("contents"):
+        return {}
+    contents = tensor.contents
+    return {f: values for f in TYPED_CONTENTS if len(values := getattr(contents, f))}
+
+
+def infer_call(request: Any, raw: Sequence[RawEntry] | None = None) -> InferCall:
+    """The call a ModelInferRequest makes; `raw`, when given, stands for its raw_input_contents."""
+    return InferCall(
+        request.model_name,
+        request.model_version,
+        request.id,
+        params(request.parameters),
+        tuple(
+            InputCall(t.name, t.datatype, tuple(t.shape), params(t.parameters), _contents(t))
+            for t in request.inputs
+        ),
+        tuple(OutputCall(o.name, params(o.parameters)) for o in request.outputs),
+        tuple(request.raw_input_contents) if raw is None else raw,
+    )
