@@ -26,10 +26,11 @@ OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 def worker_openmp_env(env: Mapping[str, str]) -> dict[str, str]:
     """The environment an mpsd worker gives torch: on machines of at most 4 CPUs it bounds OpenMP spinning
     unless a policy is set (`_bound_openmp_spinning` in mpsd/worker/main.py)."""
-    from mpsd.worker.main import SMALL_MACHINE_CPUS, _usable_cpus
+    from mpsd.osfacts import usable_cpus
+    from mpsd.worker.main import SMALL_MACHINE_CPUS
 
     out = dict(env)
-    if "OMP_WAIT_POLICY" not in out and _usable_cpus() <= SMALL_MACHINE_CPUS:
+    if "OMP_WAIT_POLICY" not in out and usable_cpus() <= SMALL_MACHINE_CPUS:
         out.setdefault("GOMP_SPINCOUNT", "10000")
         out.setdefault("KMP_BLOCKTIME", "1")
     return out
