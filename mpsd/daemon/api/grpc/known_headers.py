@@ -14,11 +14,12 @@ through the full path again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.parse import MAX_ID
+from mpsd.daemon.core import requests
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.ipc import strings
 
@@ -59,7 +60,7 @@ class KnownHeader:
             if len(data) != known.nbytes:
                 return None
             inputs.append(InputTensor(known.name, known.datatype, known.shape, data))
-        return replace(self.request, id=request_id, inputs=tuple(inputs))
+        return requests.rebound(self.request, request_id, tuple(inputs))
 
 
 def known_id(raw_id: bytes | None) -> str | None:
@@ -100,7 +101,7 @@ def known_header(call: InferCall, parsed: InferRequest, config: ModelConfig) -> 
         parsed.outputs,
         parsed.batch_size,
         len(call.inputs),
-        replace(parsed, id="", inputs=()),
+        requests.rebound(parsed, "", ()),
     )
 
 
