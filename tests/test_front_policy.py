@@ -66,9 +66,10 @@ def test_uvloop_where_it_is_not_installed_is_a_configuration_error(monkeypatch: 
     [
         ("auto", "127.0.0.1:8001", 2, "linux", 0),
         ("auto", "127.0.0.1:8001", 4, "linux", 0),
-        ("auto", "127.0.0.1:8001", 8, "linux", 2),
-        ("auto", "0.0.0.0:8001", 16, "linux", 4),
-        ("auto", "127.0.0.1:8001", 64, "linux", 4),
+        ("auto", "127.0.0.1:8001", 6, "linux", 3),
+        ("auto", "127.0.0.1:8001", 8, "linux", 4),
+        ("auto", "0.0.0.0:8001", 16, "linux", 8),
+        ("auto", "127.0.0.1:8001", 64, "linux", 8),
         ("auto", "127.0.0.1:8001", 16, "darwin", 0),
         ("auto", "unix:///tmp/mpsd.sock", 16, "linux", 0),
         (0, "127.0.0.1:8001", 16, "darwin", 0),
@@ -85,7 +86,7 @@ def test_how_many_fronts(setting: object, address: str, cpus: int, platform: str
 
 def test_auto_counts_the_cpus_the_daemon_may_use_not_the_machines(monkeypatch: pytest.MonkeyPatch) -> None:
     """A daemon pinned to 3 cores of a 16-core machine (taskset, CPUAffinity=) runs no fronts, as on a
-    3-core machine; pinned to 8 of them, two."""
+    3-core machine; pinned to 8 of them, four."""
     from mpsd.config.daemon_config import DaemonConfig
     from mpsd.daemon.supervise.fronts import policy
 
@@ -94,7 +95,23 @@ def test_auto_counts_the_cpus_the_daemon_may_use_not_the_machines(monkeypatch: p
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     assert policy.front_count(config, platform="linux") == 0
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
-    assert policy.front_count(config, platform="linux") == 2
+    assert policy.front_count(config, platform="linux") == 4
+
+
+def test_loops_poll_by_default_only_without_fronts_and_as_set_whenever_set() -> None:
+    """Left to its default, busy polling is off where fronts run (the daemon reads a few links, many
+    requests at a time) and on where the daemon serves gRPC itself; a value the operator sets is kept."""
+    from mpsd import osfacts
+    from mpsd.config.daemon_config import DaemonConfig
+    from mpsd.daemon.supervise.fronts.policy import busy_poll_us
+
+    with osfacts.use(osfacts.LINUX):
+        default = DaemonConfig()
+        assert busy_poll_us(default, fronts=0) == 200
+        assert busy_poll_us(default, fronts=4) == 0
+        for value in (0, 150, 200):
+            assert busy_poll_us(DaemonConfig(busy_poll_us=value), fronts=4) == value
+            assert busy_poll_us(DaemonConfig(busy_poll_us=value), fronts=0) == value
 
 
 def test_an_explicit_count_on_macos_is_refused_and_the_setting_survives_the_trip_to_a_front(

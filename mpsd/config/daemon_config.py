@@ -287,8 +287,9 @@ class DaemonConfig(BaseModel):
         "sleeps, after activity only (an idle loop sleeps at once): it catches a worker's answer and "
         "gRPC's next event without a wake-up, which cuts a small request's latency by about a quarter on a "
         "2-core machine, for up to this much CPU per sleep while requests come and go. 0: sleep at once "
-        "(least CPU, for battery-powered Macs). Default 200, 0 on macOS. asyncio's loop only: uvloop does "
-        "not poll.",
+        "(least CPU, for battery-powered Macs). Default 200; 0 on macOS, and where front processes run "
+        "unless set (the daemon then reads a few links, many requests at a time). asyncio's loop only: "
+        "uvloop does not poll.",
     )
     open_files: int = Field(
         DEFAULT_OPEN_FILES,

@@ -39,6 +39,7 @@ from mpsd.daemon.shutdown import (
     ExitDeadline,
     stop_bound_s,
 )
+from mpsd.daemon.supervise.fronts.policy import busy_poll_us, front_plan
 from mpsd.daemon.supervise.fronts.sockets import remove_stale_socket_dirs
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.errors import ConfigError
@@ -388,4 +389,8 @@ class Daemon:
 def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
     eventloop.check(config.event_loop)  # before anything starts; `mpsd serve` checks it with the config
     setproctitle(f"mpsd: daemon {config.grpc_address}")  # named in ps by role and address
-    return eventloop.run(Daemon(config, config_path).run(), config.event_loop, config.busy_poll_us)
+    try:
+        polling = busy_poll_us(config, front_plan(config).count)
+    except ConfigError:  # the start reports the settings that cannot work, with its own words
+        polling = config.busy_poll_us
+    return eventloop.run(Daemon(config, config_path).run(), config.event_loop, polling)

@@ -14,6 +14,21 @@ from mpsd.config.daemon_config import DaemonConfig
 from mpsd.errors import ConfigError
 from mpsd.net.listen import DISABLED, ON_HTTP, Address, parse_address, same_port
 
+# `auto`'s fronts: one per 2 CPUs, at most this many. A front's gRPC costs about what a bare grpc.aio
+# server's does per request (550-600 us of CPU on the H200 host), and each is one core at most: four
+# held ResNet-50 at 256 clients to about 7,000 requests/s, at 94% busy each.
+MAX_AUTO_FRONTS = 8
+
+
+def busy_poll_us(config: DaemonConfig, fronts: int) -> int:
+    """How long the daemon's and its fronts' loops poll before they sleep (`net/busy_poll.py`): as
+    configured, but none by default where fronts run. The daemon then reads a few links, many requests at
+    a time, and on the H200 host polling bought no throughput at 64 or 256 clients while it cost the daemon
+    about 50 us of CPU per request (110 against 160 us, `bench/results/busy-poll-fronts-h200*`)."""
+    if fronts == 0 or "busy_poll_us" in config.model_fields_set:
+        return config.busy_poll_us
+    return 0
+
 
 @dataclass(frozen=True)
 class FrontPlan:
@@ -45,7 +60,7 @@ def front_count(config: DaemonConfig, cpu_count: int | None = None, platform: st
         cpus = cpu_count if cpu_count is not None else osfacts.usable_cpus()
         if not platform.startswith("linux") or address.unix_path is not None or cpus <= 4:
             return 0
-        return min(4, cpus // 4)
+        return min(MAX_AUTO_FRONTS, cpus // 2)
     if wanted == 0:
         return 0
     where = f"front_processes: {wanted}"

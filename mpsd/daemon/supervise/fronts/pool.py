@@ -25,6 +25,7 @@ from mpsd.daemon.supervise.restart import Backoff
 from mpsd.ipc.front_protocol import FRONT_TITLE, ArenaRegion, FrontAccess, FrontConfig
 from mpsd.ipc.front_wire import SOCKET_BUFFER, Buffer, Kind, frame, widen_buffers
 from mpsd.ipc.shm import Region
+from mpsd.net import eventloop
 from mpsd.net.auth import export_tokens
 from mpsd.net.certificates import TlsMaterial
 from mpsd.net.listen import parse_address
@@ -202,7 +203,7 @@ class FrontPool:
                 "--event-loop",
                 self._config.event_loop,
                 "--busy-poll-us",
-                str(self._config.busy_poll_us),
+                str(eventloop.busy_poll_us()),  # the daemon's own loop's (`policy.busy_poll_us`)
                 pass_fds=(child.fileno(),),
                 stdin=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
