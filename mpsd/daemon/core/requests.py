@@ -142,19 +142,6 @@ def from_client(
     )  # fmt: skip
 
 
-def rebound(request: InferRequest, request_id: str, inputs: tuple[InputTensor, ...]) -> InferRequest:
-    """A request whose header was checked before (`api.grpc.known_headers`): `request`, the one its first
-    call became, with this call's id and tensor bytes and everything else as it was decided then. It is
-    made as a copy of the frozen request's fields, not through `dataclasses.replace`, which reads the
-    class's fields and calls `__init__` again: this runs for every request such a client sends."""
-    rebuilt = object.__new__(InferRequest)
-    fields = rebuilt.__dict__
-    fields.update(request.__dict__)
-    fields["id"] = request_id
-    fields["inputs"] = inputs
-    return rebuilt
-
-
 def from_call(
     config: ModelConfig,
     model: str,
