@@ -92,17 +92,15 @@ Outcome = tuple[str, tuple[int, ...], bytes] | tuple[str, str]
 Wave = list[tuple[int, int, bool, int]]  # each request's rows, width, whether it is poisoned, and its gap
 
 
-async def arrive(plane: VersionPlane, request: InferRequest, turns: int, submit: bool = False) -> InferResult:
-    """The request, sent after `turns` turns of the loop; with `submit`, as a front's link sends it (into
-    the queue with a future to wait on, or through `infer` when a lane is free)."""
+async def arrive(plane: VersionPlane, request: InferRequest, turns: int) -> InferResult:
+    """The request, sent after `turns` turns of the loop."""
     for _ in range(turns):
         await asyncio.sleep(0)
-    submitted = plane.submit(request) if submit else None
-    return await (submitted if submitted is not None else plane.infer(request))
+    return await plane.infer(request)
 
 
 async def serve(
-    plane: VersionPlane, lanes: int, waves: Sequence[Wave], submit: bool = False
+    plane: VersionPlane, lanes: int, waves: Sequence[Wave]
 ) -> tuple[list[Outcome], list[list[str]]]:
     """Each wave's requests arrive one after another, each its gap of loop turns after the one before (0:
     in the same turn), and the next wave once all are answered: every request's answer (outputs, or the
@@ -124,7 +122,7 @@ async def serve(
         turns = 0
         for rows, width, poisoned, gap in wave:
             turns += gap
-            arrivals.append(arrive(plane, request(str(rid), rows, width, poisoned), turns, submit))
+            arrivals.append(arrive(plane, request(str(rid), rows, width, poisoned), turns))
             rid += 1
         answers = await asyncio.gather(*arrivals, return_exceptions=True)
         for answer in answers:
@@ -222,37 +220,6 @@ def test_the_direct_path_gives_the_answers_errors_and_order_the_queue_gives(
     for d, q in zip(direct, queued, strict=True):  # where both ran, both gave the same bytes
         if d[0] == q[0] == "ok":
             assert d == q
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    max_batch_size=st.integers(0, 6), batching=st.booleans(), lanes=st.integers(1, 2), waves=waves_strategy
-)
-def test_submitted_requests_get_what_requests_run_through_infer_get_and_are_counted_alike(
-    max_batch_size: int, batching: bool, lanes: int, waves: list[Wave]
-) -> None:
-    """A front's link submits its calls into the queue and is answered from a callback
-    (`VersionPlane.submit`): the same answers, errors and executions' rules as `infer`, each request out of
-    flight once answered, and the same statistics."""
-    batching = batching and max_batch_size > 0
-    model = config(max_batch_size, batching)
-    max_rows = max_batch_size if batching else 1
-    rows_allowed = max(1, max_batch_size)
-    waves = [[(min(rows, rows_allowed), *rest) for rows, *rest in wave] for wave in waves]  # type: ignore[misc]
-
-    def run(submit: bool) -> tuple[list[Outcome], VersionPlane]:
-        plane = VersionPlane("m", 1, model)
-        outcomes, executions = asyncio.run(asyncio.wait_for(serve(plane, lanes, waves, submit), 10))
-        assert outcomes == expected(
-            waves, executions, max(max_rows, rows_allowed if not batching else 0), lanes
-        )
-        assert plane.inflight == 0 and plane.flight.idle.is_set()
-        return outcomes, plane
-
-    (submitted, by_submit), (_, by_infer) = run(True), run(False)
-    count = (sum(o[0] == "ok" for o in submitted), len(submitted) - sum(o[0] == "ok" for o in submitted))
-    assert (by_submit.stats.success.count, by_submit.stats.fail.count) == count
-    assert (by_infer.stats.success.count, by_infer.stats.fail.count) == count
 
 
 def test_every_answer_is_its_own_requests_rows_whatever_the_batch() -> None:

@@ -23,7 +23,6 @@ from mpsd import osfacts
 from mpsd.daemon.dataplane.marshal import assemble
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.daemon.supervise.fronts.link import FrontLink
-from mpsd.errors import MpsdError, Unavailable
 from mpsd.front.main import CoreLink
 from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, REPLY_REF, REPLY_SLACK, Allocator, chunk_size
 from mpsd.ipc.front_wire import HEADER, Kind
@@ -147,19 +146,8 @@ def test_the_front_puts_large_requests_in_the_arena_until_it_is_full() -> None:
     asyncio.run(run())
 
 
-class TaskCalls:
-    """Calls that all run in a task of their own (`submit` declines each), through `infer`."""
-
-    def __init__(self, infer: Any) -> None:
-        self.infer = infer
-
-    def submit(self, data: Any, deadline: float | None, answer: Any) -> None:
-        return None
-
-
-def _daemon_link(infer: Any, region: Region | None) -> tuple[FrontLink, Recorder]:
-    calls = infer if hasattr(infer, "submit") else TaskCalls(infer)
-    link = FrontLink(0, calls, lambda _: None, arena=region)
+def _daemon_link(infer: Any, region: Region) -> tuple[FrontLink, Recorder]:
+    link = FrontLink(0, infer, lambda _: None, arena=region)
     wire = Recorder()
     link.attach(wire)  # type: ignore[arg-type]
     return link, wire
@@ -350,67 +338,3 @@ def test_an_arena_takes_half_as_much_where_dev_shm_has_no_room_for_the_configure
     assert not [e for e in logged if e["event"].startswith("no shared memory")]
     off = fronts.FrontPool(1, DaemonConfig(front_arena_bytes=0), "unix:nowhere", lambda data, deadline: None)  # type: ignore[arg-type,return-value]
     assert off._arena() is None
-
-
-class SubmittingCalls:
-    """Calls the way the servicer takes a known header's: `submit` keeps each call's answer and hands back
-    the future that stands for it (a call `refused` raises at once); a traced call goes to `infer`."""
-
-    def __init__(self, refused: MpsdError | None = None) -> None:
-        self.answers: dict[bytes, tuple[asyncio.Future[Any], Any]] = {}
-        self.refused = refused
-        self.tasks: list[bytes] = []
-
-    def submit(self, data: Any, deadline: float | None, answer: Any) -> asyncio.Future[Any]:
-        if self.refused is not None:
-            raise self.refused
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda f: answer(asyncio.CancelledError()) if f.cancelled() else None)
-        self.answers[bytes(data)] = (future, answer)
-        return future
-
-    async def infer(self, data: Any, deadline: float | None, traceparent: str | None) -> list[bytes]:
-        self.tasks.append(bytes(data))
-        return [b"traced"]
-
-
-def test_a_submitted_call_is_answered_from_its_callback_and_a_cancel_reaches_its_future() -> None:
-    """A front's calls that the servicer submits run in no task of the link's: the answer, given later,
-    becomes the reply; a CANCEL frame cancels the call's future, which answers CANCELLED; either way the
-    call leaves the link's calls in flight. A call with a traceparent runs in a task, through `infer`."""
-
-    async def run() -> None:
-        calls = SubmittingCalls()
-        link, wire = _daemon_link(calls, None)
-        link._on_frame(Kind.INFER, 1, -1.0, b"one")
-        link._on_frame(Kind.INFER, 2, -1.0, b"two")
-        assert set(link.calls) == {1, 2} and not any(isinstance(c, asyncio.Task) for c in link.calls.values())
-        future, answer = calls.answers[b"one"]
-        answer([b"reply ", b"one"])
-        future.set_result(None)
-        link._on_frame(Kind.CANCEL, 2, 0.0, b"")
-        link._on_frame(Kind.TRACEPARENT, 3, 0.0, b"00-" + b"1" * 32 + b"-" + b"2" * 16 + b"-01")
-        link._on_frame(Kind.INFER, 3, -1.0, b"three")
-        await _settle()
-        replies = {call_id: (number, payload) for kind, call_id, number, payload in wire.frames()}
-        assert replies == {
-            1: (0, b"reply one"),
-            2: (grpc.StatusCode.CANCELLED.value[0], b"cancelled"),
-            3: (0, b"traced"),
-        }
-        assert calls.tasks == [b"three"] and link.calls == {} and link.counts.served == 2
-
-    asyncio.run(run())
-
-
-def test_a_call_refused_as_it_is_submitted_is_answered_with_its_status() -> None:
-    async def run() -> None:
-        link, wire = _daemon_link(SubmittingCalls(Unavailable("model 'm' version 1 is not ready")), None)
-        link._on_frame(Kind.INFER, 4, -1.0, b"four")
-        await _settle()
-        assert wire.frames() == [
-            (Kind.REPLY, 4, grpc.StatusCode.UNAVAILABLE.value[0], b"model 'm' version 1 is not ready")
-        ]
-        assert link.calls == {}
-
-    asyncio.run(run())

@@ -38,7 +38,7 @@ class Harness:
 
     def __init__(self, initial_s: float = 0.5, max_s: float = 4.0) -> None:
         config = DaemonConfig(restart_backoff_initial_s=initial_s, restart_backoff_max_s=max_s)
-        self.pool = FrontPool(1, config, "unix:/nowhere", calls=self)
+        self.pool = FrontPool(1, config, "unix:/nowhere", infer=self._never)
         self.now = 1000.0
         self.delays: list[float] = []
         self.failures_left = 0
@@ -50,11 +50,7 @@ class Harness:
         pool._spawn = self._spawn
 
     @staticmethod
-    async def infer(payload: object, deadline: float | None, traceparent: str | None) -> list[bytes]:
-        raise AssertionError("no call reaches a fake front")
-
-    @staticmethod
-    def submit(payload: object, deadline: float | None, answer: object) -> None:
+    async def _never(payload: object, deadline: float | None, traceparent: str | None) -> list[bytes]:
         raise AssertionError("no call reaches a fake front")
 
     async def _sleep(self, delay: float) -> None:
@@ -69,7 +65,7 @@ class Harness:
             raise OSError("too many open files")
         process = FakeProcess()
         self.spawned.append(process)
-        link = FrontLink(index, self, lambda _: None)
+        link = FrontLink(index, self._never, lambda _: None)
         front = Front(index, cast(asyncio.subprocess.Process, process), link)
         self.pool.fronts[index] = front
         return front

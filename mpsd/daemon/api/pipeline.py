@@ -9,7 +9,6 @@ these, so both protocols' adapters reach them through one object.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -143,28 +142,6 @@ class Pipeline:
             return Answered(await mv.plane.infer(parsed, queued), frozenset())
         finally:
             self.registry.touch(model)
-
-    def submit_checked(
-        self,
-        model: str,
-        version: str,
-        bind: Callable[[ModelConfig], InferRequest | None],
-        deadline: float | None,
-    ) -> asyncio.Future[InferResult] | None:
-        """`infer_checked` without a task: the request queued in its version's plane, and its result to
-        come (`VersionPlane.submit`). None where `infer_checked` must take it: the model loads first, the
-        request does not bind, it has a timeout of its own, or a lane is free to run it at once."""
-        registry = self.registry
-        if registry.loads_first(model):
-            return None
-        mv = registry.acquire_running(model, version)
-        parsed = bind(mv.config)
-        if parsed is None or parsed.timeout_us:
-            return None
-        future = mv.plane.submit(parsed, deadline)
-        if future is not None:
-            future.add_done_callback(lambda _: registry.touch(model))
-        return future
 
     def decoupled(self, name: str, version: str) -> bool:
         """Whether the model answers with a stream of responses (False for a model not known: its request

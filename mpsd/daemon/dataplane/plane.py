@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable
-from functools import partial
 
 import structlog
 
@@ -125,8 +124,12 @@ class VersionPlane:
 
         `deadline` (time.monotonic()) is the client's: a request still queued past it is dropped, not run.
         """
-        item = self._arrived(request, deadline)
-        start, future = item.enqueued_ns, item.future
+        if not self.ready and not self.holds(request):
+            raise self.refusal()
+        start = time.perf_counter_ns()
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
+        item = Pending(request, future, start, deadline, shape_key=shape_key)
         if request.trace is not None:
             request.trace.queued()
         direct = self._free_lane(item)
@@ -148,41 +151,6 @@ class VersionPlane:
             raise
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
-
-    def submit(
-        self, request: InferRequest, deadline: float | None = None
-    ) -> asyncio.Future[InferResult] | None:
-        """`infer` for a caller that answers from a callback, not a task (a front's link): the request is
-        queued, counted as `infer` counts it, and the future is its result. None when a lane is free: then
-        `infer` runs it at once in the caller's task."""
-        item = self._arrived(request, deadline)
-        if self._free_lane(item) is not None:
-            return None
-        if request.trace is not None:
-            request.trace.queued()
-        self._admit(item)
-        self.flight.__enter__()
-        item.future.add_done_callback(partial(self._submitted_ended, item.enqueued_ns, request.batch_size))
-        return item.future
-
-    def _arrived(self, request: InferRequest, deadline: float | None) -> Pending:
-        """The request as the queue holds it, once the version takes it (else its refusal is raised)."""
-        if not self.ready and not self.holds(request):
-            raise self.refusal()
-        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
-        return Pending(request, future, time.perf_counter_ns(), deadline, shape_key=shape_key)
-
-    def _submitted_ended(self, start: int, rows: int, future: asyncio.Future[InferResult]) -> None:
-        """Out of flight; a success, or a failure by its code (a cancelled one neither), as in `infer`."""
-        self.flight.__exit__()
-        if future.cancelled():
-            return
-        error = future.exception()
-        if error is None:
-            self.stats.record_success(time.perf_counter_ns() - start, rows)
-        elif isinstance(error, MpsdError):
-            self.stats.record_failure(time.perf_counter_ns() - start, error.code.value)
 
     def _bucketed(self, request: InferRequest, buckets: Buckets) -> Hashable:
         """A bucketed model's batching key for the request (its lengths as buckets); a refusal is counted."""
@@ -319,10 +287,7 @@ class VersionPlane:
         """The execution's statistics, and each request's result with its timings."""
         rows = sum(item.request.batch_size for item in batch)
         if execution is not None:
-            phases = ("compute_input_ns", "compute_infer_ns", "compute_output_ns")
-            execution.done(
-                timings.worker_span, timings.device_compute_ns, {k: getattr(timings, k) for k in phases}
-            )
+            execution.done(timings.worker_span, timings.device_compute_ns, _phases(timings))
         self.stats.record_execution(
             rows,
             timings.compute_input_ns,
@@ -381,6 +346,14 @@ class VersionPlane:
 
     def fail_queued(self, error: MpsdError) -> None:
         fail_all(self.queue.take_all(), error)
+
+
+def _phases(timings: Timings) -> dict[str, int]:
+    return {
+        "compute_input_ns": timings.compute_input_ns,
+        "compute_infer_ns": timings.compute_infer_ns,
+        "compute_output_ns": timings.compute_output_ns,
+    }
 
 
 def _latest(batch: Batch) -> float | None:

@@ -18,11 +18,10 @@ from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
 from mpsd.daemon.api.grpc.load import load_parameters
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.api.grpc.stream import RequestStream
-from mpsd.daemon.api.grpc.trace import Answer, Data, Parts, came_with, sampled, trace_setting
+from mpsd.daemon.api.grpc.trace import came_with, sampled, trace_setting
 from mpsd.daemon.api.grpc.wire import SplitRequest, infer_call, split_request
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.tracing import Incoming
-from mpsd.daemon.dataplane.request import InferResult
 from mpsd.errors import InvalidArgument, MpsdError
 from mpsd.net.status import grpc_status
 from mpsd.proto import grpc_service_pb2 as pb
@@ -140,38 +139,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         answered = await self.ops.infer(call, deadline, learn, came)
         with answered.trace.answering():
             return self.responses.parts(answered.result, request.id, answered.in_shm)
-
-    def submit_serialized(
-        self, data: Data, deadline: float | None, answer: Answer
-    ) -> asyncio.Future[InferResult] | None:
-        """ModelInfer for a front's call without a task of its own, for a request whose header is known and
-        that its model's queue takes (`Pipeline.submit_checked`): `answer` gets the response's pieces, or
-        the error, once it is answered; the future returned cancels it. None: `infer_serialized_parts`
-        takes it (a new header, a free lane, a model loading first)."""
-        split = split_request(data)
-        if split is None or not split.raw:
-            return None
-        known = self.known.get(split.key)
-        request_id = known_id(split.request_id) if known is not None else None
-        if known is None or request_id is None:
-            return None
-        bind = self.known.binder(known, split.key, split.raw, request_id)
-        future = self.ops.submit_checked(known.model, known.version, bind, deadline)
-        if future is not None:
-            future.add_done_callback(functools.partial(self._answer_submitted, request_id, answer))
-        return future
-
-    def _answer_submitted(
-        self,
-        request_id: str,
-        answer: Callable[[Parts | BaseException], None],
-        future: asyncio.Future[InferResult],
-    ) -> None:
-        if future.cancelled():
-            answer(asyncio.CancelledError())
-            return
-        error = future.exception()
-        answer(error if error is not None else self.responses.parts(future.result(), request_id))
 
     async def _infer_known(
         self, split: SplitRequest, deadline: float | None

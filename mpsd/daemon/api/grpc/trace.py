@@ -1,17 +1,15 @@
-"""TraceSetting over gRPC, a call's traceparent from its metadata, and the fronts' calls, traced or not."""
+"""TraceSetting over gRPC, and a call's traceparent from its metadata."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.trace_settings import FIELDS
 from mpsd.daemon.api.tracing import TRACEPARENT, Incoming, incoming
-from mpsd.daemon.dataplane.request import InferResult
 from mpsd.errors import InvalidArgument
 from mpsd.proto import grpc_service_pb2 as pb
 
@@ -38,9 +36,6 @@ Data = bytes | bytearray | memoryview
 Parts = list[bytes | memoryview]
 
 
-Answer = Callable[[Parts | BaseException], None]  # a submitted call's response pieces, or its error
-
-
 class BytesInfer(Protocol):
     """The servicer's ModelInfer on serialized bytes."""
 
@@ -50,31 +45,16 @@ class BytesInfer(Protocol):
         self, data: Data, deadline: float | None, came: Incoming | None = None
     ) -> Parts: ...
 
-    def submit_serialized(
-        self, data: Data, deadline: float | None, answer: Answer
-    ) -> asyncio.Future[InferResult] | None: ...
 
+def front_calls(servicer: BytesInfer) -> Callable[[Data, float | None, str | None], Awaitable[Parts]]:
+    """ModelInfer for the front processes' calls, each with the traceparent its front read (if any)."""
+    ops = servicer.ops
 
-class FrontCalls:
-    """ModelInfer for the front processes' calls: `submit` takes an untraced call whose header is known
-    into its model's queue and answers it from a callback; `infer` runs any other in a task of its own,
-    with the traceparent its front read (if any)."""
+    async def infer(data: Data, deadline: float | None, traceparent: str | None) -> Parts:
+        came = incoming(traceparent, "ModelInfer") if ops.tracing.on else None
+        return await servicer.infer_serialized_parts(data, deadline, came)
 
-    def __init__(self, servicer: BytesInfer) -> None:
-        self._servicer = servicer
-        self._ops = servicer.ops
-
-    def submit(
-        self, data: Data, deadline: float | None, answer: Answer
-    ) -> asyncio.Future[InferResult] | None:
-        """None: the call goes to `infer` (a traced one always does, to be sampled and spanned there)."""
-        if self._ops.tracing.on:
-            return None
-        return self._servicer.submit_serialized(data, deadline, answer)
-
-    async def infer(self, data: Data, deadline: float | None, traceparent: str | None) -> Parts:
-        came = incoming(traceparent, "ModelInfer") if self._ops.tracing.on else None
-        return await self._servicer.infer_serialized_parts(data, deadline, came)
+    return infer
 
 
 def trace_setting(ops: Operations, request: Any) -> Any:

@@ -10,8 +10,6 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -36,21 +34,9 @@ from mpsd.net.status import grpc_status
 
 log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 
-Answer = Callable[["Sequence[Buffer] | BaseException"], None]  # a submitted call's pieces, or its error
-
-
-class Calls(Protocol):
-    """ModelInfer on a call's bytes, its deadline and the caller's traceparent (None: none): `submit`
-    answers through a callback and gives what cancels it, or None for `infer`, which runs in a task."""
-
-    def submit(
-        self, data: bytes | bytearray | memoryview, deadline: float | None, answer: Answer
-    ) -> asyncio.Future[Any] | None: ...
-
-    def infer(
-        self, data: bytes | bytearray | memoryview, deadline: float | None, traceparent: str | None
-    ) -> Awaitable[Sequence[Buffer]]: ...
-
+# ModelInfer on request bytes; the response comes back as pieces to be sent back to back.
+# A call's bytes, its deadline and the caller's traceparent (None: none) -> the response's pieces.
+InferBytes = Callable[[bytes | bytearray | memoryview, float | None, str | None], Awaitable[Sequence[Buffer]]]
 
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
@@ -74,13 +60,13 @@ class FrontLink:
     """The daemon's end of one front's socketpair: runs the ModelInfer calls the front hands over."""
 
     index: int
-    handler: Calls  # runs the calls
+    infer: InferBytes
     on_lost: Callable[[FrontLink], None]
     transport: asyncio.Transport | None = None
     ready: asyncio.Future[FrontReady] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
-    calls: dict[int, asyncio.Future[Any]] = field(default_factory=dict)  # tasks, or submitted calls
+    calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     traceparents: dict[int, str] = field(default_factory=dict)  # of calls whose INFER comes next
     counts: FrontCounts = field(default_factory=FrontCounts)
     writer: FrameWriter = field(default_factory=FrameWriter)
@@ -109,7 +95,9 @@ class FrontLink:
                     self.send(frame(Kind.REPLY, call_id, _INTERNAL, exc.message.encode()))
                     return
             traceparent = self.traceparents.pop(call_id, None) if self.traceparents else None
-            self._start(call_id, request, deadline, chunk, traceparent)
+            self.calls[call_id] = asyncio.get_running_loop().create_task(
+                self._serve(call_id, request, deadline, chunk, traceparent)
+            )
             if len(self.calls) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
@@ -131,61 +119,6 @@ class FrontLink:
         else:
             log.warning("unexpected frame from a front", front=self.index, kind=kind)
 
-    def _start(
-        self,
-        call_id: int,
-        request: bytes | bytearray | memoryview,
-        deadline: float | None,
-        chunk: Chunk | None,
-        traceparent: str | None,
-    ) -> None:
-        """The call in flight: submitted into its model's queue and answered from a callback (most calls
-        under load), or else served by a task of its own."""
-        if traceparent is None:
-            try:
-                submitted = self.handler.submit(request, deadline, partial(self._answered, call_id, chunk))
-            except MpsdError as exc:  # refused on the spot (the model is not ready, its queue is full)
-                self.send(self._failure(call_id, exc))
-                self._count(chunk)
-                return
-            if submitted is not None:
-                self.calls[call_id] = submitted
-                return
-        self.calls[call_id] = asyncio.get_running_loop().create_task(
-            self._serve(call_id, request, deadline, chunk, traceparent)
-        )
-
-    def _answered(self, call_id: int, chunk: Chunk | None, outcome: Sequence[Buffer] | BaseException) -> None:
-        """A submitted call's answer, as `_serve` gives a served one."""
-        if isinstance(outcome, BaseException):
-            reply = self._failure(call_id, outcome)
-        else:
-            reply = self._reply(call_id, outcome, chunk)
-        self._ended(call_id)
-        if not isinstance(outcome, asyncio.CancelledError):
-            self._count(chunk)
-        self.send(reply)
-
-    def _failure(self, call_id: int, exc: BaseException) -> tuple[Buffer, ...]:
-        if isinstance(exc, asyncio.CancelledError):
-            return frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled")
-        if isinstance(exc, MpsdError):
-            return frame(Kind.REPLY, call_id, grpc_status(exc).value[0], exc.message.encode())
-        log.error("unexpected error in a forwarded request", front=self.index, error=repr(exc))
-        return frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
-
-    def _ended(self, call_id: int) -> None:
-        """The call is no longer in flight: reading resumes below half the bound."""
-        self.calls.pop(call_id, None)
-        if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-
-    def _count(self, chunk: Chunk | None) -> None:
-        """An answered call (a cancelled one is not)."""
-        self.counts.served += 1
-        self.counts.arena_requests += chunk is not None
-
     async def _serve(
         self,
         call_id: int,
@@ -197,7 +130,7 @@ class FrontLink:
         """Run one call and answer it, a cancelled one too (the front expects an answer to every call)."""
         cancelled = False
         try:
-            reply = self._reply(call_id, await self.handler.infer(payload, deadline, traceparent), chunk)
+            reply = self._reply(call_id, await self.infer(payload, deadline, traceparent), chunk)
         except asyncio.CancelledError:
             reply = frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled")
             cancelled = True
@@ -207,9 +140,13 @@ class FrontLink:
             log.exception("unexpected error in a forwarded request", front=self.index)
             reply = frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
         finally:
-            self._ended(call_id)
+            self.calls.pop(call_id, None)
+            if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
         if not cancelled:
-            self._count(chunk)
+            self.counts.served += 1
+            self.counts.arena_requests += chunk is not None
         self.send(reply)
 
     def _reply(self, call_id: int, parts: Sequence[Buffer], chunk: Chunk | None) -> tuple[Buffer, ...]:

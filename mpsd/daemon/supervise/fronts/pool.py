@@ -17,7 +17,7 @@ from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token
 from mpsd.daemon.dataplane.arenas import ARENAS
-from mpsd.daemon.supervise.fronts.link import Calls, FrontCounts, FrontFailed, FrontLink
+from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes
 from mpsd.daemon.supervise.fronts.policy import front_address
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
@@ -75,7 +75,7 @@ class FrontPool:
         count: int,
         config: DaemonConfig,
         daemon_target: str,
-        calls: Calls,
+        infer: InferBytes,
         tokens: Sequence[Token] = (),
         tls: TlsMaterial | None = None,
         ports: Sequence[int] = (),
@@ -87,7 +87,7 @@ class FrontPool:
         self._tokens = list(tokens)
         self._tls = tls
         self._daemon_target = daemon_target
-        self._calls = calls
+        self._infer = infer
         self.fronts: dict[int, Front] = {}
         self.restarts: dict[int, int] = {}
         self.counts: dict[int, FrontCounts] = {}
@@ -143,7 +143,7 @@ class FrontPool:
         parent, child = self._link_sockets()
         process: asyncio.subprocess.Process | None = None
         counts = self.counts.setdefault(index, FrontCounts())
-        link = FrontLink(index, self._calls, self._on_link_lost, counts=counts)
+        link = FrontLink(index, self._infer, self._on_link_lost, counts=counts)
         arena = link.arena = self._arena()
         try:
             process = await self._exec_front(child)
