@@ -63,3 +63,16 @@ def test_only_bench_cpus_calls_the_linux_affinity_functions() -> None:
         if path.name != "cpus.py" and re.search(r"os\.sched_(get|set)affinity", path.read_text())
     ]
     assert callers == []
+
+
+def test_the_in_process_baseline_gives_torch_the_workers_openmp_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process reference runs torch as a worker would (`bench/inprocess.py` reads the worker's rule
+    and the CPUs it may use from mpsd itself): on a machine of at most 4 usable CPUs OpenMP's spinning is
+    bounded unless a policy is set; on a larger one nothing is added."""
+    from bench.inprocess import worker_openmp_env
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert worker_openmp_env({}) == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+    assert worker_openmp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert worker_openmp_env({}) == {}
