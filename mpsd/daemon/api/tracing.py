@@ -49,9 +49,10 @@ def incoming(traceparent: str | None, name: str) -> Incoming:
     return Incoming(valid_traceparent(traceparent) if traceparent is not None else None, now_ns(), name)
 
 
-def came_over_http(tracing: Tracing, headers: Mapping[str, str], name: str) -> Incoming | None:
-    """What an HTTP request (KServe's, /generate, OpenAI's) brings to its trace; None while tracing is off."""
-    return incoming(headers.get(TRACEPARENT), name) if tracing.on else None
+def came_over_http(headers: Mapping[str, str], name: str) -> Incoming:
+    """What a traced HTTP request (KServe's, /generate, OpenAI's) brings to its trace: its traceparent, if
+    any. Its route asks only while tracing is on (`Tracing.on`), as gRPC's asks `came_with`."""
+    return incoming(headers.get(TRACEPARENT), name)
 
 
 class Tracing:

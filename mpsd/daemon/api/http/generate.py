@@ -109,7 +109,8 @@ class GenerateHandler:
     @rpc("ModelInfer")
     async def generate(self, request: web.Request) -> web.Response:
         """One JSON answer: the model's response (a decoupled model must yield exactly one)."""
-        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate")  # the parse is a span
+        # The parse is a span of the trace.
+        came = came_over_http(request.headers, "HTTP generate") if self.ops.tracing.on else None
         infer = await self._parse(request)
         if not self.ops.decoupled(infer.model, infer.version):
             answered = await self.ops.infer(infer, came=came)
@@ -127,7 +128,7 @@ class GenerateHandler:
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: `data: {...}` per response, as the model yields it. A client that goes
         away stops the model at its next response."""
-        came = came_over_http(self.ops.tracing, request.headers, "HTTP generate_stream")
+        came = came_over_http(request.headers, "HTTP generate_stream") if self.ops.tracing.on else None
         infer = await self._parse(request)
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

@@ -12,7 +12,7 @@ from mpsd.daemon.api.tracing import came_over_http
 from mpsd.daemon.api.web import read_body
 
 from .body import HEADER_LENGTH, parse_infer_body
-from .handlers import path, rpc
+from .handlers import rpc
 from .responses import infer_response
 
 
@@ -23,8 +23,8 @@ class InferHandler:
 
     @rpc("ModelInfer")
     async def infer(self, request: web.Request) -> web.Response:
-        came = came_over_http(self.ops.tracing, request.headers, "HTTP ModelInfer")
-        model, version = path(request, "model"), path(request, "version")
+        came = came_over_http(request.headers, "HTTP ModelInfer") if self.ops.tracing.on else None
+        model, version = request.match_info.get("model", ""), request.match_info.get("version", "")
         check_name("model", model)
         self.ops.registry.known(model, version)  # an unknown model is answered before its body is read
         body = await read_body(request, self.limit)

@@ -108,7 +108,7 @@ class EmbeddingsHandler:
     @method(OPENAI + "Embeddings")
     @counted("embeddings")
     async def create(self, request: web.Request) -> web.StreamResponse:
-        came = came_over_http(self.ops.tracing, request.headers, "OpenAI embeddings")
+        came = came_over_http(request.headers, "OpenAI embeddings") if self.ops.tracing.on else None
         body = await json_body(request, self.limit)
         name, config, section = target(self.ops, body, "embeddings")
         request[MODEL_KEY] = name

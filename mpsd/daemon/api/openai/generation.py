@@ -178,9 +178,8 @@ class GenerationHandler:
         return await self._generate(request, False)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        came = came_over_http(
-            self.ops.tracing, request.headers, "OpenAI chat" if chat else "OpenAI completions"
-        )
+        name = "OpenAI chat" if chat else "OpenAI completions"
+        came = came_over_http(request.headers, name) if self.ops.tracing.on else None
         body = await json_body(request, self.limit)
         name, config, section = target(self.ops, body, "chat" if chat else "completions")
         request[MODEL_KEY] = name

@@ -114,7 +114,7 @@ class TranscriptionHandler:
     @method(OPENAI + "Transcriptions")
     @counted("audio.transcriptions")
     async def create(self, request: web.Request) -> web.StreamResponse:
-        came = came_over_http(self.ops.tracing, request.headers, "OpenAI transcriptions")
+        came = came_over_http(request.headers, "OpenAI transcriptions") if self.ops.tracing.on else None
         fields, audio = await read_form(request, self.limit)
         name, config, section = target(self.ops, fields, "transcription")
         request[MODEL_KEY] = name
