@@ -20,7 +20,7 @@ from mpsd.daemon.api.call import Param
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.parse import check_name
 from mpsd.daemon.api.web import read_body
-from mpsd.errors import InvalidArgument, InvalidField, NotFound
+from mpsd.errors import InvalidArgument, InvalidField, NotFound, Unavailable
 
 ENDPOINTS = {
     "embeddings": "/v1/embeddings",
@@ -79,6 +79,16 @@ def finite(value: Any) -> bool:
     return not isinstance(value, float) or math.isfinite(value)
 
 
+def _config(ops: Operations, name: str) -> ModelConfig:
+    """The config the model answers with: its running version's, found as a request's version is; for one
+    not running (it loads on demand), its repository's, as ModelMetadata reads it."""
+    try:
+        return ops.registry.route(name, "").config
+    except Unavailable:
+        config, _ = ops.metadata(name, "")
+        return config
+
+
 def target(ops: Operations, body: Mapping[str, Any], task: str) -> tuple[str, ModelConfig, OpenAIConfig]:
     """The model a request names, its config, and its `openai` section, which must serve `task`: an unknown
     model or one that does not serve OpenAI's API is 404 `model_not_found`, one of another task 400."""
@@ -88,7 +98,7 @@ def target(ops: Operations, body: Mapping[str, Any], task: str) -> tuple[str, Mo
     except InvalidArgument as exc:
         raise InvalidField("model", exc.message) from None
     try:
-        config, _ = ops.metadata(name, "")
+        config = _config(ops, name)
     except NotFound:
         raise NotFound(f"The model `{name}` does not exist") from None
     section = config.openai
