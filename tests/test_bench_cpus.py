@@ -76,3 +76,9 @@ def test_the_in_process_baseline_gives_torch_the_workers_openmp_rule(monkeypatch
     assert worker_openmp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert worker_openmp_env({}) == {}
+    # macOS's fact: no affinity call at all; every CPU of the machine counts.
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert worker_openmp_env({}) == {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+    monkeypatch.setattr(os, "cpu_count", lambda: 10)
+    assert worker_openmp_env({}) == {}

@@ -63,7 +63,7 @@ def _int_param(what: str, parameters: Params, key: str, default: int | None) -> 
 
 def shm_ref(what: str, parameters: Params) -> ShmRef | None:
     """The shared-memory location a tensor's parameters give, or None when its data is in the request."""
-    if not SHM_PARAMS & set(parameters):
+    if SHM_PARAMS.isdisjoint(parameters):
         return None
     if SHM_REGION not in parameters:
         raise InvalidArgument(f"{what}: shared-memory parameters given without '{SHM_REGION}'")
