@@ -169,9 +169,9 @@ def balanced(
 
 def every_daemon_serves(fleet: Fleet, before: list[int], model: str = "add_sub") -> None:
     """Until each daemon has served more of `model` than `before`: the load is spread over all three."""
-    wait_for(
+    wait_for(  # up to two minutes: three daemons on 2 cores, beside the rest of the suite
         lambda: all(now > then for now, then in zip(fleet.served(model), before, strict=True)),
-        60,
+        120,
         f"every daemon serving {model}",
     )
 
@@ -258,7 +258,7 @@ def proxy(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HA
     ports = (free_port(), free_port(), free_port())
     proxy = HAProxy(HAPROXY, daemons, tmp_path_factory.mktemp("haproxy"), ports=ports)
     try:
-        proxy.wait_all_up()
+        proxy.wait_all_up(timeout_s=120)
         yield proxy
     finally:
         proxy.stop()
@@ -296,7 +296,7 @@ def test_haproxy_sigterm_fails_no_request(fleet: Fleet, proxy: HAProxy) -> None:
         assert http_load.failures == []
     finally:
         fleet.restart(0)
-        proxy.wait_all_up()
+        proxy.wait_all_up(timeout_s=120)
 
 
 def test_haproxy_kill_fails_at_most_the_calls_in_flight(fleet: Fleet, proxy: HAProxy) -> None:
@@ -319,4 +319,4 @@ def test_haproxy_kill_fails_at_most_the_calls_in_flight(fleet: Fleet, proxy: HAP
         assert len(http_load.failures) <= CALLERS, http_load.failures
     finally:
         fleet.restart(1)
-        proxy.wait_all_up()
+        proxy.wait_all_up(timeout_s=120)
