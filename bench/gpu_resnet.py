@@ -28,6 +28,7 @@ import yaml
 from torch import nn
 
 from bench import common, profile, report
+from bench.front_ports import handed
 from bench.inprocess import InProcess, throughput_at
 from bench.loadgen import ClientPool
 from bench.run import baseline_info, measure
@@ -121,6 +122,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small stand-in instead of ResNet-50")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="gRPC connections per client process, its requests in flight spread over them in turn",
+    )
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--delay-us", type=int, default=2000, help="max_queue_delay_microseconds")
     parser.add_argument("--instances", type=int, default=1)
@@ -167,7 +174,8 @@ def main() -> None:
         "machine": common.machine_info(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "load_generator": f"{args.client_processes} client processes with raw grpc stubs, "
-        f"{args.clients // args.client_processes} grpc.aio requests in flight each, pre-serialized requests",
+        f"{args.clients // args.client_processes} grpc.aio requests in flight each over {args.connections} "
+        "connection(s), pre-serialized requests",
         "floor": "the bare grpc.aio server (bench/floor_server.py) answering each request with one FP16 "
         "[1,1000] tensor: what Python gRPC alone can take in at this request size",
     }
@@ -187,6 +195,25 @@ def main() -> None:
         floor = common.start_floor(work, [1, 1000])
         beside = start_beside(args, work)
         per_proc = args.clients // args.client_processes
+
+        def load(target: common.Server, req: bytes, duration: float, warmup: float) -> dict[str, Any]:
+            """One closed-loop run against `target`; through fronts, with each front's share of it."""
+            fronts_before = handed(target) if target is not floor else []
+            got = measure(
+                pool,
+                target,
+                req,
+                per_proc,
+                args.client_processes,
+                duration,
+                warmup,
+                connections=args.connections,
+            )
+            if fronts_before:
+                now = [n - b for n, b in zip(handed(target), fronts_before, strict=True)]
+                got["front_shares"] = [round(n / max(sum(now), 1), 3) for n in now]
+            return got
+
         shared: common.SharedInput | None = None
         try:
             results["ready_s"] = server.wait_ready()
@@ -203,9 +230,9 @@ def main() -> None:
                 shared = common.SharedInput(server, "image", req.raw_input_contents[0])
                 request = shared.request("resnet50", "input", wire, [1, *IMAGE])
             # Warm-up at the batch sizes the load will form (the TorchScript executor specializes per shape).
-            measure(pool, server, request, per_proc, args.client_processes, args.warmup * 2, 0.0)
+            load(server, request, args.warmup * 2, 0.0)
             if beside is not None:
-                measure(pool, beside, request, per_proc, args.client_processes, args.warmup * 2, 0.0)
+                load(beside, request, args.warmup * 2, 0.0)
             rounds = []
             for r in range(args.rounds):
                 before = common.batch_stats(server, "resnet50")
@@ -214,24 +241,12 @@ def main() -> None:
                 order = [beside, server] if beside is not None and r % 2 else [server, beside]
                 for target in order:
                     if target is beside and beside is not None:
-                        row["beside"] = measure(
-                            pool, beside, request, per_proc, args.client_processes, args.duration, args.warmup
-                        )
+                        row["beside"] = load(beside, request, args.duration, args.warmup)
                     elif target is server:
                         with GpuSampler() as gpu:
-                            row["mpsd"] = measure(
-                                pool,
-                                server,
-                                request,
-                                per_proc,
-                                args.client_processes,
-                                args.duration,
-                                args.warmup,
-                            )
+                            row["mpsd"] = load(server, request, args.duration, args.warmup)
                         row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
-                row["floor"] = measure(
-                    pool, floor, floor_request, per_proc, args.client_processes, args.duration, args.warmup
-                )
+                row["floor"] = load(floor, floor_request, args.duration, args.warmup)
                 row["mpsd"]["batches"] = common.stats_delta(common.batch_stats(server, "resnet50"), before)
                 executions = {size: s["count"] for size, s in row["mpsd"]["batches"].items()}
                 variants = [("inprocess_host_to_host", True, False), ("inprocess_on_device", False, False)]
@@ -264,7 +279,7 @@ def main() -> None:
                 with profile.PySpy(
                     args.out / f"{args.name}-profile", common.profile_targets(server.pid, worker), 6
                 ) as spy:
-                    measure(pool, server, request, per_proc, args.client_processes, 6.0, 0.5)
+                    load(server, request, 6.0, 0.5)
                 results["profile"] = spy.summaries()
         finally:
             if shared is not None:
@@ -324,6 +339,7 @@ def round_line(row: dict[str, Any]) -> str:
         )
         + f"; floor {row['floor']['throughput_rps']:.0f}/s"
         + (f"; beside {row['beside']['throughput_rps']:.0f}/s" if "beside" in row else "")
+        + (f"; fronts' shares {m['front_shares']}" if m.get("front_shares") else "")
     )
 
 

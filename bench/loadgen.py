@@ -50,6 +50,9 @@ class LoadSpec:
     # several prepared requests (gRPC, several in flight): each in-flight loop sends them in turn from an
     # offset of its own, instead of `request` alone (requests of mixed shapes, bench/buckets_gpu.py)
     requests: tuple[bytes, ...] = ()
+    # gRPC connections per client process, the in-flight requests spread over them in turn: many clients
+    # each on a connection of its own, as against one process multiplexing them all on one
+    connections: int = 1
 
 
 @dataclass
@@ -112,16 +115,24 @@ def _run_async(target: str, spec: LoadSpec, start_at: float) -> Outcome:
     state: dict[str, Any] = {"errors": 0, "first_error": "", "response": b"", "completed": 0}
 
     async def main() -> None:
-        async with grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *spec.options]) as channel:
-            call = channel.unary_unary(spec.method)
-            await call(spec.request)  # connect before the clock starts
+        # Channels of one process share their connection unless each keeps its subchannels to itself.
+        own = [("grpc.use_local_subchannel_pool", 1)] if spec.connections > 1 else []
+        options = [*CHANNEL_OPTIONS, *spec.options, *own]
+        async with contextlib.AsyncExitStack() as stack:
+            channels = [
+                await stack.enter_async_context(grpc.aio.insecure_channel(target, options=options))
+                for _ in range(max(spec.connections, 1))
+            ]
+            calls = [channel.unary_unary(spec.method) for channel in channels]
+            for call in calls:
+                await call(spec.request)  # connect before the clock starts
             while time.time() < start_at:
                 await asyncio.sleep(0.001)
             t_begin = time.perf_counter_ns()
             count_from = t_begin + int(spec.warmup_s * 1e9)
             stop_at = count_from + int(spec.duration_s * 1e9)
 
-            async def loop(offset: int) -> None:
+            async def loop(offset: int, call: Any) -> None:
                 pool = spec.requests or (spec.request,)
                 sent = offset
                 while True:
@@ -142,7 +153,7 @@ def _run_async(target: str, spec: LoadSpec, start_at: float) -> Outcome:
                         lat.append(t1 - t0)
 
             offsets = range(os.getpid() * 7919, os.getpid() * 7919 + spec.concurrency * 97, 97)
-            await asyncio.gather(*(loop(offset) for offset in offsets))
+            await asyncio.gather(*(loop(offset, calls[i % len(calls)]) for i, offset in enumerate(offsets)))
 
     asyncio.run(main())
     return lat, state["errors"], state["first_error"], state["response"], state["completed"]

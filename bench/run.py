@@ -61,16 +61,20 @@ def measure(
     duration_s: float,
     warmup_s: float,
     protocol: str = "grpc",
+    connections: int = 1,
 ) -> dict[str, Any]:
     """One closed-loop measurement (`concurrency` requests in flight in each of `processes` client
-    processes), with the CPU time the server, its workers and the clients spent per request."""
+    processes, over `connections` gRPC connections each), with the CPU time the server, its workers and
+    the clients spent per request."""
     server_side, workers = common.server_groups(server.pid)
     clients = [psutil.Process(pid) for pid in pool.pids[:processes]]
     groups = [server_side, workers, clients, server_side[1:]]
     before = [common.cpu_seconds(g) for g in groups]
     address = server.http_address if protocol == "http" else server.address
     assert address is not None
-    spec = LoadSpec(address, request, concurrency, duration_s, warmup_s, protocol=protocol)
+    spec = LoadSpec(
+        address, request, concurrency, duration_s, warmup_s, protocol=protocol, connections=connections
+    )
     result = pool.run(spec, processes)
     after = [common.cpu_seconds(g) for g in groups]
     if result.errors:
