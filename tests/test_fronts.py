@@ -290,10 +290,18 @@ def arena_transfers(setup: Setup) -> tuple[float, float]:
     return total["request"], total["reply"]
 
 
+def split_requests(setup: Setup) -> float:
+    """Calls the fronts cut apart themselves so far (the daemon took their spans, not their bytes)."""
+    values = scrape(setup.metrics_port)
+    return sum(v for k, v in values.items() if k.startswith("mpsd_front_split_requests_total{"))
+
+
 def test_large_requests_and_replies_through_a_front(setup: Setup) -> None:
-    """Large requests and replies go through the front's shared-memory arena, and arrive whole."""
+    """Large requests and replies go through the front's shared-memory arena, and arrive whole; the front
+    cut each request apart itself, and the daemon answered from where it said the tensor bytes were."""
     rng = np.random.default_rng(7)
     requests, replies = arena_transfers(setup)
+    split = split_requests(setup)
     for _ in range(3):
         a = rng.standard_normal((BIG_DIMS,), dtype=np.float32)
         b = rng.standard_normal((BIG_DIMS,), dtype=np.float32)
@@ -301,6 +309,7 @@ def test_large_requests_and_replies_through_a_front(setup: Setup) -> None:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
     assert arena_transfers(setup) == (requests + 3, replies + 3)
+    assert split_requests(setup) == split + 3
 
 
 def bytes_in_place(port: int, model: str) -> float:

@@ -1,5 +1,5 @@
 """ModelInfer responses built from a template per model version and output signature
-(`mpsd.daemon.api.grpc.wire.ResponseTemplates`) parse exactly as the message protobuf builds, whatever
+(`mpsd.daemon.api.grpc.responses.ResponseTemplates`) parse exactly as the message protobuf builds, whatever
 the id, and a template stands only for the outputs it was built from. Each scenario runs in a fresh
 interpreter: see tests/response_templates_scenarios.py.
 """

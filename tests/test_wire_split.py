@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from mpsd.daemon.api.grpc.wire import raw_output_parts, split_request
+from mpsd.ipc.infer_wire import raw_output_parts, split_request
 
 names = st.text(min_size=0, max_size=12)
 tensors = st.builds(

@@ -23,9 +23,10 @@ from setproctitle import setproctitle
 
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig
+from mpsd.front.headers import DeclaredHeaders
 from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
 from mpsd.ipc.front_protocol import FRONT_TITLE, FrontAccess, FrontConfig, FrontReady, MalformedMessage
-from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameWriter, FrontLinkProtocol, Kind, frame
+from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameWriter, FrontLinkProtocol, Kind, frame, frame_of
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
 from mpsd.net import eventloop
@@ -68,6 +69,7 @@ class CoreLink:
         self._allocator: Allocator | None = None
         self.on_auth: Callable[[bytes | bytearray], None] = lambda _: None  # an AUTH payload
         self._chunks: dict[int, Chunk] = {}  # each call's chunk, until it is answered
+        self.headers = DeclaredHeaders(self.send)
 
     def attach_arena(self, name: str, size: int) -> None:
         self._arena = Region.attach(name, size)
@@ -138,13 +140,19 @@ class CoreLink:
         return payload if isinstance(payload, bytes) else bytes(payload)
 
     def _infer_frame(self, call_id: int, remaining: float, request: bytes) -> tuple[Buffer, ...]:
-        """The request into the arena when it is large and there is room, else in the frame itself."""
+        """The request into the arena when it is large and there is room, else in the frame itself; split
+        here (the spans first) unless it has no pieces to split."""
+        spans = self.headers.spans(request)
         if self._allocator is not None and self._arena is not None:
             written = write_request(self._arena, self._allocator, request)
             if written is not None:
                 self._chunks[call_id], ref = written
-                return frame(Kind.INFER_SHM, call_id, remaining, ref)
-        return frame(Kind.INFER, call_id, remaining, request)
+                if spans is None:
+                    return frame(Kind.INFER_SHM, call_id, remaining, ref)
+                return frame_of(Kind.INFER_SPLIT_SHM, call_id, remaining, (spans, ref))
+        if spans is None:
+            return frame(Kind.INFER, call_id, remaining, request)
+        return frame_of(Kind.INFER_SPLIT, call_id, remaining, (spans, request))
 
 
 def _traceparent(context: grpc.aio.ServicerContext) -> bytes | None:

@@ -51,7 +51,7 @@ class Chunk:
 # ---- the daemon's end: read a request in place, write a reply into its chunk -----------------------------
 
 
-def referenced_request(arena: Region | None, ref: bytes | bytearray) -> tuple[memoryview, Chunk]:
+def referenced_request(arena: Region | None, ref: Buffer) -> tuple[memoryview, Chunk]:
     """The request an INFER_SHM frame points at, as a view of the arena (no copy), and its call's chunk.
 
     Internal (the answer to the call) when the reference is malformed or reaches past the arena: the daemon

@@ -1,8 +1,9 @@
 """Frames between a front process and the daemon on their socketpair.
 
-A front hands each ModelInfer call to the daemon as the request's serialized bytes and gets back the
-serialized response or a status: the front never decodes protobuf on this path, the daemon never runs
-gRPC for it. The header is fixed-size binary (not pickle) because it is paid once per request.
+A front hands each ModelInfer call to the daemon as the request's serialized bytes, with where its
+tensor bytes and id are, and gets back the serialized response or a status: the front never decodes
+protobuf on this path, the daemon never runs gRPC for it. The header is fixed-size binary (not pickle)
+because it is paid once per request.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Kind(enum.IntEnum):
     REPLY_SHM = 9  # daemon -> front: the response, at the start of the chunk (payload: arena.REPLY_REF)
     AUTH = 10  # daemon -> front: SIGHUP re-read the access settings (payload: auth, tokens, TLS as JSON)
     TRACEPARENT = 11  # front -> daemon: the call's W3C traceparent (payload), just before its INFER frame
+    HEADER = 12  # front -> daemon: a request key (payload) that later INFER_SPLIT frames name by this id
+    # (the call id field); `infer_wire.split_spans`
+    FORGET_HEADERS = 13  # front -> daemon: the ids declared before this frame are no longer used
+    INFER_SPLIT = 14  # front -> daemon: INFER with the request split by the front: its header's id and the
+    # spans of its id and raw entries (`infer_wire.Spans.pack`), then the request bytes
+    INFER_SPLIT_SHM = 15  # front -> daemon: INFER_SHM so split: the spans, then arena.INFER_REF
 
 
 # Socket buffer of each end: a frame of a few MiB (a 600 KB image and its reply) goes in one system call

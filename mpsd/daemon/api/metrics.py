@@ -239,9 +239,16 @@ class FrontCollector(Collector):
             "memory instead of their socket.",
             labels=["front", "direction"],
         )
+        split = CounterMetricFamily(
+            "mpsd_front_split_requests",
+            "ModelInfer calls a front cut apart itself (the request's key declared once, then where its id "
+            "and tensor bytes are), so that the daemon did not walk the message.",
+            labels=["front"],
+        )
         for index in sorted(self.pool.fronts):
             counts = self.pool.counts[index]
             served.add_metric([str(index)], counts.served)
+            split.add_metric([str(index)], counts.split)
             restarts.add_metric([str(index)], self.pool.restarts.get(index, 0))
             arena.add_metric([str(index), "request"], counts.arena_requests)
             arena.add_metric([str(index), "reply"], counts.arena_replies)
@@ -249,6 +256,7 @@ class FrontCollector(Collector):
         yield served
         yield restarts
         yield arena
+        yield split
 
 
 def parse_address(address: str) -> tuple[str, int]:

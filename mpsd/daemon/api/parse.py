@@ -164,10 +164,10 @@ def parse_infer_request(
 
     Inputs in shared memory come back as views of the client's region and outputs in shared memory are
     bound in `shm`, which holds those regions until the response is built. The call's raw contents are
-    views cut out of a gRPC request's wire bytes (`grpc/wire.py`), or, from the HTTP adapter, an input's body
-    bytes or its JSON elements (`Values`). What the request carries beyond its tensors (priority, timeout,
-    parameters, cache eligibility) is decided by `core.requests`, as for every other source; `trace`: a
-    traced request's spans, which it carries.
+    views cut out of a gRPC request's wire bytes (`ipc/infer_wire.py`), or, from the HTTP adapter, an
+    input's body bytes or its JSON elements (`Values`). What the request carries beyond its tensors
+    (priority, timeout, parameters, cache eligibility) is decided by `core.requests`, as for every other
+    source; `trace`: a traced request's spans, which it carries.
     """
     terms = call_terms(call, config)
     _check_raw(call)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -14,15 +14,25 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from mpsd.daemon.api import describe
+from mpsd.daemon.api.call import (
+    NO_PARAMS,
+    TYPED_CONTENTS,
+    InferCall,
+    InputCall,
+    OutputCall,
+    Param,
+    Params,
+    RawEntry,
+)
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
 from mpsd.daemon.api.grpc.load import load_parameters
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.api.grpc.stream import RequestStream
 from mpsd.daemon.api.grpc.trace import came_with, sampled, trace_setting
-from mpsd.daemon.api.grpc.wire import SplitRequest, infer_call, split_request
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.tracing import Incoming
 from mpsd.errors import InvalidArgument, MpsdError
+from mpsd.ipc.infer_wire import SplitRequest, split_request
 from mpsd.net.status import grpc_status
 from mpsd.proto import grpc_service_pb2 as pb
 from mpsd.proto import grpc_service_pb2_grpc as pb_grpc
@@ -112,12 +122,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return b"".join(await self.infer_serialized_parts(data, deadline, came))
 
     async def infer_serialized_parts(
-        self, data: bytes | bytearray | memoryview, deadline: float | None, came: Incoming | None = None
+        self,
+        data: bytes | bytearray | memoryview | SplitRequest,
+        deadline: float | None,
+        came: Incoming | None = None,
     ) -> list[bytes | memoryview]:
         """ModelInfer for a front process: the response as consecutive pieces (`raw_output_parts`), which
         its link writes with one scatter-gather send, copying no tensor bytes. `data` may be a view of the
-        front's arena: the tensor bytes are then read in place. A traced call takes the full path."""
-        split = split_request(data)
+        front's arena: the tensor bytes are then read in place; or the request as its front split it. A
+        traced call takes the full path."""
+        split = data if isinstance(data, SplitRequest) else split_request(data)
         raw = split.raw if split is not None else None
         # Only a request with raw contents has a header to learn; its key leaves the id out.
         key = split.key if split is not None and raw else None
@@ -128,6 +142,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             if parts is not None:
                 return parts
         header = split.rest if split is not None else data
+        assert not isinstance(header, SplitRequest)
         if isinstance(header, memoryview):  # no raw contents to cut out: parse a copy, as protobuf wants
             header = bytes(header)
         try:
@@ -333,30 +348,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return reply
 
 
-RAW_METHODS = frozenset({"ModelInfer"})
+def params(parameters: Mapping[str, Any]) -> Params:
+    """InferParameters by key, each as its kind and value ("" and "" for one with no value set)."""
+    if not parameters:
+        return NO_PARAMS
+    found = {}
+    for key, value in parameters.items():
+        choice = value.WhichOneof("parameter_choice")
+        found[key] = Param(choice.removesuffix("_param"), getattr(value, choice)) if choice else Param("", "")
+    return found
 
 
-def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """Register the service from its descriptor, like the generated `add_..._to_server`, except that the
-    methods in RAW_METHODS get the request's bytes and return the response's bytes: ModelInfer cuts the
-    tensor bytes out of the wire form itself (`grpc/wire.py`) instead of letting protobuf copy them."""
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    handlers = {}
-    for method in service.methods:
-        behavior = getattr(servicer, method.name)
-        if method.name in RAW_METHODS:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior)
-            continue
-        codec = {
-            "request_deserializer": getattr(pb, method.input_type.name).FromString,
-            "response_serializer": getattr(pb, method.output_type.name).SerializeToString,
-        }
-        if method.client_streaming and method.server_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, **codec)
-        elif method.client_streaming:
-            handlers[method.name] = grpc.stream_unary_rpc_method_handler(behavior, **codec)
-        elif method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(behavior, **codec)
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior, **codec)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+def _contents(tensor: Any) -> dict[str, Sequence[Any]]:
+    if not tensor.HasField("contents"):
+        return {}
+    contents = tensor.contents
+    return {f: values for f in TYPED_CONTENTS if len(values := getattr(contents, f))}
+
+
+def infer_call(request: Any, raw: Sequence[RawEntry] | None = None) -> InferCall:
+    """The call a ModelInferRequest makes; `raw`, when given, stands for its raw_input_contents."""
+    return InferCall(
+        request.model_name,
+        request.model_version,
+        request.id,
+        params(request.parameters),
+        tuple(
+            InputCall(t.name, t.datatype, tuple(t.shape), params(t.parameters), _contents(t))
+            for t in request.inputs
+        ),
+        tuple(OutputCall(o.name, params(o.parameters)) for o in request.outputs),
+        tuple(request.raw_input_contents) if raw is None else raw,
+    )

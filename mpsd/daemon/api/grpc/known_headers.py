@@ -21,9 +21,10 @@ from mpsd.daemon.api.call import InferCall
 from mpsd.daemon.api.parse import MAX_ID
 from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.ipc import strings
+from mpsd.ipc.infer_wire import MAX_KEY_BYTES
 
 MAX_HEADERS = 1024  # past this many (request ids that change each time, say) the table starts again
-MAX_HEADER_BYTES = 4096
+MAX_HEADER_BYTES = MAX_KEY_BYTES
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from mpsd.daemon.api.grpc.wire import raw_output_parts, varint_bytes
 from mpsd.daemon.dataplane.request import InferResult
+from mpsd.ipc.infer_wire import raw_output_parts, varint_bytes
 from mpsd.proto import grpc_service_pb2 as pb
 
 

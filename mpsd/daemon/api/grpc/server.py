@@ -16,7 +16,6 @@ from mpsd.daemon.api.grpc.admin import AdminServicer
 from mpsd.daemon.api.grpc.gate import Gate, Services
 from mpsd.daemon.api.grpc.health import HealthService
 from mpsd.daemon.api.grpc.inference import InferenceServicer
-from mpsd.daemon.api.grpc.inference import add_to_server as add_inference_service
 from mpsd.proto import admin_pb2_grpc
 from mpsd.proto import grpc_service_pb2 as pb
 
@@ -45,3 +44,32 @@ def grpc_server(gate: Gate, options: Sequence[tuple[str, Any]]) -> grpc.aio.Serv
     server = grpc.aio.server(options=list(options))
     server.add_generic_rpc_handlers((gate.shortcut, gate))
     return server
+
+
+RAW_METHODS = frozenset({"ModelInfer"})
+
+
+def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """Register the service from its descriptor, like the generated `add_..._to_server`, except that the
+    methods in RAW_METHODS get the request's bytes and return the response's bytes: ModelInfer cuts the
+    tensor bytes out of the wire form itself (`ipc/infer_wire.py`) instead of letting protobuf copy them."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        behavior = getattr(servicer, method.name)
+        if method.name in RAW_METHODS:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior)
+            continue
+        codec = {
+            "request_deserializer": getattr(pb, method.input_type.name).FromString,
+            "response_serializer": getattr(pb, method.output_type.name).SerializeToString,
+        }
+        if method.client_streaming and method.server_streaming:
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behavior, **codec)
+        elif method.client_streaming:
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(behavior, **codec)
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(behavior, **codec)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior, **codec)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

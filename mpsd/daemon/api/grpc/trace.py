@@ -11,6 +11,7 @@ from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.trace_settings import FIELDS
 from mpsd.daemon.api.tracing import TRACEPARENT, Incoming, incoming
 from mpsd.errors import InvalidArgument
+from mpsd.ipc.infer_wire import SplitRequest
 from mpsd.proto import grpc_service_pb2 as pb
 
 
@@ -32,7 +33,7 @@ def sampled(ops: Operations, known: KnownHeaders, key: bytes, came: Incoming) ->
     return dataclasses.replace(came, sampled=True) if ops.tracing.sample(header.model, came) else None
 
 
-Data = bytes | bytearray | memoryview
+Data = bytes | bytearray | memoryview | SplitRequest  # a request's bytes, or as its front split them
 Parts = list[bytes | memoryview]
 
 

@@ -29,14 +29,22 @@ from mpsd.ipc.front_wire import (
     frame,
     frame_of,
 )
+from mpsd.ipc.infer_wire import SplitRequest, split_from_spans, unpack_spans
 from mpsd.ipc.shm import Region
 from mpsd.net.status import grpc_status
 
 log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 
 # ModelInfer on request bytes; the response comes back as pieces to be sent back to back.
-# A call's bytes, its deadline and the caller's traceparent (None: none) -> the response's pieces.
-InferBytes = Callable[[bytes | bytearray | memoryview, float | None, str | None], Awaitable[Sequence[Buffer]]]
+# A call's bytes (or the request as its front split them), its deadline and the caller's traceparent (None:
+# none) -> the response's pieces.
+Request = bytes | bytearray | memoryview | SplitRequest
+InferBytes = Callable[[Request, float | None, str | None], Awaitable[Sequence[Buffer]]]
+# Keys a front may have declared at once (it declares at most 1024 before it starts again).
+MAX_DECLARED = 4096
+_CALLS = frozenset((Kind.INFER, Kind.INFER_SHM, Kind.INFER_SPLIT, Kind.INFER_SPLIT_SHM))
+_SPLIT = frozenset((Kind.INFER_SPLIT, Kind.INFER_SPLIT_SHM))
+_IN_ARENA = frozenset((Kind.INFER_SHM, Kind.INFER_SPLIT_SHM))
 
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
@@ -53,6 +61,7 @@ class FrontCounts:
     served: int = 0  # ModelInfer calls answered
     arena_requests: int = 0  # of which the request came through the arena
     arena_replies: int = 0  # and the reply went back through it
+    split: int = 0  # of which the front had split the request
 
 
 @dataclass
@@ -68,6 +77,7 @@ class FrontLink:
     )
     calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     traceparents: dict[int, str] = field(default_factory=dict)  # of calls whose INFER comes next
+    headers: dict[int, bytes] = field(default_factory=dict)  # the keys the front declared, by id
     counts: FrontCounts = field(default_factory=FrontCounts)
     writer: FrameWriter = field(default_factory=FrameWriter)
     arena: Region | None = None  # requests' views keep it mapped after the front is gone
@@ -84,16 +94,13 @@ class FrontLink:
         self.writer.send(parts)
 
     def _on_frame(self, kind: int, call_id: int, number: float, payload: bytes | bytearray) -> None:
-        if kind in (Kind.INFER, Kind.INFER_SHM):
+        if kind in _CALLS:
             deadline = time.monotonic() + number if number >= 0 else None
-            chunk: Chunk | None = None
-            request: bytes | bytearray | memoryview = payload
-            if kind == Kind.INFER_SHM:
-                try:
-                    request, chunk = referenced_request(self.arena, payload)
-                except Internal as exc:
-                    self.send(frame(Kind.REPLY, call_id, _INTERNAL, exc.message.encode()))
-                    return
+            try:
+                request, chunk = self._request(kind, payload)
+            except Internal as exc:
+                self.send(frame(Kind.REPLY, call_id, _INTERNAL, exc.message.encode()))
+                return
             traceparent = self.traceparents.pop(call_id, None) if self.traceparents else None
             self.calls[call_id] = asyncio.get_running_loop().create_task(
                 self._serve(call_id, request, deadline, chunk, traceparent)
@@ -101,6 +108,11 @@ class FrontLink:
             if len(self.calls) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
+        elif kind == Kind.HEADER:
+            if len(self.headers) < MAX_DECLARED or call_id in self.headers:
+                self.headers[call_id] = bytes(payload)
+        elif kind == Kind.FORGET_HEADERS:
+            self.headers.clear()
         elif kind == Kind.CANCEL:
             # Cancelling the task cancels the request's future at once: a batch formed before then copies
             # nothing from it (`marshal.assemble`), so the answer below may free its arena chunk.
@@ -119,10 +131,35 @@ class FrontLink:
         else:
             log.warning("unexpected frame from a front", front=self.index, kind=kind)
 
+    def _request(self, kind: int, payload: bytes | bytearray) -> tuple[Request, Chunk | None]:
+        """A call's request, as its bytes or as its front split them, and its arena chunk (None when it
+        came in the frame). Internal when a reference or a span is malformed or names what is not there:
+        the daemon reads nothing outside the frame or the arena, whatever a front sends."""
+        data: bytes | bytearray | memoryview = payload
+        found = None
+        if kind in _SPLIT:
+            found = unpack_spans(payload)
+            if found is None:
+                raise Internal("malformed request spans")
+            data = memoryview(payload)[found[2] :]
+        chunk = None
+        if kind in _IN_ARENA:
+            data, chunk = referenced_request(self.arena, data)
+        if found is None:
+            return data, chunk
+        header_id, spans, _ = found
+        key = self.headers.get(header_id)
+        if key is None:
+            raise Internal(f"request header {header_id} not declared")
+        split = split_from_spans(data, key, spans)
+        if split is None:
+            raise Internal("request spans reach outside the request")
+        return split, chunk
+
     async def _serve(
         self,
         call_id: int,
-        payload: bytes | bytearray | memoryview,
+        payload: Request,
         deadline: float | None,
         chunk: Chunk | None,
         traceparent: str | None = None,
@@ -147,6 +184,7 @@ class FrontLink:
         if not cancelled:
             self.counts.served += 1
             self.counts.arena_requests += chunk is not None
+            self.counts.split += isinstance(payload, SplitRequest)
         self.send(reply)
 
     def _reply(self, call_id: int, parts: Sequence[Buffer], chunk: Chunk | None) -> tuple[Buffer, ...]:

@@ -1,0 +1,248 @@
+"""ModelInfer's messages in their wire form, shared by the two processes that read them: a request taken
+apart, and a response written, without protobuf copying the tensor bytes either way.
+
+protobuf copies every `raw_input_contents` entry into a new `bytes` when it parses, and again when it is
+read. The entries are instead cut out of the received buffer as memoryviews (`split_request`), and only
+the rest of the message, a few hundred bytes of names and shapes, is parsed, by the daemon's gRPC adapter:
+the tensor bytes are then copied once, into the worker's shared memory, or not at all when they are in a
+front's arena. A front takes its requests apart itself (`split_spans`) and hands the daemon where the
+pieces are (`Spans`), which the daemon turns back into the same split without walking the message again
+(`split_from_spans`). On the way back, protobuf would copy each output into the message and again when
+serializing it; the response is instead its header followed by the entries as separate pieces (joined
+once, or sent as they are by a scatter-gather write). Nothing here imports the generated protobuf classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+RAW_INPUT_CONTENTS = 7  # field number of ModelInferRequest.raw_input_contents
+RAW_OUTPUT_CONTENTS = 6  # field number of ModelInferResponse.raw_output_contents
+_ID = 3  # field number of ModelInferRequest.id
+_LENGTH_DELIMITED = 2
+_OUTPUT_TAG = bytes([RAW_OUTPUT_CONTENTS << 3 | _LENGTH_DELIMITED])
+_ID_TAG = bytes([_ID << 3 | _LENGTH_DELIMITED])
+MAX_RAW_ENTRIES = 0xFFFF  # a request with more goes whole (a model has far fewer inputs)
+MAX_KEY_BYTES = 4096  # a longer key is never kept (by the daemon's known headers, nor by a front)
+
+
+def _varint(data: bytes | bytearray | memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]  # IndexError on a truncated message
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+@dataclass(frozen=True)
+class SplitRequest:
+    """A ModelInferRequest's wire bytes taken apart: `key`, the message without its raw_input_contents and
+    its id (what requests of one kind share); the raw entries; the id's bytes, if it has one; and `rest`,
+    the message without its raw_input_contents (to parse)."""
+
+    key: bytes
+    raw: list[memoryview]
+    request_id: bytes | None
+    pieces: tuple[bytes | bytearray | memoryview, ...]  # `rest`, not yet joined
+
+    @property
+    def rest(self) -> bytes | bytearray | memoryview:
+        """Joined on demand: a request whose key is known is never parsed, so it never needs it."""
+        pieces = self.pieces
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+# One cut field: whether it is a raw entry (else the id), where its tag starts, where its bytes start and end.
+Cut = tuple[bool, int, int, int]
+
+
+def _cuts(data: bytes | bytearray | memoryview) -> list[Cut] | None:
+    """The raw entries and ids of a well-formed message, in order; None when it is not well formed."""
+    size = len(data)
+    cuts: list[Cut] = []
+    pos = 0
+    try:
+        while pos < size:
+            field_start = pos
+            # One-byte varints (every tag of this message, most lengths) are read inline: the walk runs
+            # for every request, and a call per varint was a fifth of its cost.
+            tag = data[pos]
+            if tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _varint(data, pos)
+            wire_type = tag & 7
+            if wire_type == _LENGTH_DELIMITED:
+                length = data[pos]
+                if length < 0x80:
+                    pos += 1
+                else:
+                    length, pos = _varint(data, pos)
+                end = pos + length
+                if end > size:
+                    return None
+                field = tag >> 3
+                if field in (RAW_INPUT_CONTENTS, _ID):
+                    cuts.append((field == RAW_INPUT_CONTENTS, field_start, pos, end))
+                pos = end
+            elif wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type == 1:
+                pos += 8
+            elif wire_type == 5:
+                pos += 4
+            else:
+                return None
+    except (IndexError, ValueError):
+        return None
+    return cuts if pos == size else None
+
+
+def _key(view: memoryview, cuts: list[Cut]) -> bytes:
+    """The message without its raw entries and ids."""
+    kept: list[memoryview] = []
+    at = 0
+    for _, field_start, _, end in cuts:
+        kept.append(view[at:field_start])
+        at = end
+    kept.append(view[at:])
+    return b"".join(kept)
+
+
+def split_request(data: bytes | bytearray | memoryview) -> SplitRequest | None:
+    """`SplitRequest` of the bytes, or None when they are not a well-formed message (the caller then lets
+    protobuf report the error)."""
+    cuts = _cuts(data)
+    if cuts is None:
+        return None
+    view = memoryview(data)
+    raw: list[memoryview] = []
+    rest: list[memoryview] = []  # the pieces between raw entries
+    request_id: memoryview | None = None
+    at = 0
+    for is_raw, field_start, start, end in cuts:
+        if is_raw:
+            rest.append(view[at:field_start])
+            raw.append(view[start:end])
+            at = end
+        else:
+            request_id = view[start:end]  # the last one counts, as protobuf reads it
+    pieces: tuple[bytes | bytearray | memoryview, ...] = (data,)
+    if raw:
+        rest.append(view[at:])
+        pieces = tuple(rest)
+    key = _key(view, cuts) if cuts else bytes(data)
+    return SplitRequest(key, raw, None if request_id is None else bytes(request_id), pieces)
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Where a request's id and raw entries are in its bytes: what a front sends the daemon with them, so
+    that the daemon need not walk the message. `id_start` is -1 when it has no id."""
+
+    id_start: int
+    id_end: int
+    raw: tuple[int, ...]  # start and end of each raw entry, in order
+
+    def pack(self, header_id: int) -> bytes:
+        """The spans behind the id of the request's key (see the front link's frames)."""
+        n = len(self.raw) // 2
+        return _spans_struct(n).pack(header_id, n, self.id_start, self.id_end, *self.raw)
+
+
+@functools.lru_cache(maxsize=64)
+def _spans_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"!IHqq{2 * n}Q")
+
+
+_SPANS_HEAD = _spans_struct(0)
+
+
+def split_spans(data: bytes | bytearray | memoryview) -> tuple[bytes, Spans] | None:
+    """A front's split: the request's key and where its pieces are; None when it is not well formed, has
+    no raw entries (nothing to learn: see the daemon's known headers), too many, or a key too long to keep."""
+    cuts = _cuts(data)
+    if not cuts:
+        return None
+    raw: list[int] = []
+    id_start = id_end = -1
+    for is_raw, _, start, end in cuts:
+        if is_raw:
+            raw += (start, end)
+        else:
+            id_start, id_end = start, end
+    if not raw or len(raw) // 2 > MAX_RAW_ENTRIES:
+        return None
+    key = _key(memoryview(data), cuts)
+    return (key, Spans(id_start, id_end, tuple(raw))) if len(key) <= MAX_KEY_BYTES else None
+
+
+def unpack_spans(payload: bytes | bytearray | memoryview) -> tuple[int, Spans, int] | None:
+    """The header id, the spans and where what follows them starts in a payload that begins with `pack`'s
+    bytes; None when it is too short for them."""
+    if len(payload) < _SPANS_HEAD.size:
+        return None
+    header_id, n, id_start, id_end = _SPANS_HEAD.unpack_from(payload)
+    layout = _spans_struct(n)
+    if len(payload) < layout.size:
+        return None
+    raw = layout.unpack_from(payload)[4:]
+    return header_id, Spans(id_start, id_end, raw), layout.size
+
+
+def split_from_spans(data: bytes | bytearray | memoryview, key: bytes, spans: Spans) -> SplitRequest | None:
+    """The `split_request` of `data` rebuilt from a front's spans and the key it declared, without walking
+    the message; None when a span reaches outside the bytes."""
+    view = memoryview(data)
+    size = len(view)
+    raw_spans = spans.raw
+    raw: list[memoryview] = []
+    for i in range(0, len(raw_spans), 2):
+        start, end = raw_spans[i], raw_spans[i + 1]
+        if not 0 <= start <= end <= size:
+            return None
+        raw.append(view[start:end])
+    if spans.id_start < 0:
+        return SplitRequest(key, raw, None, (key,))
+    if not 0 <= spans.id_start <= spans.id_end <= size:
+        return None
+    request_id = bytes(view[spans.id_start : spans.id_end])
+    return SplitRequest(key, raw, request_id, (key, _ID_TAG, varint_bytes(len(request_id)), request_id))
+
+
+_SMALL_VARINTS = tuple(bytes([n]) for n in range(0x80))
+
+
+def varint_bytes(n: int) -> bytes:
+    """`n` as a protobuf varint."""
+    return _SMALL_VARINTS[n] if n < 0x80 else _large_varint(n)
+
+
+@functools.lru_cache(maxsize=1024)  # a model's outputs come in a few sizes
+def _large_varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def raw_output_parts(header: bytes, contents: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A serialized ModelInferResponse as consecutive pieces: `header` (the message without
+    raw_output_contents, serialized) followed by one raw_output_contents entry per item, in order. Fields may
+    come in any order on the wire, so the pieces parse exactly like the message with the entries set. The
+    entries are not copied: a scatter-gather send can write them as they are."""
+    parts: list[bytes | memoryview] = [header]
+    for data in contents:
+        size = data.nbytes if type(data) is memoryview else len(data)  # bytes, not a view's items
+        parts += (_OUTPUT_TAG, varint_bytes(size), data) if size else (_OUTPUT_TAG, varint_bytes(0))
+    return parts
