@@ -14,7 +14,9 @@ Promises checked here:
   CUDA graphs, and a CPU package is refused there.
 
 AOTInductor and Inductor compile C++ with the system compiler: artifacts are cached per test session
-(TORCHINDUCTOR_CACHE_DIR in a session directory), and one daemon serves every model of the module.
+(TORCHINDUCTOR_CACHE_DIR in a session directory), and one daemon serves every model of the module; it
+compiles the torch.compile models while init-model compiles the package, which it then loads from its
+watched repository.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from tests import models
-from tests.conftest import ROOT, RunningDaemon
+from tests.conftest import ROOT, RunningDaemon, wait_for
 
 FEATURES = 8
 MAX_BATCH = 4
@@ -103,21 +105,27 @@ class Served:
     init_output: str
 
 
+MODELS = ("tiny_aoti", "tiny_compiled", "python_compiled", "cuda_package")
+
+
+def all_settled(daemon: RunningDaemon) -> bool:
+    """Every model of the module taken on, none LOADING, and each that is not READY saying why."""
+    index = daemon.client.get_model_repository_index(as_json=True).get("models", [])
+    rows = {m["name"]: m for m in index}
+    return set(MODELS) <= set(rows) and all(
+        m.get("state") == "READY" or (m.get("state") != "LOADING" and m.get("reason")) for m in rows.values()
+    )
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, inductor_cache: dict[str, str]) -> Iterator[Served]:
+    """The daemon starts on the two torch.compile models while `mpsd init-model --aoti` compiles the package
+    beside it (the two compilations are the module's time); the daemon watches its repository, and
+    init-model renames its model in whole once checked, as does the fixture the cuda package's copy."""
     base = tmp_path_factory.mktemp("compiled")
     repo = base / "repo"
     program = base / "tiny.pt2"
     export_tiny(program)
-    init = subprocess.run(
-        [*INIT, "tiny_aoti", "--from", str(program), "--aoti", "--repository", str(repo)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **inductor_cache},
-        timeout=600,
-    )
-    assert init.returncode == 0, init.stderr
     models.write_config(
         repo / "tiny_compiled", tiny_config("torch_export", optimization={"compile": {"mode": "default"}})
     )
@@ -130,16 +138,32 @@ def served(tmp_path_factory: pytest.TempPathFactory, inductor_cache: dict[str, s
         tiny_config("python", optimization={"compile": {"mode": "default"}})
         | {"output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [FEATURES]}, FLAG]},
     )
-    models.write_config(repo / "cuda_package", tiny_config("aoti", instance_group=[{"kind": "KIND_CPU"}]))
-    (repo / "cuda_package" / "1").mkdir()
-    with_device_key(
-        repo / "tiny_aoti" / "1" / "model.aoti.pt2", repo / "cuda_package" / "1" / "model.aoti.pt2", "cuda"
+    init = subprocess.Popen(
+        [*INIT, "tiny_aoti", "--from", str(program), "--aoti", "--repository", str(repo)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **inductor_cache},
     )
     daemon = RunningDaemon(repo, base / "daemon.log", env=inductor_cache)
     try:
-        daemon.wait_models_settled(timeout=600)
-        yield Served(daemon, repo, init.stdout + init.stderr)
+        stdout, stderr = init.communicate(timeout=600)
+        assert init.returncode == 0, stderr
+        cuda_package = base / "cuda_package"  # written aside, renamed in whole
+        models.write_config(cuda_package, tiny_config("aoti", instance_group=[{"kind": "KIND_CPU"}]))
+        (cuda_package / "1").mkdir()
+        with_device_key(
+            repo / "tiny_aoti" / "1" / "model.aoti.pt2", cuda_package / "1" / "model.aoti.pt2", "cuda"
+        )
+        os.rename(cuda_package, repo / "cuda_package")
+        daemon.wait_live(600)
+        wait_for(lambda: all_settled(daemon), 600, f"every model settled\n{daemon.log()}")
+        yield Served(daemon, repo, stdout + stderr)
     finally:
+        if init.poll() is None:
+            init.kill()
+            init.wait()
         daemon.stop()
         daemon.kill_group()
 
