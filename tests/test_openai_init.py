@@ -64,13 +64,16 @@ def sentence_transformers_folder(bert: Path, folder: Path) -> None:
     (folder / "2_Normalize").mkdir()
 
 
+INIT_MODEL = (sys.executable, "-m", "mpsd", "init-model")
+
+
 def init_model(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mpsd", "init-model", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
+    return subprocess.run([*INIT_MODEL, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def init_model_started(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*INIT_MODEL, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
     )
 
 
@@ -82,14 +85,26 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Written]:
     text_models.for_auto_classes(bert)
     text_models.causal_lm(gpt)
     sentence_transformers_folder(bert, sbert)
-    for name, task, folder in (
-        ("minilm", "embeddings", bert),
-        ("assistant", "chat", gpt),
-        ("sbert", "embeddings", sbert),
-    ):
-        done = init_model(name, "--openai", task, "--from", str(folder), "--repository", str(repo))
-        assert done.returncode == 0, done.stderr
-        assert f"openai: {{task: {task}" in done.stdout or f"task: {task}" in done.stdout
+    # The three commands run at once, each staging its model apart and renaming it into the repository:
+    # most of each one's time is its own interpreter importing torch and transformers.
+    commands = [
+        (task, init_model_started(name, "--openai", task, "--from", str(folder), "--repository", str(repo)))
+        for name, task, folder in (
+            ("minilm", "embeddings", bert),
+            ("assistant", "chat", gpt),
+            ("sbert", "embeddings", sbert),
+        )
+    ]
+    try:
+        for task, command in commands:
+            stdout, stderr = command.communicate(timeout=300)
+            assert command.returncode == 0, stderr
+            assert f"openai: {{task: {task}" in stdout or f"task: {task}" in stdout
+    finally:
+        for _, command in commands:
+            if command.poll() is None:
+                command.kill()
+                command.wait()
     daemon = RunningDaemon(repo, tmp / "daemon.log")
     try:
         daemon.wait_ready(timeout=300)
