@@ -60,15 +60,18 @@ class SplitRequest:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-# One cut field: whether it is a raw entry (else the id), where its tag starts, where its bytes start and end.
-Cut = tuple[bool, int, int, int]
-
-
-def _cuts(data: bytes | bytearray | memoryview) -> list[Cut] | None:
-    """The raw entries and ids of a well-formed message, in order; None when it is not well formed."""
+def _split(data: bytes | bytearray | memoryview) -> tuple[SplitRequest, list[int], int, int] | None:
+    """`split_request`'s split, with where its raw entries are (start and end of each, in order) and its
+    id's start and end (-1 and -1: none); None when the bytes are not a well-formed message. One pass,
+    views made as it goes: this runs for every request on the daemon's thread where no front splits it."""
+    view = memoryview(data)
     size = len(data)
-    cuts: list[Cut] = []
-    pos = 0
+    rest: list[memoryview] = []  # the pieces between raw entries
+    keyed: list[memoryview] = []  # the pieces between raw entries and ids
+    raw: list[memoryview] = []
+    spans: list[int] = []
+    id_start = id_end = -1
+    pos = start = key_start = 0
     try:
         while pos < size:
             field_start = pos
@@ -90,8 +93,16 @@ def _cuts(data: bytes | bytearray | memoryview) -> list[Cut] | None:
                 if end > size:
                     return None
                 field = tag >> 3
-                if field in (RAW_INPUT_CONTENTS, _ID):
-                    cuts.append((field == RAW_INPUT_CONTENTS, field_start, pos, end))
+                if field == RAW_INPUT_CONTENTS:
+                    rest.append(view[start:field_start])
+                    keyed.append(view[key_start:field_start])
+                    raw.append(view[pos:end])
+                    spans += (pos, end)
+                    start = key_start = end
+                elif field == _ID:
+                    keyed.append(view[key_start:field_start])
+                    id_start, id_end = pos, end  # the last one counts, as protobuf reads it
+                    key_start = end
                 pos = end
             elif wire_type == 0:
                 _, pos = _varint(data, pos)
@@ -103,44 +114,22 @@ def _cuts(data: bytes | bytearray | memoryview) -> list[Cut] | None:
                 return None
     except (IndexError, ValueError):
         return None
-    return cuts if pos == size else None
-
-
-def _key(view: memoryview, cuts: list[Cut]) -> bytes:
-    """The message without its raw entries and ids."""
-    kept: list[memoryview] = []
-    at = 0
-    for _, field_start, _, end in cuts:
-        kept.append(view[at:field_start])
-        at = end
-    kept.append(view[at:])
-    return b"".join(kept)
+    if pos != size:
+        return None
+    pieces: tuple[bytes | bytearray | memoryview, ...] = (data,)
+    if raw:
+        rest.append(view[start:size])
+        pieces = tuple(rest)
+    keyed.append(view[key_start:size])
+    request_id = None if id_start < 0 else bytes(view[id_start:id_end])
+    return SplitRequest(b"".join(keyed), raw, request_id, pieces), spans, id_start, id_end
 
 
 def split_request(data: bytes | bytearray | memoryview) -> SplitRequest | None:
     """`SplitRequest` of the bytes, or None when they are not a well-formed message (the caller then lets
     protobuf report the error)."""
-    cuts = _cuts(data)
-    if cuts is None:
-        return None
-    view = memoryview(data)
-    raw: list[memoryview] = []
-    rest: list[memoryview] = []  # the pieces between raw entries
-    request_id: memoryview | None = None
-    at = 0
-    for is_raw, field_start, start, end in cuts:
-        if is_raw:
-            rest.append(view[at:field_start])
-            raw.append(view[start:end])
-            at = end
-        else:
-            request_id = view[start:end]  # the last one counts, as protobuf reads it
-    pieces: tuple[bytes | bytearray | memoryview, ...] = (data,)
-    if raw:
-        rest.append(view[at:])
-        pieces = tuple(rest)
-    key = _key(view, cuts) if cuts else bytes(data)
-    return SplitRequest(key, raw, None if request_id is None else bytes(request_id), pieces)
+    found = _split(data)
+    return None if found is None else found[0]
 
 
 @dataclass(frozen=True)
@@ -169,20 +158,13 @@ _SPANS_HEAD = _spans_struct(0)
 def split_spans(data: bytes | bytearray | memoryview) -> tuple[bytes, Spans] | None:
     """A front's split: the request's key and where its pieces are; None when it is not well formed, has
     no raw entries (nothing to learn: see the daemon's known headers), too many, or a key too long to keep."""
-    cuts = _cuts(data)
-    if not cuts:
+    found = _split(data)
+    if found is None:
         return None
-    raw: list[int] = []
-    id_start = id_end = -1
-    for is_raw, _, start, end in cuts:
-        if is_raw:
-            raw += (start, end)
-        else:
-            id_start, id_end = start, end
-    if not raw or len(raw) // 2 > MAX_RAW_ENTRIES:
+    split, raw, id_start, id_end = found
+    if not raw or len(raw) // 2 > MAX_RAW_ENTRIES or len(split.key) > MAX_KEY_BYTES:
         return None
-    key = _key(memoryview(data), cuts)
-    return (key, Spans(id_start, id_end, tuple(raw))) if len(key) <= MAX_KEY_BYTES else None
+    return split.key, Spans(id_start, id_end, tuple(raw))
 
 
 def unpack_spans(payload: bytes | bytearray | memoryview) -> tuple[int, Spans, int] | None:
