@@ -1,7 +1,7 @@
 """The response cache's bounds in one process (core/response_cache.py): it holds at most
 `response_cache_bytes` (outputs and keys counted), a hit makes an entry the most recently used, and the
-least recently used entries go first when a new one needs room; an entry put again counts once, and a
-version seen with a new fingerprint loses its entries (and only its own)."""
+least recently used entries go first when a new one needs room; an entry put again counts once (and is
+used again), and a version seen with a new fingerprint loses its entries (and only its own)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def test_an_entry_put_again_is_counted_once() -> None:
     for _ in range(3):
         cache.put("m/1", _key(1), _outputs(1))
     assert len(cache) == 1 and cache.used == 100
+
+
+def test_an_entry_put_again_becomes_the_most_recently_used() -> None:
+    """Two identical requests that both missed each put their answer: the second put is a use too."""
+    cache = ResponseCache(capacity_bytes=300)
+    for i in (1, 2, 3):
+        cache.put("m/1", _key(i), _outputs(i))
+    cache.put("m/1", _key(1), _outputs(1))  # 1 was the oldest; now 2 is
+    cache.put("m/1", _key(4), _outputs(4))
+    assert _cached(cache, 1, 2, 3, 4) == [1, 3, 4]
 
 
 def test_a_new_fingerprint_drops_that_versions_entries_and_only_those() -> None:

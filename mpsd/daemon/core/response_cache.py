@@ -49,8 +49,11 @@ class ResponseCache:
         return entry[1]
 
     def put(self, label: str, key: bytes, outputs: Outputs) -> None:
+        if key in self._entries:  # two identical requests both missed: the second answer is a use too
+            self._entries.move_to_end(key)
+            return
         size = sum(len(o.data) for o in outputs) + len(key)
-        if size > self.capacity or key in self._entries:
+        if size > self.capacity:
             return
         self._entries[key] = (label, outputs, size)
         self.used += size
