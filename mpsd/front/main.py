@@ -1,7 +1,8 @@
 """The front process: serve gRPC on the shared port (or one of its own), hand ModelInfer to the daemon,
 forward the rest.
 
-It holds no state of its own. ModelInfer travels to the daemon as the request's bytes over the socketpair
+It holds no state of its own beyond the request keys it has declared to the daemon (`headers.py`).
+ModelInfer travels to the daemon as the request's bytes, with where its pieces are, over the socketpair
 the daemon gave it; every other RPC is relayed as raw messages, in its own call shape, to the daemon's gRPC
 server on its private Unix socket. Access control runs here too, before a call goes anywhere.
 """
