@@ -60,6 +60,17 @@ class SplitRequest:
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
+def _skip(data: bytes | bytearray | memoryview, pos: int, wire_type: int) -> int:
+    """Where a field that is not length-delimited ends; ValueError for a wire type protobuf no longer has."""
+    if wire_type == 0:
+        return _varint(data, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 5:
+        return pos + 4
+    raise ValueError(f"wire type {wire_type}")
+
+
 def _split(data: bytes | bytearray | memoryview) -> tuple[SplitRequest, list[int], int, int] | None:
     """`split_request`'s split, with where its raw entries are (start and end of each, in order) and its
     id's start and end (-1 and -1: none); None when the bytes are not a well-formed message. One pass,
@@ -104,14 +115,8 @@ def _split(data: bytes | bytearray | memoryview) -> tuple[SplitRequest, list[int
                     id_start, id_end = pos, end  # the last one counts, as protobuf reads it
                     key_start = end
                 pos = end
-            elif wire_type == 0:
-                _, pos = _varint(data, pos)
-            elif wire_type == 1:
-                pos += 8
-            elif wire_type == 5:
-                pos += 4
-            else:
-                return None
+            else:  # no field of ModelInferRequest itself: all are length-delimited
+                pos = _skip(data, pos, wire_type)
     except (IndexError, ValueError):
         return None
     if pos != size:
