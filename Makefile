@@ -78,12 +78,15 @@ TEST_WORKERS = $(shell $(PY) -c 'import os; print(min(4, (os.cpu_count() or 1) +
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
+# Beyond ruff, mypy, the import contracts and vulture: the size limits (400 lines a module of the daemon, the
+# worker and config; 60 lines a function) and import cycles, which tests/test_architecture.py checks.
 lint: install
 	$(BIN)/ruff check mpsd tests bench
 	$(BIN)/ruff format --check mpsd tests bench
 	$(BIN)/mypy mpsd
 	$(BIN)/lint-imports
 	$(BIN)/vulture
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_architecture.py -k "small or short or cycles"
 
 # Overhead benchmarks (bench/README.md); figures land in bench/results/. BENCH_ARGS=--quick: a smoke run.
 bench: install
