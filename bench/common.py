@@ -184,6 +184,30 @@ def batch_stats(server: Server, model: str) -> dict[int, dict[str, int]]:
     }
 
 
+def request_stats(server: Server, model: str) -> dict[str, int]:
+    """The model's request statistics so far (ModelStatistics.inference_stats): requests answered and the
+    time they spent in the daemon, in its queue, and in each phase of their executions (ns, summed)."""
+    reply = server.stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10)
+    out = {"count": 0, "success_ns": 0, "queue_ns": 0, "input_ns": 0, "infer_ns": 0, "output_ns": 0}
+    for s in reply.model_stats:
+        stats = s.inference_stats
+        out["count"] += int(stats.success.count)
+        out["success_ns"] += int(stats.success.ns)
+        out["queue_ns"] += int(stats.queue.ns)
+        out["input_ns"] += int(stats.compute_input.ns)
+        out["infer_ns"] += int(stats.compute_infer.ns)
+        out["output_ns"] += int(stats.compute_output.ns)
+    return out
+
+
+def per_request_ms(after: dict[str, int], before: dict[str, int]) -> dict[str, float]:
+    """Milliseconds per request answered between two `request_stats` readings, by part."""
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {}
+    return {k.removesuffix("_ns"): (after[k] - before[k]) / count / 1e6 for k in after if k != "count"}
+
+
 def stats_delta(
     after: dict[int, dict[str, int]], before: dict[int, dict[str, int]]
 ) -> dict[int, dict[str, int]]:

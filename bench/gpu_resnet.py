@@ -236,6 +236,7 @@ def main() -> None:
             rounds = []
             for r in range(args.rounds):
                 before = common.batch_stats(server, "resnet50")
+                requests_before = common.request_stats(server, "resnet50")
                 row: dict[str, Any] = {}
                 # The second mpsd goes before the first in every other round: neither always goes second.
                 order = [beside, server] if beside is not None and r % 2 else [server, beside]
@@ -248,6 +249,11 @@ def main() -> None:
                         row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
                 row["floor"] = load(floor, floor_request, args.duration, args.warmup)
                 row["mpsd"]["batches"] = common.stats_delta(common.batch_stats(server, "resnet50"), before)
+                # Where a request's time went inside the daemon (the beside tree's requests are not counted:
+                # it is another daemon). The rest of what its client saw was gRPC, the fronts and the client.
+                row["mpsd"]["in_daemon_ms"] = common.per_request_ms(
+                    common.request_stats(server, "resnet50"), requests_before
+                )
                 executions = {size: s["count"] for size, s in row["mpsd"]["batches"].items()}
                 variants = [("inprocess_host_to_host", True, False), ("inprocess_on_device", False, False)]
                 if args.cuda_graphs:  # the same technique in-process: mpsd's edge from it is only the graphs
@@ -340,6 +346,11 @@ def round_line(row: dict[str, Any]) -> str:
         + f"; floor {row['floor']['throughput_rps']:.0f}/s"
         + (f"; beside {row['beside']['throughput_rps']:.0f}/s" if "beside" in row else "")
         + (f"; fronts' shares {m['front_shares']}" if m.get("front_shares") else "")
+        + (
+            f"; in the daemon {d['success']:.1f} ms a request, {d['queue']:.1f} of it queued"
+            if (d := m.get("in_daemon_ms"))
+            else ""
+        )
     )
 
 
