@@ -207,7 +207,9 @@ def serving(repo: Path, log_path: Path, **kwargs: object) -> Iterator[RunningDae
         daemon.kill_group()
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout: float, what, interval: float = 0.1):  # type: ignore[no-untyped-def]
+    """`predicate()` once it is true; `what` (or what it returns, when callable: a daemon's log read at the
+    timeout rather than at the start) names the wait when it times out."""
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:
@@ -218,7 +220,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):  # ty
         except Exception as exc:
             last = exc
         time.sleep(interval)
-    raise TimeoutError(f"timed out waiting for {what} (last error: {last})")
+    raise TimeoutError(f"timed out waiting for {what() if callable(what) else what} (last error: {last})")
 
 
 # A Unix socket's path must fit sockaddr_un.sun_path: 104 bytes on macOS, the NUL included. pytest's tmp_path

@@ -36,6 +36,7 @@ class FakeChannel:
 
     def __init__(self, executions: list[list[str]], label: str) -> None:
         self.refusing = False
+        self.overlaps = False
         self.label = label
         self.pid: int | None = None
         self.executions = executions

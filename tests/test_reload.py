@@ -144,7 +144,7 @@ def test_twenty_weight_updates_under_load_drop_nothing(
             wait_for(
                 lambda v=version: served_value(daemon.client) == float(v),  # type: ignore[misc]
                 120,
-                f"version {version} serving\n{daemon.log()[-3000:]}",
+                lambda v=version: f"version {v} serving\n{daemon.log()[-3000:]}",  # type: ignore[misc]
             )
         # The last replaced version retires under load too.
         wait_for(lambda: "const/20#0" in stopped_workers(daemon), 60, "version 20's worker stopped")

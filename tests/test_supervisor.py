@@ -39,6 +39,8 @@ class FakeWorker:
     def refusing(self) -> bool:
         return self.died.is_set()
 
+    overlaps = False
+
     async def start(self, timeout_s: float) -> object:
         if self.fails:
             raise LoadError("model file is broken")

@@ -254,6 +254,7 @@ class Ready:
     cuda_graphs_ms: float = 0.0
     compile_ms: float | None = None  # torch.compile (optimization.compile): the compiling warm-up's time
     calls_models: bool = True  # the model may call other models (a python model that takes `models`)
+    overlaps: bool = False  # an execution may be launched behind the one running on the device (CUDA)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
     from mpsd.worker.compiled import compile_warmup
     from mpsd.worker.device import DeviceUnavailable, select_device
     from mpsd.worker.host import limit_host_threads
+    from mpsd.worker.inference import Runner
     from mpsd.worker.warmup import run_warmup
 
     spec = init.model
@@ -63,6 +64,7 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
         backend, recorded = _record_cuda_graphs(spec, backend, device)
         t3 = time.perf_counter()
         arenas = _map_arenas(init.arenas, device)
+        runner = Runner(spec, backend, device)
     except DeviceUnavailable as exc:
         _fail_load(sock, str(exc))
     except Exception as exc:
@@ -78,11 +80,10 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
             (t3 - t2) * 1e3,
             compile_ms,
             calls,
+            runner.overlaps,
         ),
     )
-    from mpsd.worker.inference import Runner
-
-    return Runner(spec, backend, device), arenas
+    return runner, arenas
 
 
 def _load_backend(spec: p.ModelSpec, device: torch.device, inbox: Inbox) -> tuple[Backend, bool]:

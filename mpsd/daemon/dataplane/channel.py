@@ -121,6 +121,7 @@ class Channel(Executions):
         self.liveness = liveness
         self.request_timeout_s = request_timeout_s
         self.refusing = False  # the worker is stopping or gone: no execution is sent any more
+        self.overlaps = False  # its worker launches an execution behind the running one (its Ready says)
         self._hung = hung
         self._transport: asyncio.Transport | None = None
         self._reply: asyncio.Future[object] | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
 
@@ -19,10 +20,23 @@ from mpsd.net.tasks import TaskGroup
 
 
 class Refusing(Protocol):
-    """A worker's channel as the lane sees it: set `refusing` once the worker stops or is gone."""
+    """A worker's channel as the lane sees it: set `refusing` once the worker stops or is gone; `overlaps`
+    when its worker launches an execution behind the one running on the device (CUDA)."""
 
     @property
     def refusing(self) -> bool: ...
+
+    @property
+    def overlaps(self) -> bool: ...
+
+
+# Where a worker overlaps executions, the next batch goes once the running execution has been at the head
+# for this share of the typical time an execution holds it: early enough for the next one's inputs to be
+# sent and copied to the device before the running one ends, late enough for the requests on their way
+# back from the last execution to join it.
+NEXT_AT = 0.2
+# The weight of the latest execution in that typical time.
+TYPICAL_WEIGHT = 0.2
 
 
 B = TypeVar("B")
@@ -76,6 +90,10 @@ class Lane(Generic[B, C]):
         self._dispatched = 0  # of them, those not ended (counted here: `_busy` runs for every request)
         self._direct = 0  # executions run by their caller's task (`run_direct`)
         self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
+        self._head_since: float | None = None  # when the oldest execution in flight became the oldest
+        self._typical_s: float | None = None  # how long an execution is the oldest in flight, smoothed
+        self._next_wake: asyncio.TimerHandle | None = None
+        self._clock = time.monotonic
 
     @property
     def serving(self) -> bool:
@@ -109,16 +127,17 @@ class Lane(Generic[B, C]):
                 self._freed.clear()
                 await self._freed.wait()
                 continue
-            # The second execution in flight waits in the worker anyway: it goes only when full, or
-            # once the first has ended (`_ended` wakes the queue).
-            batch = await queue.next_batch(self._nothing_running if self._depth() > 1 else None)
+            # The second execution in flight waits in the worker anyway: short of full it goes once the
+            # first has ended (`_ended` wakes the queue) or, where the worker overlaps executions, once the
+            # first nears its typical end (`_next_may_go`).
+            batch = await queue.next_batch(self._next_may_go(channel) if self._depth() > 1 else None)
             if channel.refusing or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
             if self._busy() >= self._depth():  # direct executions took the room while it waited
                 queue.requeue(batch)
                 continue
-            self._idle.clear()
+            self._started()
             self._dispatched += 1
             self._running.spawn(self._execute(batch, channel)).add_done_callback(self._finished)
 
@@ -137,8 +156,8 @@ class Lane(Generic[B, C]):
         requests that arrive while the queue gathers join it (`Batches.gather`). `execute` answers its
         requests; a cancelled caller leaves the execution to its channel, which skips it in the worker if it
         has not started."""
+        self._started()
         self._direct += 1
-        self._idle.clear()
         try:
             if gather:
                 batch = await self._batches.gather(batch)
@@ -169,10 +188,40 @@ class Lane(Generic[B, C]):
         self._dispatched -= 1
         self._ended()
 
-    def _nothing_running(self) -> bool:
-        return not self._busy()
+    def _next_may_go(self, channel: C) -> Callable[[], bool]:
+        """Whether a batch short of full may go now as the next execution: once nothing runs, or, where the
+        worker overlaps executions, once the running one nears its typical end (a timer wakes the queue
+        then)."""
+
+        def may_go() -> bool:
+            if not self._busy():
+                return True
+            since, typical = self._head_since, self._typical_s
+            if not channel.overlaps or since is None or typical is None:
+                return False
+            at = since + NEXT_AT * typical
+            if self._clock() >= at:
+                return True
+            if self._next_wake is not None:
+                self._next_wake.cancel()
+            loop = asyncio.get_running_loop()
+            self._next_wake = loop.call_at(loop.time() + at - self._clock(), self._batches.wake)
+            return False
+
+        return may_go
+
+    def _started(self) -> None:
+        if not self._busy():
+            self._head_since = self._clock()
+        self._idle.clear()
 
     def _ended(self) -> None:
+        now = self._clock()
+        if self._head_since is not None:  # executions end in the order they started: the oldest ended
+            held = now - self._head_since
+            typical = self._typical_s
+            self._typical_s = held if typical is None else typical + TYPICAL_WEIGHT * (held - typical)
+        self._head_since = now if self._busy() else None
         self._freed.set()
         if len(self._batches):  # a dispatcher holding a short batch may send it now; an empty queue has none
             self._batches.wake()

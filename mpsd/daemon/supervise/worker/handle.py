@@ -79,6 +79,7 @@ class WorkerProcess:
         self._send_init()
         reply = await self._await_ready(load_reply, timeout_s)
         self.ready = reply
+        self.channel.overlaps = reply.overlaps
         if not reply.calls_models:  # no execution of this model can call another: its router stays out
             self.channel.calls.handler = None
         self._log_ready(reply)
