@@ -73,10 +73,10 @@ run: models
 
 # Test modules run side by side (pytest-xdist), one more at a time than there are cores and at most 4: much
 # of a test's time is spent waiting for the processes it starts. A module and the daemons it shares stay in
-# one process (--dist loadfile), and modules go out in the order tests/conftest.py gives (the slowest first).
+# one process (--dist loadfile).
 TEST_WORKERS = $(shell $(PY) -c 'import os; print(min(4, (os.cpu_count() or 1) + 1))')
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 # Beyond ruff, mypy, the import contracts and vulture: the size limits (400 lines a module of the daemon, the
 # worker and config; 60 lines a function) and import cycles, which tests/test_architecture.py checks.

@@ -321,33 +321,3 @@ def http_request(
         return response.status, parsed, data
     finally:
         connection.close()
-
-
-# Modules of a minute or more, whose time is mostly one long test or fixture: under xdist they start first,
-# so that none of them is left running alone at the end while the other workers idle. The rest follow with
-# the most tests first (what xdist's own reordering does, which the Makefile turns off for this order).
-SLOW_FIRST = (
-    "test_reload.py",
-    "test_compiled.py",
-    "test_openai_init.py",
-    "test_scale_out.py",
-    "test_tune.py",
-    "test_faults.py",
-    "test_cli_basics.py",
-    "test_worker_crash.py",
-    "test_trace_sources.py",
-    "test_openai.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item.path.name] = counts.get(item.path.name, 0) + 1
-
-    def order(item: pytest.Item) -> tuple[int, int, str]:
-        name = item.path.name
-        slow = SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
-        return (slow, -counts[name], str(item.path))
-
-    items.sort(key=order)  # stable: each module's tests keep their order
