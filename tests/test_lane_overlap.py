@@ -12,18 +12,13 @@ bench/gpu_resnet.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import numpy as np
 import pytest
 
-from mpsd.config.model_config import ModelConfig
 from mpsd.daemon.dataplane.lane import NEXT_AT
-from mpsd.daemon.dataplane.marshal import BatchTensors
 from mpsd.daemon.dataplane.plane import VersionPlane
-from mpsd.daemon.dataplane.request import InferRequest, InputTensor, Timings
-from mpsd.ipc import protocol as p
+from tests.test_dataplane import FakeChannel, config, request
 
 
 class Clock:
@@ -36,59 +31,27 @@ class Clock:
         return self.now
 
 
-class HeldChannel:
-    """A worker's channel whose executions each run until the test releases them (y = x)."""
+class HeldChannel(FakeChannel):
+    """A worker's channel (y = x + 1) whose executions each run until the test releases them."""
 
     def __init__(self, overlaps: bool) -> None:
-        self.refusing = False
+        super().__init__([], "m/1#0")
         self.overlaps = overlaps
-        self.label = "m/1#0"
-        self.pid: int | None = None
-        self.started: list[list[str]] = []
+        self.started = self.executions
         self.release: list[asyncio.Event] = []
         self.changed = asyncio.Event()
 
-    async def infer_batch(
-        self,
-        tensors: BatchTensors,
-        timings: Timings,
-        waiting: Sequence[asyncio.Future[Any]] = (),
-        deadline: float | None = None,
-        on_part: Callable[[Any], Awaitable[bool]] | None = None,
-        chain: frozenset[tuple[str, int]] = frozenset(),
-    ) -> list[tuple[Any, ...]]:
-        region = bytearray(tensors.lay_out())
-        tensors.write(memoryview(region), None)
-        (ref,) = tensors.refs
+    async def running(self) -> None:
         release = asyncio.Event()
-        self.started.append([r.id for r in tensors.requests])
         self.release.append(release)
         self.changed.set()
         await release.wait()
-        y = bytes(region[ref.offset : ref.offset + ref.nbytes])
-        return tensors.read((p.TensorRef("y", "INT32", ref.shape, 0, len(y)),), memoryview(y))
 
-    async def executions(self, n: int) -> None:
+    async def wait_started(self, n: int) -> None:
         """Until `n` executions have started."""
         while len(self.started) < n:
             self.changed.clear()
             await asyncio.wait_for(self.changed.wait(), 10)
-
-
-def request(rid: str) -> InferRequest:
-    x = np.full((1, 2), int(rid), np.int32)
-    return InferRequest("m", "1", rid, (InputTensor("x", "INT32", (1, 2), x.tobytes()),), ("y",), 1)
-
-
-def config() -> ModelConfig:
-    return ModelConfig.model_validate(
-        {
-            "max_batch_size": 8,
-            "input": [{"name": "x", "data_type": "TYPE_INT32", "dims": [-1]}],
-            "output": [{"name": "y", "data_type": "TYPE_INT32", "dims": [-1]}],
-            "dynamic_batching": {},
-        }
-    )
 
 
 async def turns(n: int = 50) -> None:
@@ -100,7 +63,7 @@ class Served:
     """One version with one lane on `channel`, its dispatcher running; `clock` is the lane's, when given."""
 
     def __init__(self, channel: HeldChannel, clock: Clock | None) -> None:
-        self.plane = VersionPlane("m", 1, config())
+        self.plane = VersionPlane("m", 1, config(8, batching=True))
         self.plane.lanes = [lane := self.plane.new_lane()]
         if clock is not None:
             lane._clock = clock
@@ -111,7 +74,7 @@ class Served:
         self.lane = lane
 
     def send(self, rid: str) -> asyncio.Task[Any]:
-        return asyncio.create_task(self.plane.infer(request(rid)))
+        return asyncio.create_task(self.plane.infer(request(rid, 1, 2, False)))
 
     async def close(self) -> None:
         self.done_with.set()
@@ -123,7 +86,7 @@ class Served:
 async def typical_second(channel: HeldChannel, served: Served, clock: Clock) -> None:
     """One execution that held the worker for one second of the lane's clock."""
     first = served.send("1")
-    await channel.executions(1)
+    await channel.wait_started(1)
     clock.now += 1.0
     channel.release[0].set()
     await first
@@ -138,7 +101,7 @@ def test_the_next_batch_goes_near_the_running_ones_typical_end_only_where_the_wo
         served = Served(channel, clock)
         await typical_second(channel, served, clock)
         running = served.send("2")  # the lane is idle: it runs at once
-        await channel.executions(2)
+        await channel.wait_started(2)
         waiting = [served.send("3"), served.send("4")]
         await turns()
         assert len(channel.started) == 2  # the running one has just begun: the next waits, gathering
@@ -155,7 +118,7 @@ def test_the_next_batch_goes_near_the_running_ones_typical_end_only_where_the_wo
             assert len(channel.started) == 2
         channel.release[1].set()
         await running
-        await channel.executions(3)
+        await channel.wait_started(3)
         assert channel.started[2] == ["3", "4"]
         channel.release[2].set()
         await asyncio.gather(*waiting)
@@ -172,16 +135,16 @@ def test_a_timer_wakes_the_queue_when_the_running_execution_nears_its_typical_en
         served = Served(channel, None)
         loop = asyncio.get_running_loop()
         first = served.send("1")
-        await channel.executions(1)
+        await channel.wait_started(1)
         ended = loop.time() + 0.05
         while loop.time() < ended:  # the execution holds the worker for at least 50 ms
             await asyncio.sleep(0.01)
         channel.release[0].set()
         await first
         running = served.send("2")
-        await channel.executions(2)
+        await channel.wait_started(2)
         queued = served.send("3")
-        await channel.executions(3)  # goes while "2" still runs
+        await channel.wait_started(3)  # goes while "2" still runs
         assert channel.started == [["1"], ["2"], ["3"]]
         for release in channel.release[1:]:
             release.set()
