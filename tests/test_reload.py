@@ -71,8 +71,14 @@ def served_value(client: grpcclient.InferenceServerClient, model: str = "const")
     return float(y[0])
 
 
+# Each load thread's pause between calls: about as long as a call here, so a request is nearly always in
+# flight across the threads while the load takes about half the CPU a tight loop would from the tests
+# running beside it (the reloads themselves are mostly a new worker's start).
+PAUSE_S = 0.002
+
+
 class Load:
-    """Client threads calling a model continuously; records every answer and every error."""
+    """Client threads calling a model over and over; records every answer and every error."""
 
     def __init__(self, address: str, model: str, threads: int = 3) -> None:
         self.values: list[float] = []
@@ -88,6 +94,7 @@ class Load:
                     self.values.append(served_value(client, model))
                 except (InferenceServerException, AssertionError) as exc:
                     self.errors.append(str(exc))
+                self._stop.wait(PAUSE_S)
         finally:
             client.close()
 
