@@ -18,6 +18,8 @@ from mpsd.errors import LoadError
 from mpsd.ipc import protocol as p
 
 log = structlog.get_logger("mpsd.daemon.worker")
+# How long a worker that closed its connection while loading has to exit before it is killed.
+EXITING_S = 2.0
 
 
 class WorkerProcess:
@@ -109,7 +111,11 @@ class WorkerProcess:
             reply = await asyncio.wait_for(asyncio.shield(load_reply), timeout_s)
         except (ConnectionError, TimeoutError) as exc:
             timed_out = isinstance(exc, TimeoutError)
-            await self.kill()
+            # A worker that closed its end is exiting: reaped as it ends, its own exit status is the
+            # reason. Killed at once, the kill's own poll could reap it first, and asyncio's watcher would
+            # then report 255 for it.
+            if timed_out or not await self.process.wait_exit(EXITING_S):
+                await self.kill()
             if timed_out:
                 raise LoadError(f"worker did not become ready within {timeout_s:g} s") from None
             raise LoadError(f"worker {self.exit_description} while loading") from None
