@@ -19,7 +19,7 @@ from mpsd.ipc.protocol import SEATS
 from mpsd.net.tasks import TaskGroup
 
 
-class Refusing(Protocol):
+class LaneChannel(Protocol):
     """A worker's channel as the lane sees it: set `refusing` once the worker stops or is gone; `overlaps`
     when its worker launches an execution behind the one running on the device (CUDA)."""
 
@@ -40,7 +40,7 @@ TYPICAL_WEIGHT = 0.2
 
 
 B = TypeVar("B")
-C = TypeVar("C", bound=Refusing)
+C = TypeVar("C", bound=LaneChannel)
 
 
 class Batches(Protocol[B]):
@@ -92,7 +92,8 @@ class Lane(Generic[B, C]):
         self._freed = asyncio.Event()  # an execution ended: the dispatcher may take the next batch
         self._head_since: float | None = None  # when the oldest execution in flight became the oldest
         self._typical_s: float | None = None  # how long an execution is the oldest in flight, smoothed
-        self._next_wake: asyncio.TimerHandle | None = None
+        self._next_wake: asyncio.TimerHandle | None = None  # wakes the queue when the next batch may go
+        self._next_wake_at: float | None = None
         self._clock = time.monotonic
 
     @property
@@ -200,12 +201,14 @@ class Lane(Generic[B, C]):
             if not channel.overlaps or since is None or typical is None:
                 return False
             at = since + NEXT_AT * typical
-            if self._clock() >= at:
+            wait_s = at - self._clock()
+            if wait_s <= 0:
                 return True
-            if self._next_wake is not None:
-                self._next_wake.cancel()
-            loop = asyncio.get_running_loop()
-            self._next_wake = loop.call_at(loop.time() + at - self._clock(), self._batches.wake)
+            if self._next_wake_at != at:  # one timer for this moment, however often the queue looks
+                if self._next_wake is not None:
+                    self._next_wake.cancel()
+                self._next_wake = asyncio.get_running_loop().call_later(wait_s, self._batches.wake)
+                self._next_wake_at = at
             return False
 
         return may_go

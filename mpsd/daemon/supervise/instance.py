@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import structlog
 
-from mpsd.daemon.dataplane.lane import Lane, Refusing
+from mpsd.daemon.dataplane.lane import Lane, LaneChannel
 from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import LoadError
@@ -44,7 +44,7 @@ class WorkerHandle(Protocol):
     def ceiling_reason(self) -> str: ...
 
     @property
-    def channel(self) -> Refusing:
+    def channel(self) -> LaneChannel:
         """Where its executions go, handed to the lane while the worker is ready."""
         ...
 
