@@ -5,7 +5,7 @@ package names, so they cannot be loaded in one process, and the test process has
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,10 +13,12 @@ import numpy as np
 import mpsd.daemon.api.operations as operations
 import mpsd.daemon.api.pipeline as pipeline
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.api.grpc.front_calls import front_submit
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.parse import MAX_ID, parse_infer_request
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor
 from mpsd.errors import InvalidArgument, MpsdError
+from mpsd.ipc.infer_wire import split_request
 from mpsd.proto import grpc_service_pb2 as pb
 from tests.fresh_interpreter import main
 
@@ -37,8 +39,18 @@ class Version:
         self.config = config
         self.plane = self  # its data plane's entry, `infer`
         self.ran: list[InferRequest] = []
+        self.deadlines: list[float | None] = []  # of the requests submitted
 
     async def infer(self, request: InferRequest, deadline: float | None) -> InferResult:
+        return self._run(request)
+
+    def submit(self, request: InferRequest, deadline: float | None) -> asyncio.Future[InferResult]:
+        self.deadlines.append(deadline)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self._run(request))
+        return future
+
+    def _run(self, request: InferRequest) -> InferResult:
         self.ran.append(request)
         a = request.inputs[0]
         return InferResult("m", 1, (OutputTensor("y", "FP32", a.shape, bytes(a.data)),))  # type: ignore[arg-type]
@@ -190,11 +202,77 @@ def known_path_answers_as_the_full_path() -> None:
     same()
 
 
+def submitted_outcome(
+    servicer: InferenceServicer, data: bytes, submitted: list[str], deadline: float | None = None
+) -> tuple[str, object]:
+    """`outcome` as a front's call gets it: submitted where its header is known (`front_submit`, its id
+    added to `submitted`), through the servicer's bytes path where it is not."""
+    submit = front_submit(servicer)
+
+    async def parts() -> Sequence[bytes | memoryview]:
+        split = split_request(data)
+        call = submit(split, deadline) if split is not None else None
+        if call is None:
+            return await servicer.infer_serialized_parts(data, deadline)
+        submitted.append(pb.ModelInferRequest.FromString(data).id)
+        await asyncio.wait([call.future])
+        return call.parts()
+
+    try:
+        response = pb.ModelInferResponse.FromString(b"".join(bytes(p) for p in asyncio.run(parts())))
+    except MpsdError as exc:
+        return ("error", (exc.code.value, exc.message))
+    return ("ok", (response.id, np.frombuffer(response.raw_output_contents[0], np.float32).tolist()))
+
+
+def submitted_calls_answer_as_the_full_path() -> None:
+    """Property: the same sequences as `known_path_answers_as_the_full_path`, sent as a front's calls,
+    get the same answers and errors as from a servicer that parses every request in full; the calls
+    whose header is known by then are submitted, not run in a task."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    requests = st.lists(
+        st.tuples(
+            st.integers(1, 3),
+            st.sampled_from([None, 4, 8, 16]),
+            st.sampled_from(["", "r", "s", "i" * (MAX_ID + 1)]),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+    submitted: list[str] = []
+
+    @settings(max_examples=60, deadline=None)
+    @given(requests)
+    def same(sequence: list[tuple[int, int | None, str, bool]]) -> None:
+        learning, plain = servicer(Registry()), servicer(Registry())
+        plain.known.learner = lambda *args: None  # type: ignore[method-assign]
+        for k, (rows, b_size, rid, timeout) in enumerate(sequence):
+            a = np.full((rows, 4), k, np.float32)
+            b = bytes(b_size) if b_size is not None else None
+            data = request(a, b, rid, **({"timeout": 10_000_000} if timeout else {}))
+            assert submitted_outcome(learning, data, submitted) == outcome(plain, data), (k, sequence)
+
+    same()
+    assert submitted, "no call was ever submitted"
+    # The first request of a header is parsed and learned; the next with its bytes is submitted.
+    first: list[str] = []
+    registry = Registry()
+    api = servicer(registry)
+    x = np.ones((1, 4), np.float32)
+    assert submitted_outcome(api, request(x, rid="1"), first)[0] == "ok" and first == []
+    assert submitted_outcome(api, request(x, rid="2"), first, 1e9) == ("ok", ("2", [1.0] * 4))
+    assert first == ["2"] and registry.version.deadlines == [1e9]  # it queues with the client's deadline
+
+
 SCENARIOS: dict[str, Callable[[], None]] = {
     "skips": known_header_skips_the_parse,
     "full-path": other_bytes_a_reload_and_parameters_take_the_full_path,
     "sizes": bytes_that_do_not_fit_get_the_full_paths_error,
     "property": known_path_answers_as_the_full_path,
+    "submitted": submitted_calls_answer_as_the_full_path,
 }
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@ batch out, writes it and splits the outputs back) around a model computing y = x
 
 The direct path (a request that finds its lane idle runs in its caller's task) must give what the plain
 path (every request through the queue and a lane's dispatcher) gives: the same answers, the same errors and
-the same executions in the same order. Property-based: hypothesis draws the model's batching, the lanes and
-waves of requests arriving together. Through the real daemon: test_batching, test_infer.
+the same executions in the same order; so must `VersionPlane.submit` (no task of the caller's, the answer
+in a future), with every request counted in the statistics and none left in flight. Property-based:
+hypothesis draws the model's batching, the lanes and waves of requests arriving together. Through the real
+daemon: test_batching, test_infer.
 """
 
 from __future__ import annotations
@@ -97,19 +99,22 @@ Outcome = tuple[str, tuple[int, ...], bytes] | tuple[str, str]
 Wave = list[tuple[int, int, bool, int]]  # each request's rows, width, whether it is poisoned, and its gap
 
 
-async def arrive(plane: VersionPlane, request: InferRequest, turns: int) -> InferResult:
-    """The request, sent after `turns` turns of the loop."""
+async def arrive(plane: VersionPlane, request: InferRequest, turns: int, submit: bool) -> InferResult:
+    """The request, sent after `turns` turns of the loop: through `infer`, or with `submit` through
+    `submit`, the caller waiting on its future."""
     for _ in range(turns):
         await asyncio.sleep(0)
+    if submit:
+        return await plane.submit(request)
     return await plane.infer(request)
 
 
 async def serve(
-    plane: VersionPlane, lanes: int, waves: Sequence[Wave]
+    plane: VersionPlane, lanes: int, waves: Sequence[Wave], submit: bool = False
 ) -> tuple[list[Outcome], list[list[str]]]:
     """Each wave's requests arrive one after another, each its gap of loop turns after the one before (0:
     in the same turn), and the next wave once all are answered: every request's answer (outputs, or the
-    error) and the executions."""
+    error) and the executions. With `submit`, each goes in through `VersionPlane.submit`."""
     executions: list[list[str]] = []
     plane.lanes = [plane.new_lane() for _ in range(lanes)]
     for i, lane in enumerate(plane.lanes):
@@ -127,7 +132,7 @@ async def serve(
         turns = 0
         for rows, width, poisoned, gap in wave:
             turns += gap
-            arrivals.append(arrive(plane, request(str(rid), rows, width, poisoned), turns))
+            arrivals.append(arrive(plane, request(str(rid), rows, width, poisoned), turns, submit))
             rid += 1
         answers = await asyncio.gather(*arrivals, return_exceptions=True)
         for answer in answers:
@@ -212,19 +217,21 @@ def test_the_direct_path_gives_the_answers_errors_and_order_the_queue_gives(
     rows_allowed = max(1, max_batch_size)
     waves = [[(min(rows, rows_allowed), *rest) for rows, *rest in wave] for wave in waves]  # type: ignore[misc]
 
-    def run(plane_type: type[VersionPlane]) -> list[Outcome]:
-        outcomes, executions = asyncio.run(
-            asyncio.wait_for(serve(plane_type("m", 1, model), lanes, waves), 10)
-        )
+    def run(plane_type: type[VersionPlane], submit: bool = False) -> list[Outcome]:
+        plane = plane_type("m", 1, model)
+        outcomes, executions = asyncio.run(asyncio.wait_for(serve(plane, lanes, waves, submit), 10))
         assert outcomes == expected(
             waves, executions, max(max_rows, rows_allowed if not batching else 0), lanes
         )
+        assert plane.inflight == 0 and plane.flight.idle.is_set()
+        ok = sum(outcome[0] == "ok" for outcome in outcomes)
+        assert (plane.stats.success.count, plane.stats.fail.count) == (ok, len(outcomes) - ok)
         return outcomes
 
-    direct, queued = run(VersionPlane), run(QueuedOnly)
-    for d, q in zip(direct, queued, strict=True):  # where both ran, both gave the same bytes
-        if d[0] == q[0] == "ok":
-            assert d == q
+    direct, queued, submitted = run(VersionPlane), run(QueuedOnly), run(VersionPlane, submit=True)
+    for d, q, s in zip(direct, queued, submitted, strict=True):  # where all ran, all gave the same bytes
+        if d[0] == q[0] == s[0] == "ok":
+            assert d == q == s
 
 
 def test_every_answer_is_its_own_requests_rows_whatever_the_batch() -> None:

@@ -14,6 +14,6 @@ import pytest
 from tests.fresh_interpreter import run_scenario
 
 
-@pytest.mark.parametrize("scenario", ["skips", "full-path", "sizes", "property"])
+@pytest.mark.parametrize("scenario", ["skips", "full-path", "sizes", "property", "submitted"])
 def test_known_headers(scenario: str) -> None:
     run_scenario("known_headers_scenarios", scenario)

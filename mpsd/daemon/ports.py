@@ -19,11 +19,11 @@ import structlog
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token, read_tokens
 from mpsd.daemon.api.grpc.admin import AdminServicer
+from mpsd.daemon.api.grpc.front_calls import front_calls, front_submit
 from mpsd.daemon.api.grpc.gate import Gate
 from mpsd.daemon.api.grpc.health import HealthService
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.grpc.server import grpc_server, services
-from mpsd.daemon.api.grpc.trace import front_calls
 from mpsd.daemon.api.http.server import HttpEndpoint
 from mpsd.daemon.api.metrics import MetricsEndpoint
 from mpsd.daemon.api.openai.routes import openai_mount
@@ -123,8 +123,10 @@ class Ports:
             private_server = server(public=False)
             bind(private_server, private, None)
             self.servers.append(private_server)
-            infer = front_calls(self._servicer)
-            self.fronts = FrontPool(plan.shared, config, private.grpc_target, infer, tokens, tls, plan.ports)
+            infer, submit = front_calls(self._servicer), front_submit(self._servicer)
+            self.fronts = FrontPool(
+                plan.shared, config, private.grpc_target, infer, tokens, tls, plan.ports, submit
+            )
             self._metrics.add_fronts(self.fronts)
             self._admin.fronts = self.fronts.describe
         http = http_address(config.http_address)

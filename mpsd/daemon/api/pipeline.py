@@ -9,6 +9,7 @@ these, so both protocols' adapters reach them through one object.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -50,6 +51,20 @@ def _names_shm(call: InferCall) -> bool:
     then no lease of the registered regions is taken."""
     tensors: Iterable[InputCall | OutputCall] = chain(call.inputs, call.outputs)
     return any(t.parameters and not SHM_PARAMS.isdisjoint(t.parameters) for t in tensors)
+
+
+def _bound(
+    mv: ModelVersion, bind: Callable[[ModelConfig], InferRequest | None], deadline: float | None
+) -> tuple[InferRequest, float | None] | None:
+    """A checked request bound under the version's config, and the deadline it queues with (None: it does
+    not bind)."""
+    parsed = bind(mv.config)
+    if parsed is None:
+        return None
+    queued = deadline  # a request without a timeout of its own queues with the client's deadline
+    if parsed.timeout_us:
+        queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
+    return parsed, queued
 
 
 def _written(shm: ShmLease | None, result: InferResult) -> frozenset[str]:
@@ -133,15 +148,29 @@ class Pipeline:
         else:
             mv = registry.acquire_running(model, version)
         try:
-            parsed = bind(mv.config)
-            if parsed is None:
+            bound = _bound(mv, bind, deadline)
+            if bound is None:
                 return None
-            queued = deadline  # a request without a timeout of its own queues with the client's deadline
-            if parsed.timeout_us:
-                queued = Deadline.of(deadline, parsed.timeout_us).queue(parsed, mv.config)
-            return Answered(await mv.plane.infer(parsed, queued), frozenset())
+            return Answered(await mv.plane.infer(*bound), frozenset())
         finally:
             self.registry.touch(model)
+
+    def submit_checked(
+        self,
+        model: str,
+        version: str,
+        bind: Callable[[ModelConfig], InferRequest | None],
+        deadline: float | None,
+    ) -> asyncio.Future[InferResult] | None:
+        """`infer_checked` without a coroutine, for a caller that takes many requests in one callback: the
+        request submitted to its version's plane (`VersionPlane.submit`), whose future gets its result.
+        None where the caller must take `infer_checked` or the full path: the model must load first, its
+        config changed, or the bytes do not fit."""
+        if self.registry.loads_first(model):
+            return None
+        mv = self.registry.acquire_running(model, version)  # the model's last use is now
+        bound = _bound(mv, bind, deadline)
+        return None if bound is None else mv.plane.submit(*bound)
 
     def decoupled(self, name: str, version: str) -> bool:
         """Whether the model answers with a stream of responses (False for a model not known: its request

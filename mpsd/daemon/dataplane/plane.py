@@ -10,6 +10,7 @@ opens and closes the plane; supervision attaches and detaches the lanes' channel
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable
 
@@ -71,6 +72,7 @@ class VersionPlane:
         self.lanes: list[VersionLane] = []
         self.flight = InFlight()
         self.buckets = Buckets(config) if config.shape_buckets is not None else None
+        self._direct: set[asyncio.Task[None]] = set()  # submitted requests' direct executions
 
     def new_lane(self) -> VersionLane:
         return Lane(self.queue, self.execute, self._lane_count, self._lane_down)
@@ -124,16 +126,8 @@ class VersionPlane:
 
         `deadline` (time.monotonic()) is the client's: a request still queued past it is dropped, not run.
         """
-        if not self.ready and not self.holds(request):
-            raise self.refusal()
-        start = time.perf_counter_ns()
-        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
-        shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
-        item = Pending(request, future, start, deadline, shape_key=shape_key)
-        if request.trace is not None:
-            request.trace.queued()
-        direct = self._free_lane(item)
-        self._admit(item, queued=direct is None)
+        item, direct = self._enter(request, deadline)
+        future, start = item.future, item.enqueued_ns
         try:
             with self.flight:
                 if direct is not None:
@@ -151,6 +145,49 @@ class VersionPlane:
             raise
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
+
+    def submit(self, request: InferRequest, deadline: float | None = None) -> asyncio.Future[InferResult]:
+        """`infer` without a task or coroutine per request, for a caller that takes many in one callback (a
+        front's link): the request is admitted at once, and its future gets the result. A direct execution
+        runs in a task (`run_direct` raises nothing: it answers every future); cancelling the future drops
+        the request as `infer`'s cancelled caller does."""
+        item, direct = self._enter(request, deadline)
+        self.flight.__enter__()
+        item.future.add_done_callback(functools.partial(self._settled, item.enqueued_ns, request.batch_size))
+        if direct is not None:
+            run = asyncio.get_running_loop().create_task(
+                direct[0].run_direct([item], direct[1], gather=self.flight.count > 1)
+            )
+            self._direct.add(run)
+            run.add_done_callback(self._direct.discard)
+        return item.future
+
+    def _settled(self, start: int, rows: int, future: asyncio.Future[InferResult]) -> None:
+        """A submitted request's end, counted as `infer` counts its own (a cancelled one not at all)."""
+        self.flight.__exit__()
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None:
+            self.stats.record_success(time.perf_counter_ns() - start, rows)
+        elif isinstance(error, MpsdError):
+            self.stats.record_failure(time.perf_counter_ns() - start, error.code.value)
+
+    def _enter(
+        self, request: InferRequest, deadline: float | None
+    ) -> tuple[Pending, tuple[VersionLane, Channel] | None]:
+        """The request admitted: its place in the queue, or the idle lane it runs on at once (not queued)."""
+        if not self.ready and not self.holds(request):
+            raise self.refusal()
+        start = time.perf_counter_ns()
+        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
+        item = Pending(request, future, start, deadline, shape_key=shape_key)
+        if request.trace is not None:
+            request.trace.queued()
+        direct = self._free_lane(item)
+        self._admit(item, queued=direct is None)
+        return item, direct
 
     def _bucketed(self, request: InferRequest, buckets: Buckets) -> Hashable:
         """A bucketed model's batching key for the request (its lengths as buckets); a refusal is counted."""
@@ -310,19 +347,11 @@ class VersionPlane:
                 item.future.set_result(InferResult(self.name, self.version, result, item.timings))
 
     def _execution(self, batch: Batch, timings: Timings) -> ExecutionTrace:
-        """The span of an execution with traced requests (their queue spans end here); its traceparent goes
-        to the worker in the Infer frame (`timings.trace`)."""
+        """The span of an execution with traced requests; its traceparent goes to the worker in the Infer
+        frame (`timings.trace`)."""
         traces = [item.request.trace for item in batch if item.request.trace is not None]
-        for trace in traces:
-            trace.dequeued()
         rows = sum(item.request.batch_size for item in batch)
-        attributes: dict[str, str | int] = {
-            "model_name": self.name,
-            "model_version": self.version,
-            "batch_size": rows,
-            "requests": len(batch),
-        }
-        execution = ExecutionTrace(traces, attributes)
+        execution = ExecutionTrace.begin(traces, self.name, self.version, rows, len(batch))
         timings.trace = execution.traceparent
         return execution
 

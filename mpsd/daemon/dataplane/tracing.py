@@ -288,6 +288,22 @@ class ExecutionTrace:
         )
         self.attributes = attributes
 
+    @classmethod
+    def begin(
+        cls, traces: Sequence[RequestTrace], model: str, version: int, rows: int, requests: int
+    ) -> ExecutionTrace:
+        """The span of an execution of `rows` rows from `requests` requests, `traces` the traced ones,
+        whose queue spans end here."""
+        for trace in traces:
+            trace.dequeued()
+        attributes: dict[str, str | int] = {
+            "model_name": model,
+            "model_version": version,
+            "batch_size": rows,
+            "requests": requests,
+        }
+        return cls(traces, attributes)
+
     @property
     def traceparent(self) -> str:
         return traceparent(self.span)

@@ -24,7 +24,7 @@ from mpsd.daemon.api.call import (
     Params,
     RawEntry,
 )
-from mpsd.daemon.api.grpc.known_headers import KnownHeaders, known_id
+from mpsd.daemon.api.grpc.known_headers import Binder, KnownHeader, KnownHeaders, known_id
 from mpsd.daemon.api.grpc.load import load_parameters
 from mpsd.daemon.api.grpc.responses import ResponseTemplates, infer_response_parts
 from mpsd.daemon.api.grpc.stream import RequestStream
@@ -159,15 +159,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self, split: SplitRequest, deadline: float | None
     ) -> list[bytes | memoryview] | None:
         """The answer to a request whose header is known, without parsing it; None: the full path takes it."""
-        known = self.known.get(split.key)
-        request_id = known_id(split.request_id) if known is not None else None
-        if known is None or request_id is None:
+        found = self.known_call(split)
+        if found is None:
             return None
-        bind = self.known.binder(known, split.key, split.raw, request_id)
+        known, request_id, bind = found
         answered = await self.ops.infer_checked(known.model, known.version, bind, deadline)
         if answered is None:
             return None
         return self.responses.parts(answered.result, request_id)
+
+    def known_call(self, split: SplitRequest) -> tuple[KnownHeader, str, Binder] | None:
+        """A request whose header is known: that header, the request's id and what binds its bytes to it
+        (None: the header is not known, or the id needs the full path's judgement)."""
+        known = self.known.get(split.key)
+        request_id = known_id(split.request_id) if known is not None else None
+        if known is None or request_id is None:
+            return None
+        return known, request_id, self.known.binder(known, split.key, split.raw, request_id)
 
     @status_mapped
     async def ModelInfer(self, request: bytes, context: Any) -> bytes:

@@ -23,6 +23,8 @@ from mpsd.daemon.dataplane.request import InferRequest, InputTensor
 from mpsd.ipc import strings
 from mpsd.ipc.infer_wire import MAX_KEY_BYTES
 
+# What binds a request's bytes to its known header under the model's config now (`KnownHeaders.binder`).
+Binder = Callable[[ModelConfig], InferRequest | None]
 MAX_HEADERS = 1024  # past this many (request ids that change each time, say) the table starts again
 MAX_HEADER_BYTES = MAX_KEY_BYTES
 
@@ -152,7 +154,7 @@ class KnownHeaders:
 
     def binder(
         self, known: KnownHeader, header: bytes, raw: Sequence[bytes | memoryview], request_id: str
-    ) -> Callable[[ModelConfig], InferRequest | None]:
+    ) -> Binder:
         """What binds a request's bytes to its known header under the model's config now: None once the
         config is not the one the header was checked against (forgotten then), or the bytes do not fit."""
 

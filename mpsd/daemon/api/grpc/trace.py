@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from mpsd.daemon.api.grpc.known_headers import KnownHeaders
 from mpsd.daemon.api.operations import Operations
 from mpsd.daemon.api.trace_settings import FIELDS
 from mpsd.daemon.api.tracing import TRACEPARENT, Incoming, incoming
 from mpsd.errors import InvalidArgument
-from mpsd.ipc.infer_wire import SplitRequest
 from mpsd.proto import grpc_service_pb2 as pb
 
 
@@ -31,31 +29,6 @@ def sampled(ops: Operations, known: KnownHeaders, key: bytes, came: Incoming) ->
     if header is None:
         return came  # the full path decides
     return dataclasses.replace(came, sampled=True) if ops.tracing.sample(header.model, came) else None
-
-
-Data = bytes | bytearray | memoryview | SplitRequest  # a request's bytes, or as its front split them
-Parts = list[bytes | memoryview]
-
-
-class BytesInfer(Protocol):
-    """The servicer's ModelInfer on serialized bytes."""
-
-    ops: Operations
-
-    async def infer_serialized_parts(
-        self, data: Data, deadline: float | None, came: Incoming | None = None
-    ) -> Parts: ...
-
-
-def front_calls(servicer: BytesInfer) -> Callable[[Data, float | None, str | None], Awaitable[Parts]]:
-    """ModelInfer for the front processes' calls, each with the traceparent its front read (if any)."""
-    ops = servicer.ops
-
-    async def infer(data: Data, deadline: float | None, traceparent: str | None) -> Parts:
-        came = incoming(traceparent, "ModelInfer") if ops.tracing.on else None
-        return await servicer.infer_serialized_parts(data, deadline, came)
-
-    return infer
 
 
 def trace_setting(ops: Operations, request: Any) -> Any:

@@ -10,6 +10,8 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -40,6 +42,21 @@ log = structlog.get_logger("mpsd.daemon.supervise.fronts")
 # none) -> the response's pieces.
 Request = bytes | bytearray | memoryview | SplitRequest
 InferBytes = Callable[[Request, float | None, str | None], Awaitable[Sequence[Buffer]]]
+
+
+class SubmittedCall(Protocol):
+    """A call queued where its frame was read: its future ends when it is answered (or cancelled)."""
+
+    future: asyncio.Future[Any]
+
+    def parts(self) -> Sequence[Buffer]:
+        """The response's pieces, once the future has its result."""
+        ...
+
+
+# A split call submitted at once, no task of its own (None: it goes to `InferBytes` in a task); raises
+# MpsdError where the task would have failed with it.
+Submit = Callable[[SplitRequest, float | None], SubmittedCall | None]
 # Keys a front may have declared at once (it declares at most 1024 before it starts again).
 MAX_DECLARED = 4096
 _CALLS = frozenset((Kind.INFER, Kind.INFER_SHM, Kind.INFER_SPLIT, Kind.INFER_SPLIT_SHM))
@@ -75,13 +92,14 @@ class FrontLink:
     ready: asyncio.Future[FrontReady] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
-    calls: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    calls: dict[int, asyncio.Future[Any]] = field(default_factory=dict)  # tasks, or submitted calls
     traceparents: dict[int, str] = field(default_factory=dict)  # of calls whose INFER comes next
     headers: dict[int, bytes] = field(default_factory=dict)  # the keys the front declared, by id
     counts: FrontCounts = field(default_factory=FrontCounts)
     writer: FrameWriter = field(default_factory=FrameWriter)
     arena: Region | None = None  # requests' views keep it mapped after the front is gone
     arena_id: int | None = None  # its id in `ARENAS`, where workers find it
+    submit: Submit | None = None
     _paused: bool = False
 
     def protocol(self) -> FrontLinkProtocol:
@@ -102,9 +120,10 @@ class FrontLink:
                 self.send(frame(Kind.REPLY, call_id, _INTERNAL, exc.message.encode()))
                 return
             traceparent = self.traceparents.pop(call_id, None) if self.traceparents else None
-            self.calls[call_id] = asyncio.get_running_loop().create_task(
-                self._serve(call_id, request, deadline, chunk, traceparent)
-            )
+            if not (type(request) is SplitRequest and self._submitted(call_id, request, deadline, chunk)):
+                self.calls[call_id] = asyncio.get_running_loop().create_task(
+                    self._serve(call_id, request, deadline, chunk, traceparent)
+                )
             if len(self.calls) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
@@ -156,6 +175,57 @@ class FrontLink:
             raise Internal("request spans reach outside the request")
         return split, chunk
 
+    def _submitted(
+        self, call_id: int, request: SplitRequest, deadline: float | None, chunk: Chunk | None
+    ) -> bool:
+        """Whether the call was taken at once (`submit`): queued, or answered with its error."""
+        if self.submit is None:
+            return False
+        try:
+            submitted = self.submit(request, deadline)
+        except Exception as exc:
+            self._count(chunk, split=True)
+            self._answer(call_id, self._failure(call_id, exc))
+            return True
+        if submitted is None:
+            return False
+        self.calls[call_id] = submitted.future
+        submitted.future.add_done_callback(partial(self._settled, call_id, submitted, chunk))
+        return True
+
+    def _settled(
+        self, call_id: int, submitted: SubmittedCall, chunk: Chunk | None, future: asyncio.Future[Any]
+    ) -> None:
+        """A submitted call's answer, as `_serve` gives a task's."""
+        if future.cancelled():
+            self._answer(call_id, frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled"))
+            return
+        error = future.exception()
+        reply = (
+            self._reply(call_id, submitted.parts(), chunk) if error is None else self._failure(call_id, error)
+        )
+        self._count(chunk, split=True)
+        self._answer(call_id, reply)
+
+    def _failure(self, call_id: int, error: BaseException) -> tuple[Buffer, ...]:
+        if isinstance(error, MpsdError):
+            return frame(Kind.REPLY, call_id, grpc_status(error).value[0], error.message.encode())
+        log.error("unexpected error in a forwarded request", front=self.index, exc_info=error)
+        return frame(Kind.REPLY, call_id, _INTERNAL, f"{type(error).__name__}: {error}".encode())
+
+    def _answer(self, call_id: int, reply: tuple[Buffer, ...]) -> None:
+        """Send a call's reply; it no longer counts against MAX_IN_FLIGHT."""
+        self.calls.pop(call_id, None)
+        if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self.send(reply)
+
+    def _count(self, chunk: Chunk | None, split: bool) -> None:
+        self.counts.served += 1
+        self.counts.arena_requests += chunk is not None
+        self.counts.split += split
+
     async def _serve(
         self,
         call_id: int,
@@ -165,27 +235,15 @@ class FrontLink:
         traceparent: str | None = None,
     ) -> None:
         """Run one call and answer it, a cancelled one too (the front expects an answer to every call)."""
-        cancelled = False
         try:
             reply = self._reply(call_id, await self.infer(payload, deadline, traceparent), chunk)
+            self._count(chunk, split=isinstance(payload, SplitRequest))
         except asyncio.CancelledError:
             reply = frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled")
-            cancelled = True
-        except MpsdError as exc:
-            reply = frame(Kind.REPLY, call_id, grpc_status(exc).value[0], exc.message.encode())
         except Exception as exc:
-            log.exception("unexpected error in a forwarded request", front=self.index)
-            reply = frame(Kind.REPLY, call_id, _INTERNAL, f"{type(exc).__name__}: {exc}".encode())
-        finally:
-            self.calls.pop(call_id, None)
-            if self._paused and len(self.calls) < MAX_IN_FLIGHT // 2 and self.transport is not None:
-                self._paused = False
-                self.transport.resume_reading()
-        if not cancelled:
-            self.counts.served += 1
-            self.counts.arena_requests += chunk is not None
-            self.counts.split += isinstance(payload, SplitRequest)
-        self.send(reply)
+            reply = self._failure(call_id, exc)
+            self._count(chunk, split=isinstance(payload, SplitRequest))
+        self._answer(call_id, reply)
 
     def _reply(self, call_id: int, parts: Sequence[Buffer], chunk: Chunk | None) -> tuple[Buffer, ...]:
         """A large response goes into the call's chunk when it fits, the rest in the frame."""

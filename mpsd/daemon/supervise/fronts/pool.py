@@ -17,7 +17,7 @@ from mpsd import logs
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.security import AuthConfig, Token
 from mpsd.daemon.dataplane.arenas import ARENAS
-from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes
+from mpsd.daemon.supervise.fronts.link import FrontCounts, FrontFailed, FrontLink, InferBytes, Submit
 from mpsd.daemon.supervise.fronts.policy import front_address
 from mpsd.daemon.supervise.fronts.relay import LOG_LINE_LIMIT, relay_front_log
 from mpsd.daemon.supervise.launch import worker_base_env
@@ -79,6 +79,7 @@ class FrontPool:
         tokens: Sequence[Token] = (),
         tls: TlsMaterial | None = None,
         ports: Sequence[int] = (),
+        submit: Submit | None = None,
     ) -> None:
         self.ports = tuple(ports)
         self.count = len(self.ports) or count
@@ -88,6 +89,7 @@ class FrontPool:
         self._tls = tls
         self._daemon_target = daemon_target
         self._infer = infer
+        self._submit = submit
         self.fronts: dict[int, Front] = {}
         self.restarts: dict[int, int] = {}
         self.counts: dict[int, FrontCounts] = {}
@@ -143,7 +145,7 @@ class FrontPool:
         parent, child = self._link_sockets()
         process: asyncio.subprocess.Process | None = None
         counts = self.counts.setdefault(index, FrontCounts())
-        link = FrontLink(index, self._infer, self._on_link_lost, counts=counts)
+        link = FrontLink(index, self._infer, self._on_link_lost, counts=counts, submit=self._submit)
         arena = link.arena = self._arena()
         try:
             process = await self._exec_front(child)
