@@ -44,9 +44,15 @@ class Version:
     async def infer(self, request: InferRequest, deadline: float | None) -> InferResult:
         return self._run(request)
 
-    def submit(self, request: InferRequest, deadline: float | None) -> asyncio.Future[InferResult]:
+    def submit(
+        self,
+        request: InferRequest,
+        deadline: float | None,
+        then: Callable[[asyncio.Future[InferResult]], None],
+    ) -> asyncio.Future[InferResult]:
         self.deadlines.append(deadline)
         future = asyncio.get_running_loop().create_future()
+        future.add_done_callback(then)
         future.set_result(self._run(request))
         return future
 
@@ -211,11 +217,13 @@ def submitted_outcome(
 
     async def parts() -> Sequence[bytes | memoryview]:
         split = split_request(data)
-        call = submit(split, deadline) if split is not None else None
-        if call is None:
+        answered: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future = submit(split, deadline, answered.set_result) if split is not None else None
+        if future is None:
             return await servicer.infer_serialized_parts(data, deadline)
         submitted.append(pb.ModelInferRequest.FromString(data).id)
-        await asyncio.wait([call.future])
+        call = await answered  # what the front's link is handed once the call is answered
+        assert call.future is future
         return call.parts()
 
     try:

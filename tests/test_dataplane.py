@@ -105,7 +105,12 @@ async def arrive(plane: VersionPlane, request: InferRequest, turns: int, submit:
     for _ in range(turns):
         await asyncio.sleep(0)
     if submit:
-        return await plane.submit(request)
+        told: list[asyncio.Future[InferResult]] = []
+        future = plane.submit(request, then=told.append)
+        try:
+            return await future
+        finally:
+            assert told == [future], "`then` runs once, before the caller hears the answer"
     return await plane.infer(request)
 
 

@@ -11,7 +11,7 @@ tests/known_headers_scenarios.py and tests/test_dataplane.py; through running fr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -34,8 +34,9 @@ INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 class Call:
     """What the stand-in `submit` hands out: a future the test answers, and the response it stands for."""
 
-    def __init__(self, split: SplitRequest) -> None:
+    def __init__(self, split: SplitRequest, then: Callable[[Call], None]) -> None:
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.future.add_done_callback(lambda _: then(self))
         self.request_id = split.request_id
 
     def parts(self) -> Sequence[bytes]:
@@ -52,11 +53,13 @@ class Daemon:
         self.front = CoreLink()
         self.to_daemon = Recorder()
         self.front.writer.transport = self.to_daemon  # type: ignore[assignment]
-        self.link = FrontLink(0, self._infer, lambda _: None, submit=self._submit)
+        self.link = FrontLink(0, self._infer, lambda _: None, submit=self._submit)  # type: ignore[arg-type]
         self.to_front = Recorder()
         self.link.attach(self.to_front)  # type: ignore[arg-type]
 
-    def _submit(self, split: SplitRequest, deadline: float | None) -> Call | None:
+    def _submit(
+        self, split: SplitRequest, deadline: float | None, then: Callable[[Call], None]
+    ) -> asyncio.Future[Any] | None:
         rid = split.request_id or b""
         if rid.startswith(b"u"):
             raise Unavailable("model 'm' version 1 is not ready (loading)")
@@ -64,8 +67,8 @@ class Daemon:
             raise RuntimeError("a bug")
         if not rid.startswith(b"s"):
             return None
-        call = self.submitted[rid] = Call(split)
-        return call
+        call = self.submitted[rid] = Call(split, then)
+        return call.future
 
     async def _infer(self, data: Any, deadline: float | None, traceparent: str | None) -> list[bytes]:
         self.tasked.append(data)

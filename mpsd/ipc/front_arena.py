@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from mpsd.errors import Internal
 from mpsd.ipc.front_wire import Buffer, total_nbytes
@@ -40,9 +40,9 @@ def chunk_size(request_bytes: int) -> int:
     return -(-(request_bytes + REPLY_SLACK) // _ALIGN) * _ALIGN
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """The part of the arena one call holds until it is answered."""
+class Chunk(NamedTuple):
+    """The part of the arena one call holds until it is answered (a named tuple: one is made for every
+    call)."""
 
     start: int
     capacity: int

@@ -161,16 +161,17 @@ class Pipeline:
         version: str,
         bind: Callable[[ModelConfig], InferRequest | None],
         deadline: float | None,
+        then: Callable[[asyncio.Future[InferResult]], None],
     ) -> asyncio.Future[InferResult] | None:
         """`infer_checked` without a coroutine, for a caller that takes many requests in one callback: the
-        request submitted to its version's plane (`VersionPlane.submit`), whose future gets its result.
-        None where the caller must take `infer_checked` or the full path: the model must load first, its
-        config changed, or the bytes do not fit."""
+        request submitted to its version's plane (`VersionPlane.submit`), whose future gets its result and
+        is handed to `then`. None where the caller must take `infer_checked` or the full path: the model
+        must load first, its config changed, or the bytes do not fit."""
         if self.registry.loads_first(model):
             return None
         mv = self.registry.acquire_running(model, version)  # the model's last use is now
         bound = _bound(mv, bind, deadline)
-        return None if bound is None else mv.plane.submit(*bound)
+        return None if bound is None else mv.plane.submit(*bound, then)
 
     def decoupled(self, name: str, version: str) -> bool:
         """Whether the model answers with a stream of responses (False for a model not known: its request

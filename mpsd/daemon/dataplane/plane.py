@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Hashable
+from collections.abc import AsyncGenerator, Callable, Hashable
 
 import structlog
 
@@ -33,6 +33,7 @@ from mpsd.errors import ErrorCode, MpsdError, Unavailable, WorkerDied
 log = structlog.get_logger("mpsd.daemon.model")
 
 Batch = list[Pending]
+Then = Callable[[asyncio.Future[InferResult]], None]  # what runs once a submitted request is answered
 VersionLane = Lane[Batch, Channel]
 
 
@@ -146,14 +147,19 @@ class VersionPlane:
         self.stats.record_success(time.perf_counter_ns() - start, request.batch_size)
         return result
 
-    def submit(self, request: InferRequest, deadline: float | None = None) -> asyncio.Future[InferResult]:
+    def submit(
+        self, request: InferRequest, deadline: float | None = None, then: Then | None = None
+    ) -> asyncio.Future[InferResult]:
         """`infer` without a task or coroutine per request, for a caller that takes many in one callback (a
         front's link): the request is admitted at once, and its future gets the result. A direct execution
         runs in a task (`run_direct` raises nothing: it answers every future); cancelling the future drops
-        the request as `infer`'s cancelled caller does."""
+        the request as `infer`'s cancelled caller does. `then(future)` runs once it is counted: one
+        callback, not two, for each request."""
         item, direct = self._enter(request, deadline)
         self.flight.__enter__()
-        item.future.add_done_callback(functools.partial(self._settled, item.enqueued_ns, request.batch_size))
+        item.future.add_done_callback(
+            functools.partial(self._settled, item.enqueued_ns, request.batch_size, then)
+        )
         if direct is not None:
             run = asyncio.get_running_loop().create_task(
                 direct[0].run_direct([item], direct[1], gather=self.flight.count > 1)
@@ -162,16 +168,17 @@ class VersionPlane:
             run.add_done_callback(self._direct.discard)
         return item.future
 
-    def _settled(self, start: int, rows: int, future: asyncio.Future[InferResult]) -> None:
+    def _settled(self, start: int, rows: int, then: Then | None, future: asyncio.Future[InferResult]) -> None:
         """A submitted request's end, counted as `infer` counts its own (a cancelled one not at all)."""
         self.flight.__exit__()
-        if future.cancelled():
-            return
-        error = future.exception()
-        if error is None:
-            self.stats.record_success(time.perf_counter_ns() - start, rows)
-        elif isinstance(error, MpsdError):
-            self.stats.record_failure(time.perf_counter_ns() - start, error.code.value)
+        if not future.cancelled():
+            error = future.exception()
+            if error is None:
+                self.stats.record_success(time.perf_counter_ns() - start, rows)
+            elif isinstance(error, MpsdError):
+                self.stats.record_failure(time.perf_counter_ns() - start, error.code.value)
+        if then is not None:
+            then(future)
 
     def _enter(
         self, request: InferRequest, deadline: float | None
@@ -253,7 +260,11 @@ class VersionPlane:
         try:
             waiting = [item.future for item in batch]
             tensors = self._tensors(batch, waiting, execution)
-            latest, sink, chain = _latest(batch), self._sink(batch), _chain(batch)
+            stream = batch[0].stream  # a decoupled model's request: its parts go there as they come
+            sink = (
+                None if stream is None else stream.sink(self.name, self.version, batch[0].timings, waiting[0])
+            )
+            latest, chain = _latest(batch), _chain(batch)
             outputs = await channel.infer_batch(tensors, timings, waiting, latest, sink, chain)
         except MpsdError as exc:
             self._failed(batch, channel, exc, execution)
@@ -354,19 +365,6 @@ class VersionPlane:
         execution = ExecutionTrace.begin(traces, self.name, self.version, rows, len(batch))
         timings.trace = execution.traceparent
         return execution
-
-    def _sink(self, batch: Batch) -> Callable[[list[tuple[OutputTensor, ...]]], Awaitable[bool]] | None:
-        """Where a decoupled model's parts go: its one request's response stream (None otherwise)."""
-        item = batch[0]
-        responses = item.stream
-        if responses is None:
-            return None
-
-        async def deliver(parts: list[tuple[OutputTensor, ...]]) -> bool:
-            result = InferResult(self.name, self.version, parts[0], item.timings)
-            return await responses.deliver(result, item.future)
-
-        return deliver
 
     def _lane_down(self) -> None:
         """No request may wait for a lane that is not coming back soon: fail the queue if none serves."""

@@ -8,10 +8,10 @@ buffering without limit. A client that goes away (the request's future is done) 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from mpsd.daemon.dataplane.request import InferResult
+from mpsd.daemon.dataplane.request import InferResult, OutputTensor, Timings
 
 UNSENT_LIMIT = 8
 
@@ -20,6 +20,16 @@ class ResponseStream:
     def __init__(self, limit: int = UNSENT_LIMIT) -> None:
         self._parts: asyncio.Queue[InferResult] = asyncio.Queue(maxsize=limit)
         self.delivered = 0
+
+    def sink(
+        self, model: str, version: int, timings: Timings, done: asyncio.Future[Any]
+    ) -> Callable[[list[tuple[OutputTensor, ...]]], Awaitable[bool]]:
+        """Where an execution's parts go: each, as its one request's result, through `deliver`."""
+
+        async def deliver(parts: list[tuple[OutputTensor, ...]]) -> bool:
+            return await self.deliver(InferResult(model, version, parts[0], timings), done)
+
+        return deliver
 
     async def deliver(self, result: InferResult, done: asyncio.Future[Any]) -> bool:
         """Hand one response on; False when nobody wants it (the request ended: cancelled, expired)."""

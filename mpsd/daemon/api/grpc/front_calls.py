@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from mpsd.daemon.api.grpc.inference import InferenceServicer
 from mpsd.daemon.api.grpc.responses import ResponseTemplates
@@ -25,15 +26,24 @@ Parts = list[bytes | memoryview]
 class Submitted:
     """A known call submitted to its model: its result's future, and the response once it is answered."""
 
-    __slots__ = ("_id", "_responses", "future")
+    __slots__ = ("_id", "_responses", "_then", "future")
 
-    def __init__(self, future: asyncio.Future[InferResult], request_id: str, responses: ResponseTemplates):
-        self.future = future
+    def __init__(
+        self, request_id: str, responses: ResponseTemplates, then: Callable[[Submitted], None]
+    ) -> None:
         self._id = request_id
         self._responses = responses
+        self._then = then
+        self.future: asyncio.Future[InferResult] | None = None
+
+    def settled(self, future: asyncio.Future[InferResult]) -> None:
+        """The plane's `then`: the call is answered (or failed, or cancelled)."""
+        self.future = future
+        self._then(self)
 
     def parts(self) -> Parts:
         """The response's serialized pieces (the future has its result)."""
+        assert self.future is not None
         return self._responses.parts(self.future.result(), self._id)
 
 
@@ -48,20 +58,24 @@ def front_calls(servicer: InferenceServicer) -> Callable[[Data, float | None, st
     return infer
 
 
-def front_submit(servicer: InferenceServicer) -> Callable[[SplitRequest, float | None], Submitted | None]:
+def front_submit(
+    servicer: InferenceServicer,
+) -> Callable[[SplitRequest, float | None, Callable[[Submitted], None]], asyncio.Future[Any] | None]:
     """A front's call submitted where its frame is read, when its header is known and tracing is off (a
-    traced call's sampling and spans are `infer`'s); None: it takes `infer`. MpsdError as `infer` would
-    raise it (the model is not ready, the queue is full)."""
+    traced call's sampling and spans are `infer`'s): its future, and `then(call)` once it is answered;
+    None: it takes `infer`. MpsdError as `infer` would raise it (the model is not ready, a full queue)."""
     ops = servicer.ops
 
-    def submit(split: SplitRequest, deadline: float | None) -> Submitted | None:
+    def submit(
+        split: SplitRequest, deadline: float | None, then: Callable[[Submitted], None]
+    ) -> asyncio.Future[Any] | None:
         if ops.tracing.on or not split.raw:
             return None
         found = servicer.known_call(split)
         if found is None:
             return None
         known, request_id, bind = found
-        future = ops.submit_checked(known.model, known.version, bind, deadline)
-        return None if future is None else Submitted(future, request_id, servicer.responses)
+        call = Submitted(request_id, servicer.responses, then)
+        return ops.submit_checked(known.model, known.version, bind, deadline, call.settled)
 
     return submit

@@ -45,18 +45,19 @@ InferBytes = Callable[[Request, float | None, str | None], Awaitable[Sequence[Bu
 
 
 class SubmittedCall(Protocol):
-    """A call queued where its frame was read: its future ends when it is answered (or cancelled)."""
+    """A call queued where its frame was read, once it is answered (or failed, or cancelled)."""
 
-    future: asyncio.Future[Any]
+    @property
+    def future(self) -> asyncio.Future[Any] | None: ...
 
     def parts(self) -> Sequence[Buffer]:
         """The response's pieces, once the future has its result."""
         ...
 
 
-# A split call submitted at once, no task of its own (None: it goes to `InferBytes` in a task); raises
-# MpsdError where the task would have failed with it.
-Submit = Callable[[SplitRequest, float | None], SubmittedCall | None]
+# A split call submitted at once, no task of its own: its future, `then(call)` called once it is answered
+# (None: it goes to `InferBytes` in a task). Raises MpsdError where the task would have failed with it.
+Submit = Callable[[SplitRequest, float | None, Callable[[SubmittedCall], None]], asyncio.Future[Any] | None]
 # Keys a front may have declared at once (it declares at most 1024 before it starts again).
 MAX_DECLARED = 4096
 _CALLS = frozenset((Kind.INFER, Kind.INFER_SHM, Kind.INFER_SPLIT, Kind.INFER_SPLIT_SHM))
@@ -182,21 +183,20 @@ class FrontLink:
         if self.submit is None:
             return False
         try:
-            submitted = self.submit(request, deadline)
+            future = self.submit(request, deadline, partial(self._settled, call_id, chunk))
         except Exception as exc:
             self._count(chunk, split=True)
             self._answer(call_id, self._failure(call_id, exc))
             return True
-        if submitted is None:
+        if future is None:
             return False
-        self.calls[call_id] = submitted.future
-        submitted.future.add_done_callback(partial(self._settled, call_id, submitted, chunk))
+        self.calls[call_id] = future
         return True
 
-    def _settled(
-        self, call_id: int, submitted: SubmittedCall, chunk: Chunk | None, future: asyncio.Future[Any]
-    ) -> None:
+    def _settled(self, call_id: int, chunk: Chunk | None, submitted: SubmittedCall) -> None:
         """A submitted call's answer, as `_serve` gives a task's."""
+        future = submitted.future
+        assert future is not None
         if future.cancelled():
             self._answer(call_id, frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled"))
             return
