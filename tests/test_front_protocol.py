@@ -51,6 +51,7 @@ def test_config_auth_and_ready_come_back_as_they_were_sent(arena: ArenaRegion | 
         assert FrontAccess.decode(each.encode()) == each
     assert FrontReady.decode(FrontReady(4242, "uvloop").encode()) == FrontReady(4242, "uvloop")
     assert FrontReady.decode(FrontReady(7, "asyncio", 200).encode()) == FrontReady(7, "asyncio", 200)
+    assert FrontReady.decode(FrontReady(7, "asyncio", 0, 9).encode()) == FrontReady(7, "asyncio", 0, 9)
     # What the front turns them into: the daemon's own settings, tokens and certificate.
     got = FrontConfig.decode(sent.encode())
     assert DaemonConfig.model_validate(got.config) == DaemonConfig()
@@ -73,10 +74,11 @@ def test_the_wire_keeps_its_json() -> None:
         "tokens": sent["tokens"],
         "tls": sent["tls"],
     }
-    assert json.loads(FrontReady(7, "asyncio", 200).encode()) == {
+    assert json.loads(FrontReady(7, "asyncio", 200, 50_000).encode()) == {
         "pid": 7,
         "event_loop": "asyncio",
         "busy_poll_us": 200,
+        "frozen_objects": 50_000,
     }
 
 

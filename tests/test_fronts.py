@@ -163,6 +163,19 @@ def test_every_process_is_named_by_its_role_in_ps(setup: Setup) -> None:
     assert title(worker) == f"mpsd: worker add_sub/1#0 ({ready['device']})"  # cpu here, cuda on a GPU
 
 
+def test_every_process_settles_its_collector_once_started(setup: Setup) -> None:
+    """The daemon once its models are loaded, each front once it listens and each worker once its model is
+    warm freeze what start-up made out of the collector's scans (`mpsd.ipc.heap.settle_collector`), and
+    say how much in the event that says they are ready."""
+    events = [json.loads(line) for line in setup.daemon.log().splitlines() if line.startswith("{")]
+    frozen = {
+        role: [e.get("frozen_objects", 0) for e in events if e["event"] == event]
+        for role, event in (("daemon", "ready"), ("front", "front listening"), ("worker", "worker ready"))
+    }
+    assert len(frozen["daemon"]) == 1 and len(frozen["front"]) >= FRONTS and frozen["worker"], frozen
+    assert all(n > 10_000 for counts in frozen.values() for n in counts), frozen
+
+
 def fixed_mappings(pid: int) -> set[str]:
     """Where the kernel put a process's stack and vDSO: chosen at random at each exec (ASLR), and kept by
     fork, so a child that shares them with its parent is a fork that never exec'd."""

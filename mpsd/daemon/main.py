@@ -44,6 +44,7 @@ from mpsd.daemon.supervise.fronts.sockets import remove_stale_socket_dirs
 from mpsd.daemon.supervise.instance import SupervisorSettings
 from mpsd.errors import ConfigError
 from mpsd.ipc import shm
+from mpsd.ipc.heap import settle_collector
 from mpsd.logs import set_level
 from mpsd.logs.events import BUS
 from mpsd.net import accept_errors, eventloop
@@ -220,6 +221,7 @@ class Daemon:
         log.info(
             "ready" if ready else "started with unavailable models",
             models=len(self.registry.entries),
+            frozen_objects=settle_collector(),
             **({"front_ports": front_ports} if front_ports else {}),
         )
         self._started = True

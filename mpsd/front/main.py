@@ -28,6 +28,7 @@ from mpsd.front.headers import DeclaredHeaders
 from mpsd.ipc.front_arena import Allocator, Chunk, read_reply, write_request
 from mpsd.ipc.front_protocol import FRONT_TITLE, FrontAccess, FrontConfig, FrontReady, MalformedMessage
 from mpsd.ipc.front_wire import MAX_IN_FLIGHT, Buffer, FrameWriter, FrontLinkProtocol, Kind, frame, frame_of
+from mpsd.ipc.heap import settle_collector
 from mpsd.ipc.shm import Region
 from mpsd.logs import LEVELS, configure, set_level
 from mpsd.net import eventloop
@@ -271,7 +272,7 @@ async def serve(sock: socket.socket) -> int:
         server = await _start_server(link, settings, config, address, channel, sizes)
     except Exception as exc:
         return await _failed(link, exc)
-    ready = FrontReady(os.getpid(), eventloop.loop_name(), eventloop.busy_poll_us())
+    ready = FrontReady(os.getpid(), eventloop.loop_name(), eventloop.busy_poll_us(), settle_collector())
     link.send(frame(Kind.READY, payload=ready.encode()))
     await _serve_until_stopped(server, channel, link, config)
     return 0

@@ -121,21 +121,33 @@ class FrontConfig:
 
 @dataclass(frozen=True)
 class FrontReady:
-    """A front listens: the daemon logs which process, which event loop and its busy-poll budget."""
+    """A front listens: the daemon logs which process, which event loop, its busy-poll budget and the
+    objects it froze."""
 
     pid: int
     event_loop: str
     busy_poll_us: int = 0
+    frozen_objects: int = 0  # what its start-up made, frozen out of the collector's scans (`mpsd.heap`)
 
     def encode(self) -> bytes:
-        fields = {"pid": self.pid, "event_loop": self.event_loop, "busy_poll_us": self.busy_poll_us}
+        fields = {
+            "pid": self.pid,
+            "event_loop": self.event_loop,
+            "busy_poll_us": self.busy_poll_us,
+            "frozen_objects": self.frozen_objects,
+        }
         return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, payload: bytes | bytearray) -> FrontReady:
         """A READY payload; MalformedMessage when it is not one."""
         fields = _Fields(_load(payload, "READY"), "READY")
-        ready = cls(fields.take("pid", int), fields.take("event_loop", str), fields.take("busy_poll_us", int))
+        ready = cls(
+            fields.take("pid", int),
+            fields.take("event_loop", str),
+            fields.take("busy_poll_us", int),
+            fields.take("frozen_objects", int),
+        )
         fields.done()
         return ready
 

@@ -255,6 +255,7 @@ class Ready:
     compile_ms: float | None = None  # torch.compile (optimization.compile): the compiling warm-up's time
     calls_models: bool = True  # the model may call other models (a python model that takes `models`)
     overlaps: bool = False  # an execution may be launched behind the one running on the device (CUDA)
+    frozen_objects: int = 0  # what its start-up made, frozen out of the collector's scans (`mpsd.heap`)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from mpsd import osfacts
 from mpsd.ipc import protocol as p
 from mpsd.ipc.dtypes import wire_to_config
 from mpsd.ipc.framing import ConnectionClosed, FrameReader, recv_blocking, send_blocking
-from mpsd.ipc.heap import keep_large_buffers_in_heap
+from mpsd.ipc.heap import keep_large_buffers_in_heap, settle_collector
 from mpsd.worker.heartbeat import start_heartbeat
 from mpsd.worker.inbox import Inbox
 from mpsd.worker.parentwatch import watch_parent
@@ -81,6 +81,7 @@ def _load(sock: socket.socket, init: p.Init, inbox: Inbox) -> tuple[Runner, Aren
             compile_ms,
             calls,
             runner.overlaps,
+            settle_collector(),  # loaded and warm: what it holds now, it holds until it ends
         ),
     )
     return runner, arenas

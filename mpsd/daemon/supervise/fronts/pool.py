@@ -176,6 +176,7 @@ class FrontPool:
             address=self.address(index),
             event_loop=link.ready.result().event_loop,
             busy_poll_us=link.ready.result().busy_poll_us,
+            frozen_objects=link.ready.result().frozen_objects,
         )
         return front
 

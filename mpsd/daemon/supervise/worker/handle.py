@@ -154,6 +154,7 @@ class WorkerProcess:
             memory_fraction=device.get("memory_fraction"),
             load_ms=round(reply.load_ms, 1),
             warmup_ms=round(reply.warmup_ms, 1),
+            frozen_objects=reply.frozen_objects,
         )
         if self.launch.accelerator == "mps" and device.get("kind") != "mps":
             # Triton's mps accelerator, off a Mac with a usable MPS: served anyway, and said why.
