@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+IMAGE = [3, 224, 224]  # each call's input, FP16 (`--small`: 16 values, as bench.run's small requests)
 IMAGE_BYTES = 3 * 224 * 224 * 2
 LOGITS_BYTES = 1000 * 2
 
@@ -66,7 +67,7 @@ def _config(batch: int) -> Any:
     return ModelConfig.model_validate(
         {
             "max_batch_size": batch,
-            "input": [{"name": "input", "data_type": "TYPE_FP16", "dims": [3, 224, 224]}],
+            "input": [{"name": "input", "data_type": "TYPE_FP16", "dims": IMAGE}],
             "output": [{"name": "logits", "data_type": "TYPE_FP16", "dims": [1000]}],
             "dynamic_batching": {"max_queue_delay_microseconds": 100_000, "preferred_batch_size": [batch]},
         }
@@ -81,23 +82,24 @@ class Channel:
     label = "resnet50/1#0"
     pid = None
 
-    def __init__(self, arena_id: int, rows: int) -> None:
+    def __init__(self, arena_id: int, rows: int, in_place: bool = True) -> None:
         from mpsd.daemon.dataplane.arenas import WorkerArenas
-        from mpsd.ipc import protocol as p
 
         self.arenas = WorkerArenas(lambda _: None)
         self.arenas.mapped = {arena_id}
         self.inputs = memoryview(bytearray(rows * IMAGE_BYTES))
         self.logits = memoryview(bytearray(rows * LOGITS_BYTES))
-        self.refs = (p.TensorRef,)
+        self.in_place = in_place  # a front's images are in its arena; a gRPC call's are in its message
         self.executions = 0
 
     async def infer_batch(self, tensors: Any, timings: Any, *args: Any, **kwargs: Any) -> Any:
         from mpsd.ipc import protocol as p
 
-        tensors.lay_out()
+        size = tensors.lay_out()
+        if size > len(self.inputs):
+            self.inputs = memoryview(bytearray(size))
         pieces = tensors.write(self.inputs, self.arenas.place)
-        assert len(pieces) == len(tensors.requests), "every image is taken in place"
+        assert not self.in_place or len(pieces) == len(tensors.requests), "every image is taken in place"
         rows = sum(r.batch_size for r in tensors.requests)
         self.executions += 1
         await asyncio.sleep(0)  # the model's time
@@ -138,7 +140,7 @@ def _request(rid: str) -> bytes:
     from mpsd.proto import grpc_service_pb2 as pb
 
     message = pb.ModelInferRequest(model_name="resnet50", id=rid)
-    message.inputs.add(name="input", datatype="FP16", shape=[1, 3, 224, 224])
+    message.inputs.add(name="input", datatype="FP16", shape=[1, *IMAGE])
     message.raw_input_contents.append(bytes(IMAGE_BYTES))
     return bytes(message.SerializeToString())
 
@@ -156,7 +158,7 @@ def _link(servicer: Any, arena: Any) -> Any:
     return FrontLink(0, front_calls(servicer), lambda _: None, arena=arena, submit=front_submit(servicer))
 
 
-async def _measure(batch: int, waves: int, profile: bool) -> dict[str, Any]:
+async def _measure(batch: int, waves: int, profile: bool, direct: bool = False) -> dict[str, Any]:
     from mpsd.daemon.api.grpc.inference import InferenceServicer
     from mpsd.daemon.api.operations import Operations
     from mpsd.daemon.dataplane.arenas import ARENAS
@@ -168,7 +170,7 @@ async def _measure(batch: int, waves: int, profile: bool) -> dict[str, Any]:
     plane = VersionPlane("resnet50", 1, config)
     region = Region.create((batch + 1) * (IMAGE_BYTES + 8192))
     arena_id = ARENAS.add(region)
-    channel = Channel(arena_id, batch)
+    channel = Channel(arena_id, batch, in_place=not direct)
     lane = plane.new_lane()
     plane.lanes = [lane]
     lane.attach(channel)
@@ -207,7 +209,14 @@ async def _measure(batch: int, waves: int, profile: bool) -> dict[str, Any]:
             protocol.buffer_updated(n)
             view = view[n:]
 
+    requests = [_request(str(call_id)) for call_id in range(1, batch + 1)]
+
     async def wave(data: bytes) -> None:
+        if direct:  # as gRPC's handler calls it where no front runs: a task per call, on its bytes
+            calls = [servicer.infer_serialized_parts(request, None) for request in requests]
+            await asyncio.gather(*calls)
+            link.counts.served += batch
+            return
         before = link.counts.served
         feed(data)
         while link.counts.served - before < batch:
@@ -248,6 +257,8 @@ def _one(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One measurement in a fresh interpreter, on `tree`'s mpsd."""
     command = [sys.executable, "-m", "bench.link_cost", "--child", str(tree), "--batch", str(args.batch)]
     command += ["--waves", str(args.waves)] + (["--profile"] if args.profile else [])
+    command += ["--direct"] if args.direct else []
+    command += ["--small"] if args.small else []
     done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
     return dict(json.loads(done.stdout.splitlines()[-1]))
 
@@ -259,11 +270,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline-tree", type=Path)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--small", action="store_true", help="16 values a call instead of an image")
+    parser.add_argument(
+        "--direct", action="store_true", help="the calls as gRPC's handler makes them without fronts"
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the tree to measure, in this process
     args = parser.parse_args()
     if args.child:
         sys.path.insert(0, str(args.child))  # its mpsd, not this tree's (nothing has imported mpsd yet)
-        print(json.dumps(asyncio.run(_measure(args.batch, args.waves, args.profile))))
+        if args.small:
+            global IMAGE, IMAGE_BYTES
+            IMAGE, IMAGE_BYTES = [16], 32
+        print(json.dumps(asyncio.run(_measure(args.batch, args.waves, args.profile, args.direct))))
         return
     trees = {"this tree": ROOT} | ({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
