@@ -40,6 +40,8 @@ class Call:
         self.request_id = split.request_id
 
     def parts(self) -> Sequence[bytes]:
+        if self.request_id == b"s9":
+            raise ValueError("a response that cannot be made")
         return [b"answer to ", bytes(self.request_id or b"")]
 
 
@@ -119,7 +121,7 @@ def test_a_submitted_call_is_answered_from_its_future_without_a_task() -> None:
 def test_a_submitted_call_fails_and_is_cancelled_as_a_task_would_be() -> None:
     async def run() -> None:
         daemon = Daemon()
-        await daemon.send("s1", "s2", "s3", "u4", "x5")
+        await daemon.send("s1", "s2", "s3", "u4", "x5", "s6", "s7", "s8", "s9")
         # Refused at submission: answered at once, with its status (a bug is INTERNAL, named).
         assert daemon.replies() == [
             (4, UNAVAILABLE, b"model 'm' version 1 is not ready (loading)"),
@@ -128,15 +130,17 @@ def test_a_submitted_call_fails_and_is_cancelled_as_a_task_would_be() -> None:
         daemon.submitted[b"s1"].future.set_exception(InvalidArgument("input 'x': expected 8 bytes"))
         daemon.submitted[b"s2"].future.set_exception(KeyError("k"))
         daemon.link._on_frame(Kind.CANCEL, 3, 0.0, b"")
+        daemon.submitted[b"s9"].future.set_result(None)
         await _settle()
         assert daemon.submitted[b"s3"].future.cancelled()  # the plane drops it from its batch
         assert daemon.replies()[2:] == [
             (1, INVALID, b"input 'x': expected 8 bytes"),
             (2, INTERNAL, b"KeyError: 'k'"),
             (3, CANCELLED, b"cancelled"),
+            (9, INTERNAL, b"ValueError: a response that cannot be made"),
         ]
-        assert daemon.link.calls == {}
-        assert daemon.link.counts.served == 4  # a cancelled call is not counted as served
+        assert sorted(daemon.link.calls) == [6, 7, 8]
+        assert daemon.link.counts.served == 5  # a cancelled call is not counted as served
 
     asyncio.run(run())
 

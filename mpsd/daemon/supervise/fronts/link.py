@@ -201,9 +201,13 @@ class FrontLink:
             self._answer(call_id, frame(Kind.REPLY, call_id, _CANCELLED, b"cancelled"))
             return
         error = future.exception()
-        reply = (
-            self._reply(call_id, submitted.parts(), chunk) if error is None else self._failure(call_id, error)
-        )
+        if error is None:
+            try:  # whatever happens here, the call gets its reply
+                reply = self._reply(call_id, submitted.parts(), chunk)
+            except Exception as exc:
+                reply = self._failure(call_id, exc)
+        else:
+            reply = self._failure(call_id, error)
         self._count(chunk, split=True)
         self._answer(call_id, reply)
 
