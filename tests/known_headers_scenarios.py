@@ -175,10 +175,14 @@ def outcome(servicer: InferenceServicer, data: bytes) -> tuple[str, object]:
     return ("ok", (rid, y.tolist()))
 
 
-def known_path_answers_as_the_full_path() -> None:
+Answer = Callable[[InferenceServicer, bytes], tuple[str, object]]  # `outcome`, or a front call's
+
+
+def answers_as_the_full_path(answer: Answer) -> None:
     """Property: a sequence of requests (shapes, ids, raw sizes that fit or not, some with a timeout
     parameter) gets the same answers and errors, in the same order, from a servicer that learns headers
-    as from one that never does (every request parsed and checked in full)."""
+    (each request answered by `answer`) as from one that never does (every request parsed and checked in
+    full)."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -202,10 +206,14 @@ def known_path_answers_as_the_full_path() -> None:
             a = np.full((rows, 4), k, np.float32)
             b = bytes(b_size) if b_size is not None else None
             data = request(a, b, rid, **({"timeout": 10_000_000} if timeout else {}))
-            assert outcome(learning, data) == outcome(plain, data), (k, sequence)
+            assert answer(learning, data) == outcome(plain, data), (k, sequence)
         assert len(plain.known) == 0
 
     same()
+
+
+def known_path_answers_as_the_full_path() -> None:
+    answers_as_the_full_path(outcome)
 
 
 def submitted_outcome(
@@ -234,36 +242,10 @@ def submitted_outcome(
 
 
 def submitted_calls_answer_as_the_full_path() -> None:
-    """Property: the same sequences as `known_path_answers_as_the_full_path`, sent as a front's calls,
-    get the same answers and errors as from a servicer that parses every request in full; the calls
-    whose header is known by then are submitted, not run in a task."""
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-
-    requests = st.lists(
-        st.tuples(
-            st.integers(1, 3),
-            st.sampled_from([None, 4, 8, 16]),
-            st.sampled_from(["", "r", "s", "i" * (MAX_ID + 1)]),
-            st.booleans(),
-        ),
-        min_size=1,
-        max_size=12,
-    )
+    """`answers_as_the_full_path` for a front's calls: the calls whose header is known by then are
+    submitted, not run in a task, and answer as the full path does."""
     submitted: list[str] = []
-
-    @settings(max_examples=60, deadline=None)
-    @given(requests)
-    def same(sequence: list[tuple[int, int | None, str, bool]]) -> None:
-        learning, plain = servicer(Registry()), servicer(Registry())
-        plain.known.learner = lambda *args: None  # type: ignore[method-assign]
-        for k, (rows, b_size, rid, timeout) in enumerate(sequence):
-            a = np.full((rows, 4), k, np.float32)
-            b = bytes(b_size) if b_size is not None else None
-            data = request(a, b, rid, **({"timeout": 10_000_000} if timeout else {}))
-            assert submitted_outcome(learning, data, submitted) == outcome(plain, data), (k, sequence)
-
-    same()
+    answers_as_the_full_path(lambda api, data: submitted_outcome(api, data, submitted))
     assert submitted, "no call was ever submitted"
     # The first request of a header is parsed and learned; the next with its bytes is submitted.
     first: list[str] = []
