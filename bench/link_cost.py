@@ -158,7 +158,9 @@ def _link(servicer: Any, arena: Any) -> Any:
     return FrontLink(0, front_calls(servicer), lambda _: None, arena=arena, submit=front_submit(servicer))
 
 
-async def _measure(batch: int, waves: int, profile: bool, direct: bool = False) -> dict[str, Any]:
+async def _measure(
+    batch: int, waves: int, profile: bool, direct: bool = False, deadline_s: float | None = None
+) -> dict[str, Any]:
     from mpsd.daemon.api.grpc.inference import InferenceServicer
     from mpsd.daemon.api.operations import Operations
     from mpsd.daemon.dataplane.arenas import ARENAS
@@ -187,8 +189,9 @@ async def _measure(batch: int, waves: int, profile: bool, direct: bool = False) 
     front.attach_arena(region.name, region.size)
     sent = Transport()
     front.writer.transport = sent
-    # No deadline, as the load generator's calls have none (a queued call with one arms a timer).
-    frames = [front._infer_frame(call_id, -1.0, _request(str(call_id))) for call_id in range(1, batch + 1)]
+    # No deadline by default, as the load generator's calls have none; `--deadline-s`: each call's.
+    left = deadline_s if deadline_s is not None else -1.0
+    frames = [front._infer_frame(call_id, left, _request(str(call_id))) for call_id in range(1, batch + 1)]
     for parts in frames:
         front.send(parts)
     await asyncio.sleep(0)
@@ -259,6 +262,7 @@ def _one(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     command += ["--waves", str(args.waves)] + (["--profile"] if args.profile else [])
     command += ["--direct"] if args.direct else []
     command += ["--small"] if args.small else []
+    command += ["--deadline-s", str(args.deadline_s)] if args.deadline_s is not None else []
     done = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
     return dict(json.loads(done.stdout.splitlines()[-1]))
 
@@ -271,6 +275,7 @@ def main() -> None:
     parser.add_argument("--baseline-tree", type=Path)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--small", action="store_true", help="16 values a call instead of an image")
+    parser.add_argument("--deadline-s", type=float, help="each front call's deadline (default: none)")
     parser.add_argument(
         "--direct", action="store_true", help="the calls as gRPC's handler makes them without fronts"
     )
@@ -281,7 +286,8 @@ def main() -> None:
         if args.small:
             global IMAGE, IMAGE_BYTES
             IMAGE, IMAGE_BYTES = [16], 32
-        print(json.dumps(asyncio.run(_measure(args.batch, args.waves, args.profile, args.direct))))
+        measured = _measure(args.batch, args.waves, args.profile, args.direct, args.deadline_s)
+        print(json.dumps(asyncio.run(measured)))
         return
     trees = {"this tree": ROOT} | ({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})
     got: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}

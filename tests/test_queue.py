@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpsd.config.model_config import ModelConfig
+from mpsd.daemon.dataplane.alarms import SWEEP_AFTER, Alarms
 from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.dataplane.plane import VersionPlane
 from mpsd.daemon.dataplane.queue import Pending, RequestQueue
@@ -604,11 +605,13 @@ def test_a_requests_timeout_overrides_its_levels_only_where_allowed(
         await asyncio.sleep(expected_ms / 1000 - 0.001)
         assert await queue.next_batch() == [item]  # not moved yet
         item = at_level(loop, 1, timeout_us=timeout_us)
-        later = at_level(loop, 1)
         queue.put(item)
+        await asyncio.sleep(0.0005)  # the later request's own timeout (the level's) ends after `item`'s
+        later = at_level(loop, 1)
         queue.put(later)
-        await asyncio.sleep(expected_ms / 1000 + 0.001)
-        assert (await drain(queue))[-2:] == [[later], [item]]
+        await asyncio.sleep(expected_ms / 1000 - 0.0003)
+        order = [batch[0] for batch in await drain(queue)]
+        assert order.index(later) < order.index(item)  # moved behind `later`
         assert not item.future.done()
 
     run(scenario)
@@ -822,3 +825,60 @@ def test_a_scenario_that_waits_for_ever_fails_at_the_limit() -> None:
 
     with pytest.raises(asyncio.TimeoutError):
         run(scenario)
+
+
+# ---- the queue's alarms ------------------------------------------------------------------------------------
+
+
+def test_one_timer_of_the_loops_stands_for_every_queued_deadline() -> None:
+    """A hundred requests queued with deadlines arm one timer of the loop's, not one each (each deadline
+    later than the one before, as with clients that all wait as long); each is still answered at its own
+    deadline, in deadline order, and a request taken before its deadline never is."""
+
+    async def scenario(loop: VirtualLoop) -> None:
+        armed = 0
+        call_later = loop.call_later
+
+        def counting(*args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            nonlocal armed
+            armed += 1
+            return call_later(*args, **kwargs)
+
+        loop.call_later = counting  # type: ignore[method-assign]
+        queue = queue_on(loop, max_batch_size=1)
+        start = loop.time()
+        items = [pending(loop, deadline=start + 1 + i / 1000) for i in range(100)]
+        for item in items:
+            queue.put(item)
+        assert armed == 1
+        taken = await queue.next_batch()  # the first in
+        answered: list[int] = []
+        for i, item in enumerate(items[1:], 1):
+            item.future.add_done_callback(lambda _, i=i: answered.append(i))
+        await asyncio.sleep(1.2)
+        assert answered == list(range(1, 100))  # the earliest deadline first
+        assert all(isinstance(item.future.exception(), DeadlineExceeded) for item in items[1:])
+        assert taken == [items[0]] and not items[0].future.done()
+
+    run(scenario)
+
+
+def test_alarms_ring_in_order_once_and_cancelled_ones_are_swept() -> None:
+    async def scenario(loop: VirtualLoop) -> None:
+        rung: list[str] = []
+        alarms: Alarms[str] = Alarms(lambda item, moves: rung.append(item), loop.time)
+        at = loop.time() + 1
+        for name in "abc":
+            alarms.set(at, name)
+        alarms.set(at, "d").cancel()
+        await asyncio.sleep(1)
+        assert rung == ["a", "b", "c"]  # equal moments in the order they were set; "d" never
+        later = [alarms.set(loop.time() + 60, str(i)) for i in range(1000)]
+        for alarm in later:
+            alarm.cancel()
+        alarms.set(loop.time() + 60, "kept")
+        assert len(alarms) <= 2 * SWEEP_AFTER  # the cancelled ones do not pile up until their moment
+        await asyncio.sleep(61)
+        assert rung == ["a", "b", "c", "kept"]
+
+    run(scenario)

@@ -23,12 +23,18 @@ from mpsd.daemon.dataplane.priorities import Queued, Sizes
 from mpsd.daemon.dataplane.request import InferRequest
 
 
+class Alarmed(Protocol):
+    """What answers a queued request at its deadline (`alarms.Alarm`): cancelled when it leaves the queue."""
+
+    def cancel(self) -> None: ...
+
+
 class Batchable(Queued, Protocol):
     """A queued request, as batched here (the queue's `Pending`)."""
 
     request: InferRequest
     enqueued_ns: int
-    timer: asyncio.TimerHandle | None  # answers it at its deadline while it is queued
+    timer: Alarmed | None  # answers it at its deadline while it is queued
 
     @property
     def key(self) -> Hashable: ...
@@ -169,7 +175,7 @@ class BatchForming(ABC, Generic[Item]):
 
 
 def disarm(items: Iterable[Batchable]) -> None:
-    """Stop the items' deadline timers: they left the queue."""
+    """Cancel the items' alarms: they left the queue."""
     for item in items:
         if item.timer is not None:
             item.timer.cancel()

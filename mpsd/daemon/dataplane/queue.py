@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from mpsd.config.model_config import ModelConfig
-from mpsd.daemon.dataplane.batching import BatchForming, disarm
+from mpsd.daemon.dataplane.alarms import Alarms
+from mpsd.daemon.dataplane.batching import Alarmed, BatchForming, disarm
 from mpsd.daemon.dataplane.priorities import Policy, Priorities, Sizes, place, queue_full, timeout_expired
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, Timings
 from mpsd.daemon.dataplane.streaming import ResponseStream
@@ -36,7 +37,7 @@ class Pending:
     enqueued_ns: int
     deadline: float | None = None  # time.monotonic() by which it must have started, or it is not run
     timings: Timings = field(default_factory=Timings)
-    timer: asyncio.TimerHandle | None = None  # answers it at its deadline while it is queued
+    timer: Alarmed | None = None  # answers it at its deadline while it is queued (`alarms.py`)
     stream: ResponseStream | None = None  # a decoupled model's request: where its responses go
     level: int = 0  # its priority level (0: the model has none)
     reject_at: float | None = None  # its level's timeout under REJECT (then also its deadline, if earlier)
@@ -99,6 +100,7 @@ class RequestQueue(BatchForming[Pending]):
         self._arrived = asyncio.Event()
         self._settle = settle
         self._gathering = 0  # requests that skipped the queue and wait for others to join them
+        self._alarms: Alarms[Pending] = Alarms(self._expire, clock)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -207,10 +209,8 @@ class RequestQueue(BatchForming[Pending]):
         at, moves = item.deadline, False
         if item.delay_at is not None and not item.delayed and (at is None or item.delay_at < at):
             at, moves = item.delay_at, True
-        if at is None:
-            return
-        delay = max(0.0, at - self._clock())
-        item.timer = asyncio.get_running_loop().call_later(delay, self._expire, item, moves)
+        if at is not None:
+            item.timer = self._alarms.set(at, item, moves)
 
     def _expire(self, item: Pending, moves: bool = False) -> None:
         item.timer = None
