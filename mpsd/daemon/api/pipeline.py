@@ -24,6 +24,7 @@ from mpsd.daemon.api.tracing import Incoming, Tracing
 from mpsd.daemon.core.model_version import ModelVersion
 from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.requests import Deadline, Stages
+from mpsd.daemon.dataplane.plane import Then
 from mpsd.daemon.dataplane.request import InferRequest, InferResult
 from mpsd.daemon.dataplane.tracing import NO_TRACE, Trace
 from mpsd.errors import MpsdError, Unimplemented
@@ -161,7 +162,7 @@ class Pipeline:
         version: str,
         bind: Callable[[ModelConfig], InferRequest | None],
         deadline: float | None,
-        then: Callable[[asyncio.Future[InferResult]], None],
+        then: Then,
     ) -> asyncio.Future[InferResult] | None:
         """`infer_checked` without a coroutine, for a caller that takes many requests in one callback: the
         request submitted to its version's plane (`VersionPlane.submit`), whose future gets its result and

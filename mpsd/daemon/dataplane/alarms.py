@@ -25,11 +25,10 @@ SWEEP_AFTER = 64
 class Alarm(Generic[T]):
     """One request's moment: `cancel` once it leaves the queue (what `batching.disarm` calls)."""
 
-    __slots__ = ("_alarms", "at", "cancelled", "item", "moves")
+    __slots__ = ("_alarms", "cancelled", "item", "moves")
 
-    def __init__(self, alarms: Alarms[T], at: float, item: T, moves: bool) -> None:
+    def __init__(self, alarms: Alarms[T], item: T, moves: bool) -> None:
         self._alarms = alarms
-        self.at = at
         self.item = item
         self.moves = moves  # under DELAY: the request moves back, it is not dropped
         self.cancelled = False
@@ -57,7 +56,7 @@ class Alarms(Generic[T]):
         return len(self._heap)
 
     def set(self, at: float, item: T, moves: bool = False) -> Alarm[T]:
-        alarm = Alarm(self, at, item, moves)
+        alarm = Alarm(self, item, moves)
         heapq.heappush(self._heap, (at, next(self._order), alarm))
         if at < self._timer_at:
             self._schedule(at)
