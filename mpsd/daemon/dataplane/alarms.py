@@ -3,7 +3,7 @@ kept in one heap under one timer of the event loop's, the earliest's.
 
 A timer of the loop's for each request (`call_later`) costs a handle, a push into the loop's heap, whose
 entries compare in Python, and a cancellation when the request leaves the queue, nearly always long
-before its deadline: a sixth of the daemon's CPU on a front's call, where clients set deadlines. Here a
+before its deadline: a tenth of the daemon's CPU on a front's call, where clients set deadlines. Here a
 request's alarm is a small object in a heap of tuples that compare in C; leaving the queue marks it
 cancelled, and cancelled alarms are swept out once they are more than half the heap.
 """

@@ -2,9 +2,10 @@
 front read; and, for a call whose header is known, submitted in the callback that read its frame.
 
 A front's link reads many calls per read of its socket. Submitted there (`submit`), a known call is queued
-at once and answered from its future: no task and no chain of coroutines per call, which were a fifth of
-the daemon's CPU per request at saturation. Every other call (a new header, a traced one, a model to load)
-takes `infer`, the servicer's bytes path, in a task of its own.
+at once and answered from its future: no task and no chain of coroutines per call, which cost an eighth
+of the daemon's CPU per request at saturation (ResNet-50 on the H200: 99-103 against 86-91 us an image).
+Every other call (a new header, a traced one, a model to load) takes `infer`, the servicer's bytes path,
+in a task of its own.
 """
 
 from __future__ import annotations
