@@ -60,6 +60,20 @@ BINARY: dict[str, object] = {
         OUT,
     ),
     "infer, extreme ints": p.Infer(2**63 - 1, (X,), ("y",), IN, p.RegionRef("", 0), -1, -(2**63), 0),
+    "infer, a batch of images in fronts' arenas": p.Infer(
+        14,
+        (p.TensorRef("input", "FP16", (64, 3, 224, 224), 64, 64 * 301056),),
+        ("logits",),
+        IN,
+        OUT,
+        1,
+        5,
+        64,
+        pieces=tuple(p.Piece(0, 1 + k % 3, k * 303104, 64 + k * 301056, 301056) for k in range(64)),
+    ),
+    "infer, extreme pieces": p.Infer(
+        15, (X,), ("y",), IN, OUT, pieces=(p.Piece(2**63 - 1, -(2**63), 0, -1, 2**63 - 1), p.Piece(0, 0, 0, 0, 0))
+    ),
     "done, on the CPU": p.InferDone(
         7, (p.TensorRef("OUTPUT0", "FP32", (1, 16), 0, 64),), 10, 20, 30, 40, None
     ),
@@ -191,6 +205,7 @@ PICKLED: dict[str, object] = {
     "req_id past int64": p.StreamAck(2**64, 1),
     "offset past int64": p.InferDone(1, (p.TensorRef("y", "FP32", (1,), 2**63, 4),), 1, 2, 3),
     "negative past int64": p.Infer(1, (p.TensorRef("y", "FP32", (-(2**63) - 1,), 0, 4),), (), IN, OUT),
+    "piece past int64": p.Infer(1, (X,), ("y",), IN, OUT, pieces=(p.Piece(0, 1, 2**63, 64, 4),)),
     "device time past int64": p.InferDone(1, (), 1, 2, 3, 4, 2**70),
     "name past 65535 bytes": p.Infer(1, (X,), ("é" * 40_000,), IN, OUT),
     "lone surrogate": p.InferFailed(1, "INTERNAL", "bad byte \udc80"),
@@ -260,7 +275,18 @@ REGION = st.builds(p.RegionRef, NAMES, st.integers(0, 2**63 - 1))
 @settings(max_examples=200, deadline=None)
 @given(
     message=st.one_of(
-        st.builds(p.Infer, INT, REFS, st.lists(NAMES, max_size=4).map(tuple), REGION, REGION, INT, INT, INT),
+        st.builds(
+            p.Infer,
+            INT,
+            REFS,
+            st.lists(NAMES, max_size=4).map(tuple),
+            REGION,
+            REGION,
+            INT,
+            INT,
+            INT,
+            st.lists(st.builds(p.Piece, INT, INT, INT, INT, INT), max_size=5).map(tuple),
+        ),
         st.builds(p.InferDone, INT, REFS, INT, INT, INT, INT, st.none() | INT),
         st.builds(p.InferFailed, INT, NAMES, st.text(max_size=300)),
         st.builds(p.StreamPart, INT, INT, REFS),

@@ -8,6 +8,7 @@ a python model's calls to other models (`Call`), which travel inline.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # Exit codes are part of the protocol: the supervisor treats "failed to load" differently from a crash.
 EXIT_OK = 0
@@ -139,11 +140,11 @@ class ArenaRef:
     size: int
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Bytes of an execution's input that are in a front's arena, not in the seat's input region: the worker
     takes `nbytes` from offset `src` of arena `arena_id` for input `input` (its index), to stand at offset
-    `dst` of the input region's layout (the region's bytes there are not written)."""
+    `dst` of the input region's layout (the region's bytes there are not written). A named tuple: the daemon
+    makes one per request of a batch on its thread, and the Infer frame carries them as plain integers."""
 
     input: int
     arena_id: int

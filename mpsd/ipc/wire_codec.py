@@ -18,6 +18,7 @@ import operator
 import pickle
 import struct
 from collections.abc import Callable
+from itertools import chain
 from typing import Any, TypeVar
 
 from mpsd.ipc import protocol as p
@@ -30,7 +31,8 @@ INFER, INFER_DONE, INFER_FAILED, STREAM_PART, STREAM_ACK = 1, 2, 3, 4, 5
 
 # Each message: a fixed head, then for some a variable tail. Integers are little-endian int64, lengths and
 # counts uint16 (a string's length in UTF-8 bytes).
-_INFER = struct.Struct("<Bqqqq")  # kind, req_id, seat, sent_ns, requests; tail: _INFER_TAIL
+_INFER = struct.Struct("<BqqqqI")  # kind, req_id, seat, sent_ns, requests, pieces; then each piece's
+# five fields (int64 each), then the tail: _INFER_TAIL
 _DONE = struct.Struct("<Bqqqqq?q")  # kind, req_id, compute input/infer/output ns, waited, has device, device
 _PART = struct.Struct("<Bqq")  # kind, req_id, index; tail: refs
 _ACK = struct.Struct("<Bqq?")  # kind, req_id, index, stop
@@ -42,6 +44,7 @@ _INFER_TAIL = struct.Struct("<qqHHHH")
 # StreamPart) are preceded by their count.
 _REF = struct.Struct("<HHHqq")  # name's length, datatype's length, dims, offset, nbytes
 _COUNT = struct.Struct("<H")
+_PIECE_FIELDS = len(p.Piece._fields)
 _DIMS = tuple(struct.Struct(f"<{n}q") for n in range(9))
 
 CACHE_ENTRIES = 1024  # per cache; when full it starts over (a model whose shapes vary misses each time)
@@ -133,10 +136,8 @@ _refs_tails: dict[tuple[object, ...], bytes] = {}
 
 
 def _pack_infer(msg: p.Infer) -> bytes:
-    if msg.pieces or msg.parameters or msg.trace:
-        # pickled: only large batches have pieces, where pickling costs little; parameters and traces are
-        # rare
-        raise TypeError("pieces, parameters or trace: pickled")
+    if msg.parameters or msg.trace:
+        raise TypeError("parameters or trace: pickled (rare)")
     if msg.sequence:
         raise TypeError("sequence: pickled (only sequence models' executions have it)")
     i, o = msg.input_region, msg.output_region
@@ -144,7 +145,12 @@ def _pack_infer(msg: p.Infer) -> bytes:
     tail = _infer_tails.get(key)
     if tail is None:
         tail = _remember(_infer_tails, key, _infer_tail(msg))
-    return _INFER.pack(INFER, msg.req_id, msg.seat, msg.sent_ns, msg.requests) + tail
+    pieces = msg.pieces
+    head = _INFER.pack(INFER, msg.req_id, msg.seat, msg.sent_ns, msg.requests, len(pieces))
+    if not pieces:
+        return head + tail
+    # A batch of images from fronts' arenas has a piece per image: plain integers, not a pickle of each.
+    return b"".join((head, struct.pack(f"<{_PIECE_FIELDS * len(pieces)}q", *chain.from_iterable(pieces)), tail))
 
 
 def _pack_refs(refs: tuple[p.TensorRef, ...]) -> bytes:
@@ -264,8 +270,15 @@ def _refs_at(payload: Buffer, start: int) -> tuple[p.TensorRef, ...]:
 
 
 def _unpack_infer(payload: Buffer) -> p.Infer:
-    _, req_id, seat, sent_ns, requests = _INFER.unpack_from(payload)
-    tail = bytes(payload[_INFER.size :])
+    _, req_id, seat, sent_ns, requests, n_pieces = _INFER.unpack_from(payload)
+    start = _INFER.size + 8 * _PIECE_FIELDS * n_pieces
+    if len(payload) < start:
+        raise MalformedFrame(f"an Infer of {len(payload)} bytes cannot hold its {n_pieces} pieces")
+    pieces: tuple[p.Piece, ...] = ()
+    if n_pieces:
+        values = struct.unpack_from(f"<{_PIECE_FIELDS * n_pieces}q", payload, _INFER.size)
+        pieces = tuple(map(p.Piece._make, zip(*[iter(values)] * _PIECE_FIELDS, strict=True)))
+    tail = bytes(payload[start:])
     parts = _infer_parts.get(tail)
     if parts is None:
         parts = _remember(_infer_parts, tail, _parse_infer_tail(tail))
@@ -280,7 +293,7 @@ def _unpack_infer(payload: Buffer) -> p.Infer:
         seat=seat,
         sent_ns=sent_ns,
         requests=requests,
-        pieces=(),
+        pieces=pieces,
         parameters=(),
         sequence=(),
         trace="",
