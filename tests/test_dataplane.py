@@ -13,6 +13,8 @@ daemon: test_batching, test_infer.
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -297,3 +299,88 @@ def test_losing_the_last_worker_answers_the_queued_requests_with_the_reason() ->
     assert asyncio.run(scenario()) == (
         "model 'm' version 1 is not ready: worker restarting after killed by signal 9"
     )
+
+
+def serving() -> tuple[VersionPlane, Any]:
+    """A plane whose one lane's channel is attached, and no dispatcher: what is submitted stays queued."""
+    plane = QueuedOnly("m", 1, config(4, batching=True))
+    lane = plane.new_lane()
+    plane.lanes = [lane]
+    plane.closed = None
+    lane.attach(FakeChannel([], "m/1#0"))  # type: ignore[arg-type]
+    return plane, lane
+
+
+def test_a_submitted_request_is_counted_and_told_in_the_call_that_answers_it() -> None:
+    """`submit`'s futures tell their submitter where they are settled, not in a later pass of the loop: a
+    batch's answers, a failure of the queue, or the submitter's cancel each leave every submitted request
+    counted, out of flight and told when the call returns (no `await` in between)."""
+
+    async def scenario() -> None:
+        plane, lane = serving()
+        told: list[asyncio.Future[InferResult]] = []
+        futures = [plane.submit(request(str(i), 1, 2, False), then=told.append) for i in range(3)]
+        assert plane.flight.count == 3 and not told
+        futures[0].cancel()
+        assert told == futures[:1] and plane.flight.count == 2
+        plane.fail_queued(Unavailable("model 'm' version 1 is not ready: unloading"))
+        assert told == futures and plane.flight.count == 0
+        assert plane.stats.fail.count == 2  # the cancelled one is not counted, as with `infer`
+        assert [f.exception().message for f in futures[1:]] == [
+            "model 'm' version 1 is not ready: unloading"
+        ] * 2  # type: ignore[union-attr]
+
+        batch = [plane.submit(request(str(i), 1, 2, False), then=told.append) for i in range(2)]
+        items = plane.queue.take_all()
+        await plane.execute(items, lane.channel)  # type: ignore[arg-type]
+        assert told[-2:] == batch and plane.flight.count == 0
+        assert plane.stats.success.count == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_then_is_the_loops_to_report_and_the_others_are_still_answered() -> None:
+    async def scenario() -> list[Any]:
+        loop = asyncio.get_running_loop()
+        reported: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _, context: reported.append(context))
+        plane, _ = serving()
+        told: list[asyncio.Future[InferResult]] = []
+
+        def broken(_: asyncio.Future[InferResult]) -> None:
+            raise RuntimeError("a reply that cannot be written")
+
+        first = plane.submit(request("0", 1, 2, False), then=broken)
+        second = plane.submit(request("1", 1, 2, False), then=told.append)
+        plane.fail_queued(Unavailable("gone"))
+        assert first.done() and told == [second] and plane.flight.count == 0
+        return [type(c["exception"]) for c in reported]
+
+    assert asyncio.run(scenario()) == [RuntimeError]
+
+
+def test_a_told_request_is_freed_without_the_collector() -> None:
+    """A submitter holds its request's future (as a front's call does) and the future its `then`: once told,
+    the future lets go of `then`, or every request would leave a cycle for the collector."""
+
+    class Caller:
+        def __init__(self) -> None:
+            self.future: asyncio.Future[InferResult] | None = None
+
+        def then(self, future: asyncio.Future[InferResult]) -> None:
+            self.future = future
+
+    async def scenario() -> None:
+        plane, _ = serving()
+        caller = Caller()
+        gone = weakref.ref(plane.submit(request("0", 1, 2, False), then=caller.then))
+        plane.fail_queued(Unavailable("model 'm' version 1 is not ready: unloading"))
+        assert caller.future is gone()
+        del caller
+        assert gone() is None, "freed as its last reference went"
+
+    gc.disable()
+    try:
+        asyncio.run(scenario())
+    finally:
+        gc.enable()

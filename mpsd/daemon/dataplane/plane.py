@@ -22,7 +22,7 @@ from mpsd.daemon.dataplane.calls import Chain
 from mpsd.daemon.dataplane.channel import Channel
 from mpsd.daemon.dataplane.lane import Lane
 from mpsd.daemon.dataplane.marshal import BatchTensors
-from mpsd.daemon.dataplane.queue import Pending, RequestQueue, fail_all
+from mpsd.daemon.dataplane.queue import Pending, RequestQueue, Told, fail_all
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, OutputTensor, Timings
 from mpsd.daemon.dataplane.stats import VersionStats
 from mpsd.daemon.dataplane.streaming import ResponseStream
@@ -153,13 +153,10 @@ class VersionPlane:
         """`infer` without a task or coroutine per request, for a caller that takes many in one callback (a
         front's link): the request is admitted at once, and its future gets the result. A direct execution
         runs in a task (`run_direct` raises nothing: it answers every future); cancelling the future drops
-        the request as `infer`'s cancelled caller does. `then(future)` runs once it is counted: one
-        callback, not two, for each request."""
-        item, direct = self._enter(request, deadline)
+        the request as `infer`'s cancelled caller does. `then(future)` runs once it is counted, in the
+        call that settles the future (`Told`): no callback of the loop's for each request."""
+        item, direct = self._enter(request, deadline, then, submitted=True)
         self.flight.__enter__()
-        item.future.add_done_callback(
-            functools.partial(self._settled, item.enqueued_ns, request.batch_size, then)
-        )
         if direct is not None:
             run = asyncio.get_running_loop().create_task(
                 direct[0].run_direct([item], direct[1], gather=self.flight.count > 1)
@@ -181,13 +178,18 @@ class VersionPlane:
             then(future)
 
     def _enter(
-        self, request: InferRequest, deadline: float | None
+        self, request: InferRequest, deadline: float | None, then: Then | None = None, submitted: bool = False
     ) -> tuple[Pending, tuple[VersionLane, Channel] | None]:
-        """The request admitted: its place in the queue, or the idle lane it runs on at once (not queued)."""
+        """The request admitted: its place in the queue, or the idle lane it runs on at once (not queued).
+        A submitted one's future is `Told`: it is counted, and `then` runs, where it is settled."""
         if not self.ready and not self.holds(request):
             raise self.refusal()
         start = time.perf_counter_ns()
-        future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[InferResult] = (
+            Told(functools.partial(self._settled, start, request.batch_size, then))
+            if submitted
+            else asyncio.get_running_loop().create_future()
+        )
         shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
         item = Pending(request, future, start, deadline, shape_key=shape_key)
         if request.trace is not None:

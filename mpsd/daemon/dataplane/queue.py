@@ -28,6 +28,46 @@ from mpsd.errors import DeadlineExceeded, MpsdError
 from mpsd.net.settle import settled
 
 
+class Told(asyncio.Future[InferResult]):
+    """A submitted request's future (`VersionPlane.submit`): once done (answered, failed or cancelled) it
+    tells its submitter at once, in the call that settled it, not through a callback the loop runs later:
+    no handle and no pass of the loop per request. A failure in `tell` is the loop's to report, as a
+    callback's would be; whoever settled the future goes on."""
+
+    __slots__ = ("_tell",)
+
+    def __init__(self, tell: Callable[[asyncio.Future[InferResult]], None]) -> None:
+        super().__init__()
+        self._tell: Callable[[asyncio.Future[InferResult]], None] | None = tell
+
+    def set_result(self, result: InferResult) -> None:
+        super().set_result(result)
+        self._told()
+
+    def set_exception(self, exception: type | BaseException) -> None:
+        super().set_exception(exception)
+        self._told()
+
+    def cancel(self, msg: object = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self._told()
+        return True
+
+    def _told(self) -> None:
+        # Let go of `tell` first, as a future lets go of its callbacks: the submitter often holds this
+        # future, and the cycle would outlive the request until a collection.
+        tell, self._tell = self._tell, None
+        if tell is None:
+            return
+        try:
+            tell(self)
+        except Exception as exc:
+            self.get_loop().call_exception_handler(
+                {"message": "a submitted request's answer failed", "exception": exc, "future": self}
+            )
+
+
 @dataclass
 class Pending:
     """A request waiting for, or being run by, an instance. Its future always ends: result or error."""
