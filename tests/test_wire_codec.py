@@ -72,7 +72,12 @@ BINARY: dict[str, object] = {
         pieces=tuple(p.Piece(0, 1 + k % 3, k * 303104, 64 + k * 301056, 301056) for k in range(64)),
     ),
     "infer, extreme pieces": p.Infer(
-        15, (X,), ("y",), IN, OUT, pieces=(p.Piece(2**63 - 1, -(2**63), 0, -1, 2**63 - 1), p.Piece(0, 0, 0, 0, 0))
+        15,
+        (X,),
+        ("y",),
+        IN,
+        OUT,
+        pieces=(p.Piece(2**63 - 1, -(2**63), 0, -1, 2**63 - 1), p.Piece(0, 0, 0, 0, 0)),
     ),
     "done, on the CPU": p.InferDone(
         7, (p.TensorRef("OUTPUT0", "FP32", (1, 16), 0, 64),), 10, 20, 30, 40, None

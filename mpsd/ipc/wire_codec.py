@@ -150,7 +150,9 @@ def _pack_infer(msg: p.Infer) -> bytes:
     if not pieces:
         return head + tail
     # A batch of images from fronts' arenas has a piece per image: plain integers, not a pickle of each.
-    return b"".join((head, struct.pack(f"<{_PIECE_FIELDS * len(pieces)}q", *chain.from_iterable(pieces)), tail))
+    return b"".join(
+        (head, struct.pack(f"<{_PIECE_FIELDS * len(pieces)}q", *chain.from_iterable(pieces)), tail)
+    )
 
 
 def _pack_refs(refs: tuple[p.TensorRef, ...]) -> bytes:
