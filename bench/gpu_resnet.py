@@ -158,6 +158,11 @@ def main() -> None:
         help="a second mpsd (this tree, unless --beside-tree) with this busy_poll_us, measured the same way",
     )
     parser.add_argument(
+        "--beside-event-loop",
+        choices=["asyncio", "uvloop"],
+        help="a second mpsd (this tree, unless --beside-tree) on this event_loop, measured the same way",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="optimization.cuda.graphs on (recorded at the default sizes)",
@@ -308,7 +313,7 @@ def main() -> None:
 
 def start_beside(args: argparse.Namespace, work: Path) -> common.Server | None:
     """The second mpsd of --beside-tree / --beside-busy-poll-us (same model repository), or None."""
-    if args.beside_tree is None and args.beside_busy_poll_us is None:
+    if args.beside_tree is None and args.beside_busy_poll_us is None and args.beside_event_loop is None:
         return None
     settings = {"busy_poll_us": args.beside_busy_poll_us} if args.beside_busy_poll_us is not None else None
     return common.start_mpsd(
@@ -316,7 +321,7 @@ def start_beside(args: argparse.Namespace, work: Path) -> common.Server | None:
         work,
         name="mpsd-beside",
         front_processes=args.front_processes,
-        event_loop=args.event_loop,
+        event_loop=args.beside_event_loop or args.event_loop,
         settings=settings,
         source=args.beside_tree,
     )
@@ -328,6 +333,8 @@ def beside_info(args: argparse.Namespace) -> dict[str, Any]:
         info |= baseline_info(args.beside_tree)
     if args.beside_busy_poll_us is not None:
         info["busy_poll_us"] = args.beside_busy_poll_us
+    if args.beside_event_loop is not None:
+        info["event_loop"] = args.beside_event_loop
     return info
 
 
