@@ -134,3 +134,23 @@ def test_a_batched_output_without_the_batch_as_first_dimension_is_an_internal_er
     b = request(1, floats(5, 6), bytes(3))
     with pytest.raises(Internal, match="first dimension must be the batch"):
         split([a, b], [TensorRef("y", "FP32", (2,), 0, 8)], memoryview(bytearray(8)), 3)
+
+
+def test_string_outputs_are_split_where_each_requests_first_row_starts() -> None:
+    """BYTES rows differ in size: each request's rows are found by walking the elements, and a fixed-size
+    output beside them is still cut by its row size."""
+    a = request(2, floats(1, 2, 3, 4), bytes(6), ("s", "y"))
+    b = request(1, floats(5, 6), bytes(3), ("s",))
+    items = [b"a", b"bb", b"", b"dddd", b"e", b"ff"]  # 3 rows of 2 elements
+    data = b"".join(struct.pack("<I", len(item)) + item for item in items)
+    out = bytearray(256)
+    out[: len(data)] = data
+    out[128:140] = floats(10, 20, 30)
+    refs = [TensorRef("s", "BYTES", (3, 2), 0, len(data)), TensorRef("y", "FP32", (3,), 128, 12)]
+    first, second = split([a, b], refs, memoryview(out), 3)
+    strings_of = [struct.pack("<I", len(i)) + i for i in items]
+    assert [(t.name, t.shape, t.data) for t in first] == [
+        ("s", (2, 2), b"".join(strings_of[:4])),
+        ("y", (2,), floats(10, 20)),
+    ]
+    assert [(t.name, t.shape, t.data) for t in second] == [("s", (1, 2), b"".join(strings_of[4:]))]

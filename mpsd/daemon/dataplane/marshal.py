@@ -98,39 +98,34 @@ def split(
                 f"output '{ref.name}': a batch of {total_rows} rows gave shape {list(ref.shape)}; "
                 "the first dimension must be the batch"
             )
-    bounds = {ref.name: _row_bounds(ref, buf, total_rows) for ref in refs}
+    # Each output's place once per batch (not per request): its ref's fields, and its rows' size (fixed-size
+    # data) or where each row starts (strings).
+    places = {
+        ref.name: (ref.datatype, ref.offset, ref.shape[1:], _rows(ref, buf, total_rows)) for ref in refs
+    }
     results = []
     row = 0
     for r in requests:
+        n = r.batch_size
         tensors = []
         for name in r.outputs:
-            ref = by_name[name]
-            rows = bounds[name]
-            start, end = ref.offset + rows[row], ref.offset + rows[row + r.batch_size]
-            tensors.append(
-                OutputTensor(name, ref.datatype, (r.batch_size, *ref.shape[1:]), bytes(buf[start:end]))
-            )
+            datatype, offset, tail, rows = places[name]
+            if isinstance(rows, int):
+                start = offset + row * rows
+                end = start + n * rows
+            else:
+                start, end = offset + rows[row], offset + rows[row + n]
+            tensors.append(OutputTensor(name, datatype, (n, *tail), bytes(buf[start:end])))
         results.append(tuple(tensors))
-        row += r.batch_size
+        row += n
     return results
 
 
-class _EvenRows:
-    """Where each row of a fixed-size output starts (relative to the output): row i at i x row bytes."""
-
-    __slots__ = ("row_bytes",)
-
-    def __init__(self, row_bytes: int) -> None:
-        self.row_bytes = row_bytes
-
-    def __getitem__(self, row: int) -> int:
-        return row * self.row_bytes
-
-
-def _row_bounds(ref: p.TensorRef, buf: memoryview, total_rows: int) -> _EvenRows | list[int]:
-    """Where each row of an output starts; strings' rows are found by walking their elements."""
+def _rows(ref: p.TensorRef, buf: memoryview, total_rows: int) -> int | list[int]:
+    """An output's rows: the size of each (fixed-size data), or where each starts, found by walking the
+    elements (strings)."""
     if ref.datatype != strings.DATATYPE:
-        return _EvenRows(ref.nbytes // total_rows)
+        return ref.nbytes // total_rows
     per_row = math.prod(ref.shape[1:])
     try:
         return strings.row_bounds(buf[ref.offset : ref.offset + ref.nbytes], total_rows, per_row)
