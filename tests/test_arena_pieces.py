@@ -195,9 +195,13 @@ def test_the_book_finds_bytes_only_in_arenas_the_worker_mapped_and_tells_when_on
         assert book.locate(two.buf[100:200], {first}) is None  # not mapped by this worker
         assert book.locate(memoryview(bytearray(100)), {first, second}) is None
         assert book.locate(two.buf[two.size - 10 :], {second}) == (second, two.size - 10)
+        assert book.locate(one.buf[:10], {first, second}) == (first, 0)
+        assert book.locate(one.buf[one.size - 1 :], {first, second}) == (first, one.size - 1)
         gone: list[int] = []
         stop = book.listen(gone.append)
         book.remove(first)
+        assert book.locate(one.buf[:10], {first, second}) is None  # gone from the book
+        assert book.locate(two.buf[:10], {first, second}) == (second, 0)
         stop()
         book.remove(second)
         assert gone == [first] and book.refs() == []

@@ -14,6 +14,7 @@ and nobody reads that call's results.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 from collections.abc import Callable, Collection
@@ -48,6 +49,10 @@ class ArenaBook:
 
     def __init__(self) -> None:
         self._arenas: dict[int, Arena] = {}
+        # The live arenas by where they start, for `locate` to find a buffer's with one bisection (a
+        # request's input, with a front each, is looked up among them all).
+        self._starts: list[int] = []
+        self._by_start: list[Arena] = []
         self._ids = itertools.count(1)
         self._listeners: list[Callable[[int], None]] = []
 
@@ -56,11 +61,17 @@ class ArenaBook:
         arena_id = next(self._ids)
         start = address(region.buf)
         self._arenas[arena_id] = Arena(arena_id, region, start, start + region.size)
+        self._sort()
         return arena_id
+
+    def _sort(self) -> None:
+        self._by_start = sorted(self._arenas.values(), key=lambda a: a.start)
+        self._starts = [a.start for a in self._by_start]
 
     def remove(self, arena_id: int) -> None:
         """The arena's front is gone: workers that mapped it are told to unmap it."""
         if self._arenas.pop(arena_id, None) is not None:
+            self._sort()
             for forgotten in list(self._listeners):
                 forgotten(arena_id)
 
@@ -82,11 +93,12 @@ class ArenaBook:
         if not mapped:
             return None
         at = address(data)
-        end = at + data.nbytes
-        for arena_id in mapped:
-            arena = self._arenas.get(arena_id)
-            if arena is not None and arena.start <= at and end <= arena.end:
-                return arena_id, at - arena.start
+        i = bisect.bisect_right(self._starts, at) - 1
+        if i < 0:
+            return None
+        arena = self._by_start[i]  # the one that starts last at or before it: mappings do not overlap
+        if at + data.nbytes <= arena.end and arena.arena_id in mapped:
+            return arena.arena_id, at - arena.start
         return None
 
 
