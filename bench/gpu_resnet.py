@@ -141,6 +141,12 @@ def main() -> None:
     )
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--profile", action="store_true", help="py-spy even where the target is met")
+    parser.add_argument(
+        "--profile-rate",
+        type=int,
+        default=profile.RATE,
+        help="py-spy's samples a second (default: %(default)s)",
+    )
     parser.add_argument("--front-processes", help="mpsd's front_processes (default: the daemon's, auto)")
     parser.add_argument(
         "--event-loop", choices=["asyncio", "uvloop"], help="mpsd's event_loop (default: asyncio)"
@@ -288,7 +294,10 @@ def main() -> None:
             if (args.profile or not check) and not args.no_profile:
                 worker = profile.worker_pid(server.log_path, "resnet50")
                 with profile.PySpy(
-                    args.out / f"{args.name}-profile", common.profile_targets(server.pid, worker), 6
+                    args.out / f"{args.name}-profile",
+                    common.profile_targets(server.pid, worker),
+                    6,
+                    args.profile_rate,
                 ) as spy:
                     load(server, request, 6.0, 0.5)
                 results["profile"] = spy.summaries()

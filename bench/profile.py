@@ -41,12 +41,15 @@ def py_spy() -> str | None:
 
 class PySpy:
     """`py-spy record --format raw` on each named process for `duration_s`; on-CPU samples only, taken
-    without pausing the process (--nonblocking), at 250 Hz. Raw profiles go to `<stem>-<name>.txt`."""
+    without pausing the process (--nonblocking), at `rate` Hz (250 by default; a few seconds of a busy
+    daemon then give a few hundred samples, too few to rank steps of 1-2% each). Raw profiles go to
+    `<stem>-<name>.txt`."""
 
-    def __init__(self, stem: Path, pids: dict[str, int], duration_s: float) -> None:
+    def __init__(self, stem: Path, pids: dict[str, int], duration_s: float, rate: int = RATE) -> None:
         self.paths = {name: stem.parent / f"{stem.name}-{name}.txt" for name in pids}
         self.pids = pids
         self.duration_s = duration_s
+        self.rate = rate
         self._procs: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> PySpy:
@@ -55,7 +58,7 @@ class PySpy:
             print("py-spy not found: no profile taken")
             return self
         for name, pid in self.pids.items():
-            cmd = [exe, "record", "--format", "raw", "--rate", str(RATE), *EXTRA]
+            cmd = [exe, "record", "--format", "raw", "--rate", str(self.rate), *EXTRA]
             cmd += ["--duration", str(int(self.duration_s + 0.999)), "-o", str(self.paths[name])]
             cmd += ["--pid", str(pid)]
             self._procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
