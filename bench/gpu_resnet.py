@@ -152,6 +152,7 @@ def main() -> None:
         "--event-loop", choices=["asyncio", "uvloop"], help="mpsd's event_loop (default: asyncio)"
     )
     parser.add_argument("--busy-poll-us", type=int, help="mpsd's busy_poll_us (default: the daemon's)")
+    parser.add_argument("--gather-us", type=int, help="mpsd's gather_us (default: the daemon's)")
     parser.add_argument(
         "--beside-tree",
         type=Path,
@@ -162,6 +163,11 @@ def main() -> None:
         "--beside-busy-poll-us",
         type=int,
         help="a second mpsd (this tree, unless --beside-tree) with this busy_poll_us, measured the same way",
+    )
+    parser.add_argument(
+        "--beside-gather-us",
+        type=int,
+        help="a second mpsd (this tree, unless --beside-tree) with this gather_us, measured the same way",
     )
     parser.add_argument(
         "--beside-event-loop",
@@ -195,7 +201,7 @@ def main() -> None:
         print(f"model written ({time.time() - started:.0f} s)", flush=True)
         pool = ClientPool(args.client_processes)
         inproc = InProcess(openmp_variants=args.device == "cpu")
-        settings = {"busy_poll_us": args.busy_poll_us} if args.busy_poll_us is not None else None
+        settings = _settings(args.busy_poll_us, args.gather_us)
         server = common.start_mpsd(
             work / "repo",
             work,
@@ -322,9 +328,12 @@ def main() -> None:
 
 def start_beside(args: argparse.Namespace, work: Path) -> common.Server | None:
     """The second mpsd of --beside-tree / --beside-busy-poll-us (same model repository), or None."""
-    if args.beside_tree is None and args.beside_busy_poll_us is None and args.beside_event_loop is None:
+    if all(
+        v is None
+        for v in (args.beside_tree, args.beside_busy_poll_us, args.beside_gather_us, args.beside_event_loop)
+    ):
         return None
-    settings = {"busy_poll_us": args.beside_busy_poll_us} if args.beside_busy_poll_us is not None else None
+    settings = _settings(args.beside_busy_poll_us, args.beside_gather_us)
     return common.start_mpsd(
         work / "repo",
         work,
@@ -342,9 +351,17 @@ def beside_info(args: argparse.Namespace) -> dict[str, Any]:
         info |= baseline_info(args.beside_tree)
     if args.beside_busy_poll_us is not None:
         info["busy_poll_us"] = args.beside_busy_poll_us
+    if args.beside_gather_us is not None:
+        info["gather_us"] = args.beside_gather_us
     if args.beside_event_loop is not None:
         info["event_loop"] = args.beside_event_loop
     return info
+
+
+def _settings(busy_poll_us: int | None, gather_us: int | None) -> dict[str, int] | None:
+    """The daemon config's event-loop settings that were given (None: the daemon's defaults)."""
+    given = {"busy_poll_us": busy_poll_us, "gather_us": gather_us}
+    return {k: v for k, v in given.items() if v is not None} or None
 
 
 def round_line(row: dict[str, Any]) -> str:

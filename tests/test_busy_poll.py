@@ -1,5 +1,5 @@
 """Busy polling in the event loop: events that come soon after activity are caught without a sleep, an idle
-loop sleeps at once, and the daemon's setting reaches its loop."""
+loop sleeps at once, a busy one gathers before it sleeps, and the daemon's settings reach its loop."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.net import busy_poll, eventloop
 from mpsd.net.busy_poll import BusyPollSelector
+from mpsd.net.gather import LoadMeter
 
 
 @pytest.fixture
@@ -111,3 +112,114 @@ def test_the_default_budget_on_macos_is_no_polling() -> None:
     with osfacts.use(osfacts.DARWIN):
         assert DaemonConfig().busy_poll_us == 0
         assert DaemonConfig.model_validate({"busy_poll_us": 150}).busy_poll_us == 150
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_loop_counts_as_loaded_after_a_window_it_spent_a_quarter_running() -> None:
+    """The verdict is the last whole window's (20 ms): what the loop ran between its selects, against the
+    window's length."""
+    clock = Clock()
+    meter = LoadMeter(clock)
+
+    def waits_then_runs(waiting: float, running: float) -> None:
+        clock.now += waiting
+        meter.left()
+        clock.now += running
+        meter.entered()
+
+    meter.entered()
+    waits_then_runs(0.018, 0.004)
+    assert not meter.loaded  # 4 of 22 ms running
+    waits_then_runs(0.006, 0.010)
+    assert not meter.loaded  # 16 ms into the next window: no verdict yet
+    waits_then_runs(0.002, 0.004)
+    assert meter.loaded  # 14 of 22 ms running
+    waits_then_runs(1.0, 0.001)
+    assert not meter.loaded  # a second asleep
+
+
+def _loaded(gather_s: float) -> BusyPollSelector:
+    selector = BusyPollSelector(budget_s=0.0, gather_s=gather_s)
+    assert selector._meter is not None
+    selector._meter.loaded = True  # as after a busy window (the meter's own test above)
+    selector._meter.entered = lambda: None  # type: ignore[method-assign]  # and it stays so
+    return selector
+
+
+def test_a_loaded_loop_gathers_before_it_sleeps(pair: tuple[socket.socket, socket.socket]) -> None:
+    """What arrived during the wait is returned by the poll after it, without a sleep in the kernel."""
+    a, b = pair
+    with _loaded(0.001) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        b.send(b"x")
+        assert [key.fileobj for key, _ in selector.select(timeout=10.0)] == [a]
+        assert (selector.held, selector.cut_short) == (1, 0)
+
+
+def test_a_loop_that_is_not_loaded_sleeps_at_once(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    with BusyPollSelector(budget_s=0.0, gather_s=30.0) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        b.send(b"x")
+        assert selector.select(timeout=10.0)
+        assert selector.held == 0
+
+
+def test_a_socket_marked_to_wake_at_once_ends_the_wait(pair: tuple[socket.socket, socket.socket]) -> None:
+    """A wait of 30 s ends as soon as the marked socket (a worker's, in the daemon) is readable."""
+    a, b = pair
+    with _loaded(30.0) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.wake_at_once(a.fileno())
+        b.send(b"x")
+        assert [key.fileobj for key, _ in selector.select(timeout=None)] == [a]
+        assert (selector.held, selector.cut_short) == (1, 1)
+
+
+def test_a_socket_no_longer_watched_no_longer_wakes(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Its descriptor may be reused for another socket once it is closed."""
+    a, b = pair
+    with _loaded(0.001) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.wake_at_once(a.fileno())
+        selector.unregister(a)
+        b.send(b"x")
+        assert selector.select(timeout=0.002) == []
+        assert (selector.held, selector.cut_short) == (1, 0)
+
+
+def test_the_wait_ends_before_the_loops_next_timer(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, _ = pair
+    with _loaded(30.0) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        assert selector.select(timeout=0.001) == []
+        assert selector.held == 1
+
+
+def test_the_loop_gathers_as_the_daemon_is_told() -> None:
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        try:
+            eventloop.wake_at_once(a)
+            a.setblocking(False)
+            loop.add_reader(a.fileno(), lambda: None)
+            loop.remove_reader(a.fileno())
+            return eventloop.gather_us()
+        finally:
+            a.close()
+            b.close()
+
+    assert eventloop.run(main(), "asyncio", 0, 300) == 300
+    assert eventloop.run(main(), "asyncio", 0) == 0
+    assert DaemonConfig().gather_us == 0
+    for wrong in (-1, 10001):
+        with pytest.raises(ValueError, match="gather_us"):
+            DaemonConfig.model_validate({"gather_us": wrong})

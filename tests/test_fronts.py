@@ -400,13 +400,14 @@ def test_a_reply_larger_than_its_request_comes_back_through_the_socket(setup: Se
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
 def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, event_loop: str) -> None:
-    """The suite runs on the default (asyncio's loop); this runs a daemon and a front on each."""
+    """The suite runs on the default (asyncio's loop); this runs a daemon and a front on each, the daemon's
+    loop gathering under load (`gather_us`)."""
     if event_loop == "uvloop":
         pytest.importorskip("uvloop")
     repo = tmp_path / "repo"
     models.add_sub(repo)
     config = tmp_path / "mpsd.yaml"
-    config.write_text(yaml.safe_dump({"event_loop": event_loop, "metrics_address": ""}))
+    config.write_text(yaml.safe_dump({"event_loop": event_loop, "metrics_address": "", "gather_us": 300}))
     args = ["--front-processes", "1"]
     with serving(repo, tmp_path / "daemon.log", config=config, extra_args=args) as daemon:
         a = np.arange(16, dtype=np.float32).reshape(1, 16)
@@ -418,6 +419,9 @@ def test_the_daemon_and_its_fronts_serve_on_either_event_loop(tmp_path: Path, ev
     # By default neither loop polls where fronts run (`policy.busy_poll_us`); uvloop's loop never does.
     polls = 0
     assert loops == {"listening": (event_loop, polls), "front listening": (event_loop, polls)}
+    # The daemon's loop gathers as configured, and served meanwhile; uvloop's cannot.
+    gathers = [e.get("gather_us") for e in events if e["event"] == "listening"]
+    assert gathers == [300 if event_loop == "asyncio" else 0]
 
 
 def test_errors_keep_their_status_through_a_front(setup: Setup) -> None:

@@ -36,6 +36,8 @@ from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import DeadlineExceeded, ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
+from mpsd.net import busy_poll
+from mpsd.net.busy_poll import BusyPollSelector
 from mpsd.net.settle import settled
 
 T = TypeVar("T")
@@ -716,6 +718,32 @@ def execution(
     waiting: asyncio.Future[Any] = loop.create_future()
     task = asyncio.create_task(channel.infer_batch(Tensors(name), Timings(), [waiting], deadline))
     return task, waiting
+
+
+def test_a_workers_answer_ends_a_gathering_wait_at_once() -> None:
+    """On a loop that gathers under load (`gather_us`), the channel's socket wakes the loop at once: the
+    batch behind an answer waits on it. Here the wait is 30 s and the loop counts as loaded throughout."""
+
+    async def main() -> int:
+        selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+        assert isinstance(selector, BusyPollSelector) and selector._meter is not None
+        selector._meter.entered = lambda: setattr(selector._meter, "loaded", True)
+        channel, worker = await connected()
+        assert worker._transport is not None  # the test's end of the socket wakes the loop too
+        selector.wake_at_once(worker._transport.get_extra_info("socket").fileno())
+        try:
+            task = asyncio.create_task(channel.infer_batch(Tensors("one"), Timings(), [], None))
+            running = await worker.received(1)
+            worker.start(running)
+            cut_short = selector.cut_short
+            worker.done(running)
+            assert await task == "one"
+            return selector.cut_short - cut_short
+        finally:
+            worker.close()
+            channel.close()
+
+    assert busy_poll.run(main(), 0.0, 30.0) >= 1
 
 
 def test_a_batch_waiting_in_the_second_seat_is_answered_at_its_deadline_while_the_first_runs() -> None:

@@ -291,6 +291,16 @@ class DaemonConfig(BaseModel):
         "unless set (the daemon then reads a few links, many requests at a time). asyncio's loop only: "
         "uvloop does not poll.",
     )
+    gather_us: int = Field(
+        0,
+        ge=0,
+        le=10000,
+        description="Microseconds the daemon's event loop waits before it sleeps while it is busy (more than "
+        "a quarter of its time running), so that one pass reads the frames that arrive meanwhile instead of "
+        "waking for each; a worker's answer ends the wait at once. With ResNet-50 through front processes "
+        "on the H200 host, 300 took x0.88-0.92 of the daemon's CPU per image at 256 clients and cost x0.98-"
+        "0.99 of the images/s at 64. 0: never (the default). asyncio's loop only.",
+    )
     open_files: int = Field(
         DEFAULT_OPEN_FILES,
         ge=0,

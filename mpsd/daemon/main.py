@@ -183,6 +183,7 @@ class Daemon:
             repository=str(self.config.model_repository),
             event_loop=eventloop.loop_name(),
             busy_poll_us=eventloop.busy_poll_us(),
+            gather_us=eventloop.gather_us(),
             **({"front_ports": front_ports} if front_ports else {}),
         )
         await self._update_health()
@@ -395,4 +396,4 @@ def serve(config: DaemonConfig, config_path: Path | None = None) -> int:
         polling = busy_poll_us(config, front_plan(config).count)
     except ConfigError:  # the start reports the settings that cannot work, with its own words
         polling = config.busy_poll_us
-    return eventloop.run(Daemon(config, config_path).run(), config.event_loop, polling)
+    return eventloop.run(Daemon(config, config_path).run(), config.event_loop, polling, config.gather_us)

@@ -3,12 +3,13 @@
 Nothing in mpsd depends on which loop runs it. uvloop (libuv) runs the same asyncio code with cheaper
 callbacks, futures and transports; on the shortened request path it measured no faster than asyncio's loop
 (docs/performance.md), so it is a setting, not the default. asyncio's loop busy-polls before it sleeps
-(`busy_poll`) and tells when it has settled (`settle`); uvloop's cannot be made to.
+(`busy_poll`), gathers under load, and tells when it has settled (`settle`); uvloop's cannot be made to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -29,15 +30,17 @@ def check(choice: Choice) -> None:
             raise ConfigError("event_loop: uvloop is not installed (pip install 'mpsd[uvloop]')") from None
 
 
-def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0) -> T:
+def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0, gather_us: int = 0) -> T:
     """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap;
-    asyncio's loop polls for up to `busy_poll_us` before each sleep that follows activity (0: never)."""
+    asyncio's loop polls for up to `busy_poll_us` before each sleep that follows activity (0: never), and
+    under load first gathers for up to `gather_us` (0: never)."""
     keep_large_buffers_in_heap()
     if choice == "uvloop":
         import uvloop
 
         return uvloop.run(main)
-    return busy_poll.run(main, busy_poll_us / 1e6)  # with 0 it never polls, and still tells a settled loop
+    # with 0 and 0 it neither polls nor gathers, and still tells a settled loop
+    return busy_poll.run(main, busy_poll_us / 1e6, gather_us / 1e6)
 
 
 def loop_name() -> str:
@@ -47,5 +50,24 @@ def loop_name() -> str:
 
 def busy_poll_us() -> int:
     """The running loop's busy-poll budget in microseconds (0: it sleeps at once), for the start-up log."""
+    selector = _selector()
+    return round(selector.budget_s * 1e6) if selector is not None else 0
+
+
+def gather_us() -> int:
+    """The running loop's longest gathering wait in microseconds (0: it never gathers), for the log."""
+    selector = _selector()
+    return round(selector.gather_s * 1e6) if selector is not None else 0
+
+
+def wake_at_once(sock: socket.socket) -> None:
+    """Events on `sock` end the running loop's gathering wait at once (a no-op on a loop that does not
+    gather); until the loop stops watching it."""
+    selector = _selector()
+    if selector is not None:
+        selector.wake_at_once(sock.fileno())
+
+
+def _selector() -> busy_poll.BusyPollSelector | None:
     selector = getattr(asyncio.get_running_loop(), "_selector", None)
-    return round(selector.budget_s * 1e6) if isinstance(selector, busy_poll.BusyPollSelector) else 0
+    return selector if isinstance(selector, busy_poll.BusyPollSelector) else None

@@ -21,6 +21,7 @@ from mpsd.errors import ResourceExhausted, WorkerDied
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
 from mpsd.ipc.shm import Region, page_round
+from mpsd.net import eventloop
 
 # Silence allowed of a worker from the start of a profile until its ProfileDone: ending the profile and
 # exporting its trace hold the worker's interpreter for seconds after a long window on a busy model.
@@ -152,6 +153,7 @@ class Channel(Executions):
             lambda: FrameProtocol(self._on_message, self._on_closed), sock=sock
         )
         self._transport = self.calls.transport = transport
+        eventloop.wake_at_once(sock)  # the batch behind an answer waits on it: a gathering loop wakes for it
 
     @property
     def connected(self) -> bool:
