@@ -15,7 +15,7 @@ from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.net import busy_poll, eventloop
 from mpsd.net.busy_poll import BusyPollSelector
-from mpsd.net.gather import LoadMeter
+from mpsd.net.gather import GatheringSelector, LoadMeter
 
 
 @pytest.fixture
@@ -145,11 +145,10 @@ def test_a_loop_counts_as_loaded_after_a_window_it_spent_a_quarter_running() -> 
     assert not meter.loaded  # a second asleep
 
 
-def _loaded(gather_s: float) -> BusyPollSelector:
-    selector = BusyPollSelector(budget_s=0.0, gather_s=gather_s)
-    assert selector._meter is not None
-    selector._meter.loaded = True  # as after a busy window (the meter's own test above)
-    selector._meter.entered = lambda: None  # type: ignore[method-assign]  # and it stays so
+def _loaded(gather_s: float) -> GatheringSelector:
+    selector = GatheringSelector(budget_s=0.0, gather_s=gather_s)
+    selector.meter.loaded = True  # as after a busy window (the meter's own test above)
+    selector.meter.entered = lambda: None  # type: ignore[method-assign]  # and it stays so
     return selector
 
 
@@ -165,7 +164,7 @@ def test_a_loaded_loop_gathers_before_it_sleeps(pair: tuple[socket.socket, socke
 
 def test_a_loop_that_is_not_loaded_sleeps_at_once(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
-    with BusyPollSelector(budget_s=0.0, gather_s=30.0) as selector:
+    with GatheringSelector(budget_s=0.0, gather_s=30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
         b.send(b"x")
         assert selector.select(timeout=10.0)
@@ -201,6 +200,18 @@ def test_the_wait_ends_before_the_loops_next_timer(pair: tuple[socket.socket, so
         selector.register(a, selectors.EVENT_READ)
         assert selector.select(timeout=0.001) == []
         assert selector.held == 1
+
+
+def test_a_settling_pass_is_not_held(pair: tuple[socket.socket, socket.socket]) -> None:
+    """A loop that has settled runs its settle callbacks (a short batch's start) at once, never after a
+    wait."""
+    a, _ = pair
+    with _loaded(30.0) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        settled: list[bool] = []
+        selector.when_settled(lambda: settled.append(True))
+        assert selector.select(timeout=None) == []
+        assert settled == [True] and selector.held == 0
 
 
 def test_the_loop_gathers_as_the_daemon_is_told() -> None:

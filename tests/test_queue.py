@@ -36,8 +36,8 @@ from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import DeadlineExceeded, ErrorCode, MpsdError
 from mpsd.ipc import protocol as p
 from mpsd.ipc.framing import FrameProtocol, encode
-from mpsd.net import busy_poll
-from mpsd.net.busy_poll import BusyPollSelector
+from mpsd.net import gather
+from mpsd.net.gather import GatheringSelector
 from mpsd.net.settle import settled
 
 T = TypeVar("T")
@@ -726,8 +726,8 @@ def test_a_workers_answer_ends_a_gathering_wait_at_once() -> None:
 
     async def main() -> int:
         selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
-        assert isinstance(selector, BusyPollSelector) and selector._meter is not None
-        selector._meter.entered = lambda: setattr(selector._meter, "loaded", True)
+        assert isinstance(selector, GatheringSelector)
+        selector.meter.entered = lambda: setattr(selector.meter, "loaded", True)  # type: ignore[method-assign]
         channel, worker = await connected()
         assert worker._transport is not None  # the test's end of the socket wakes the loop too
         selector.wake_at_once(worker._transport.get_extra_info("socket").fileno())
@@ -743,7 +743,7 @@ def test_a_workers_answer_ends_a_gathering_wait_at_once() -> None:
             worker.close()
             channel.close()
 
-    assert busy_poll.run(main(), 0.0, 30.0) >= 1
+    assert gather.run(main(), 0.0, 30.0) >= 1
 
 
 def test_a_batch_waiting_in_the_second_seat_is_answered_at_its_deadline_while_the_first_runs() -> None:

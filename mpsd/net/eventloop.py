@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from mpsd.errors import ConfigError
 from mpsd.ipc.heap import keep_large_buffers_in_heap
-from mpsd.net import busy_poll
+from mpsd.net import busy_poll, gather
 
 Choice = Literal["asyncio", "uvloop"]
 T = TypeVar("T")
@@ -39,8 +39,9 @@ def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0, gat
         import uvloop
 
         return uvloop.run(main)
-    # with 0 and 0 it neither polls nor gathers, and still tells a settled loop
-    return busy_poll.run(main, busy_poll_us / 1e6, gather_us / 1e6)
+    if gather_us > 0:
+        return gather.run(main, busy_poll_us / 1e6, gather_us / 1e6)
+    return busy_poll.run(main, busy_poll_us / 1e6)  # with 0 it never polls, and still tells a settled loop
 
 
 def loop_name() -> str:
@@ -57,14 +58,14 @@ def busy_poll_us() -> int:
 def gather_us() -> int:
     """The running loop's longest gathering wait in microseconds (0: it never gathers), for the log."""
     selector = _selector()
-    return round(selector.gather_s * 1e6) if selector is not None else 0
+    return round(selector.gather_s * 1e6) if isinstance(selector, gather.GatheringSelector) else 0
 
 
 def wake_at_once(sock: socket.socket) -> None:
     """Events on `sock` end the running loop's gathering wait at once (a no-op on a loop that does not
     gather); until the loop stops watching it."""
     selector = _selector()
-    if selector is not None:
+    if isinstance(selector, gather.GatheringSelector):
         selector.wake_at_once(sock.fileno())
 
 
