@@ -11,6 +11,7 @@ are readable: an answer never waits, and neither does the batch behind it.
 from __future__ import annotations
 
 import select
+import selectors
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -66,7 +67,7 @@ class GatheringSelector(BusyPollSelector):
         """Let `fd`'s events end a wait at once (until it is unregistered: its number may be reused)."""
         self._urgent.add(fd)
 
-    def unregister(self, fileobj: Any) -> Any:
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
         key = super().unregister(fileobj)
         self._urgent.discard(key.fd)
         return key
