@@ -194,6 +194,25 @@ def test_a_socket_no_longer_watched_no_longer_wakes(pair: tuple[socket.socket, s
         assert (selector.held, selector.cut_short) == (1, 0)
 
 
+def test_a_marked_socket_closed_while_watched_is_forgotten(pair: tuple[socket.socket, socket.socket]) -> None:
+    """As epoll forgets a closed descriptor, so does the wait: the loop goes on, and another socket that is
+    marked still ends it."""
+    a, b = pair
+    c, d = socket.socketpair()
+    with _loaded(30.0) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.wake_at_once(a.fileno())
+        selector.register(c, selectors.EVENT_READ)
+        selector.wake_at_once(c.fileno())
+        a.close()  # the descriptor goes before the selector stops watching it
+        assert selector.select(timeout=0.001) == []
+        d.send(b"x")
+        assert [key.fileobj for key, _ in selector.select(timeout=None)] == [c]
+        assert selector.cut_short == 1
+    c.close()
+    d.close()
+
+
 def test_the_wait_ends_before_the_loops_next_timer(pair: tuple[socket.socket, socket.socket]) -> None:
     a, _ = pair
     with _loaded(30.0) as selector:

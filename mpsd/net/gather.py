@@ -10,6 +10,7 @@ are readable: an answer never waits, and neither does the batch behind it.
 
 from __future__ import annotations
 
+import os
 import select
 import selectors
 import time
@@ -108,8 +109,18 @@ class GatheringSelector(BusyPollSelector):
                 return bool(select.select(list(self._urgent), [], [], hold)[0])
             except ValueError:  # a descriptor beyond FD_SETSIZE
                 pass
+            except OSError:  # one closed before the loop stopped watching it: forget it, as epoll does
+                self._urgent = {fd for fd in self._urgent if _open(fd)}
         time.sleep(hold)
         return False
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def run(main: Coroutine[Any, Any, T], budget_s: float, gather_s: float) -> T:
