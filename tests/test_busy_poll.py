@@ -197,7 +197,7 @@ def test_a_socket_no_longer_watched_no_longer_wakes(pair: tuple[socket.socket, s
 def test_a_marked_socket_closed_while_watched_is_forgotten(pair: tuple[socket.socket, socket.socket]) -> None:
     """As epoll forgets a closed descriptor, so does the wait: the loop goes on, and another socket that is
     marked still ends it."""
-    a, b = pair
+    a, _ = pair
     c, d = socket.socketpair()
     with _loaded(30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
