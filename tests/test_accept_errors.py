@@ -13,17 +13,10 @@ from structlog.testing import capture_logs
 
 from mpsd.net.accept_errors import AcceptErrors
 from mpsd.net.log_rate import Throttle
+from tests.manual_clock import Clock
 
 EVENT = "accepting connections failed"
 ASYNCIO_LINE = "socket.accept() out of system resource"  # what asyncio's own handler writes, each time
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_throttle_admits_one_per_interval_and_counts_the_rest() -> None:

@@ -16,6 +16,7 @@ from mpsd.config.daemon_config import DaemonConfig
 from mpsd.net import busy_poll, eventloop
 from mpsd.net.busy_poll import BusyPollSelector
 from mpsd.net.gather import GatheringSelector, LoadMeter
+from tests.manual_clock import Clock
 
 
 @pytest.fixture
@@ -112,14 +113,6 @@ def test_the_default_budget_on_macos_is_no_polling() -> None:
     with osfacts.use(osfacts.DARWIN):
         assert DaemonConfig().busy_poll_us == 0
         assert DaemonConfig.model_validate({"busy_poll_us": 150}).busy_poll_us == 150
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_loop_counts_as_loaded_after_a_window_it_spent_a_quarter_running() -> None:

@@ -28,6 +28,7 @@ from mpsd.daemon.api.recent import RecentActivity, quantile
 from mpsd.daemon.dataplane.stats import LATENCY_BUCKETS_S, VersionStats
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, free_port, http_request, serving
+from tests.manual_clock import Clock
 from tests.os_skips import not_installed
 
 MIB = 2**20
@@ -282,14 +283,6 @@ def test_the_page_shows_a_model_load_on_demand_and_unload_after_its_keep_alive(
 
 
 # ---- the window of recent requests, on real statistics objects --------------------------------------------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_recent_requests_survive_a_reload_and_an_unload() -> None:
