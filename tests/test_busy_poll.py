@@ -13,7 +13,7 @@ import pytest
 
 from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
-from mpsd.net import busy_poll, eventloop
+from mpsd.net import busy_poll, eventloop, gather
 from mpsd.net.busy_poll import BusyPollSelector
 from mpsd.net.gather import GatheringSelector, LoadMeter
 from tests.manual_clock import Clock
@@ -188,7 +188,8 @@ def test_a_socket_no_longer_watched_no_longer_wakes(pair: tuple[socket.socket, s
 
 
 def test_a_marked_socket_closed_while_watched_is_forgotten(pair: tuple[socket.socket, socket.socket]) -> None:
-    """As epoll forgets a closed descriptor, so does the wait: the loop goes on, and another socket that is
+    """As the kernel's selector (epoll, kqueue) forgets a closed descriptor, so does the wait, whose
+    select(2) fails with EBADF on Linux and macOS alike: the loop goes on, and another socket that is
     marked still ends it."""
     a, _ = pair
     c, d = socket.socketpair()
@@ -204,6 +205,26 @@ def test_a_marked_socket_closed_while_watched_is_forgotten(pair: tuple[socket.so
         assert selector.cut_short == 1
     c.close()
     d.close()
+
+
+def test_a_descriptor_past_fd_setsize_makes_the_wait_plain(
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """select(2) refuses a descriptor at or past FD_SETSIZE (1024 on Linux and macOS) with ValueError, as
+    Python raises it there; injected here, since this test's descriptors are low. The wait is then a plain
+    sleep, and the loop goes on."""
+    a, b = pair
+
+    def refuses(*args: object) -> object:
+        raise ValueError("filedescriptor out of range in select()")
+
+    monkeypatch.setattr(gather.select, "select", refuses)
+    with _loaded(0.001) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.wake_at_once(a.fileno())
+        b.send(b"x")
+        assert [key.fileobj for key, _ in selector.select(timeout=10.0)] == [a]
+        assert (selector.held, selector.cut_short) == (1, 0)
 
 
 def test_the_wait_ends_before_the_loops_next_timer(pair: tuple[socket.socket, socket.socket]) -> None:

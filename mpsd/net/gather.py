@@ -100,16 +100,18 @@ class GatheringSelector(BusyPollSelector):
         return events, timeout
 
     def _wait_urgent(self, hold: float) -> bool:
-        """Sleep for `hold`, or until a descriptor marked `wake_at_once` is readable (True). select(2), not
-        epoll: Python rounds epoll's timeout up to whole milliseconds, which made a 300 us wait 1 ms and
-        cost 11-13% of the images/s at 64 clients (`bench/results/resnet50-h200-64-gather-1ms-beside`).
-        select(2) takes descriptors below FD_SETSIZE only; beyond it the wait is plain."""
+        """Sleep for `hold`, or until a descriptor marked `wake_at_once` is readable (True). select(2), which
+        Linux and macOS both have with microsecond timeouts, not the platform's default selector: on Linux
+        Python rounds its timeout up to whole milliseconds, which made a 300 us wait 1 ms and cost 11-13%
+        of the images/s at 64 clients (`bench/results/resnet50-h200-64-gather-1ms-beside`). select(2) takes
+        descriptors below FD_SETSIZE only (1024 on both); beyond it the wait is plain."""
         if self._urgent:
             try:
                 return bool(select.select(list(self._urgent), [], [], hold)[0])
             except ValueError:  # a descriptor beyond FD_SETSIZE
                 pass
-            except OSError:  # one closed before the loop stopped watching it: forget it, as epoll does
+            except OSError:  # EBADF: one closed before the loop stopped watching it; forget it, as the
+                # kernel's own selector (epoll on Linux, kqueue on macOS) forgets a closed descriptor
                 self._urgent = {fd for fd in self._urgent if _open(fd)}
         time.sleep(hold)
         return False
