@@ -1,5 +1,5 @@
 """Busy polling in the event loop: events that come soon after activity are caught without a sleep, an idle
-loop sleeps at once, a busy one gathers before it sleeps, and the daemon's settings reach its loop."""
+loop sleeps at once, one with a backlog gathers before it sleeps, and the daemon's settings reach its loop."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.net import busy_poll, eventloop, gather
 from mpsd.net.busy_poll import BusyPollSelector
-from mpsd.net.gather import GatheringSelector, LoadMeter
-from tests.manual_clock import Clock
+from mpsd.net.gather import GatheringSelector
 
 
 @pytest.fixture
@@ -115,47 +114,50 @@ def test_the_default_budget_on_macos_is_no_polling() -> None:
         assert DaemonConfig.model_validate({"busy_poll_us": 150}).busy_poll_us == 150
 
 
-def test_a_loop_counts_as_loaded_after_a_window_it_spent_a_quarter_running() -> None:
-    """The verdict is the last whole window's (20 ms): what the loop ran between its selects, against the
-    window's length."""
-    clock = Clock()
-    meter = LoadMeter(clock)
+class Backlog:
+    """A backlog as the loop sees one (in the daemon: a version's lanes, all full)."""
 
-    def waits_then_runs(waiting: float, running: float) -> None:
-        clock.now += waiting
-        meter.left()
-        clock.now += running
-        meter.entered()
-
-    meter.entered()
-    waits_then_runs(0.018, 0.004)
-    assert not meter.loaded  # 4 of 22 ms running
-    waits_then_runs(0.006, 0.010)
-    assert not meter.loaded  # 16 ms into the next window: no verdict yet
-    waits_then_runs(0.002, 0.004)
-    assert meter.loaded  # 14 of 22 ms running
-    waits_then_runs(1.0, 0.001)
-    assert not meter.loaded  # a second asleep
+    def __init__(self, backlogged: bool = True) -> None:
+        self.backlogged = backlogged
 
 
-def _loaded(gather_s: float) -> GatheringSelector:
+def _backlogged(gather_s: float) -> GatheringSelector:
+    """A selector told of a backlog that lasts."""
     selector = GatheringSelector(budget_s=0.0, gather_s=gather_s)
-    selector.meter.loaded = True  # as after a busy window (the meter's own test above)
-    selector.meter.entered = lambda: None  # type: ignore[method-assign]  # and it stays so
+    selector.backlogged(Backlog())
     return selector
 
 
-def test_a_loaded_loop_gathers_before_it_sleeps(pair: tuple[socket.socket, socket.socket]) -> None:
+def test_a_loop_gathers_while_a_backlog_it_was_told_of_lasts(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """It asks the backlog before each sleep: once it has none, the loop sleeps at once and forgets it."""
+    a, b = pair
+    backlog = Backlog()
+    with GatheringSelector(budget_s=0.0, gather_s=0.001) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        assert not selector.gathers()
+        selector.backlogged(backlog)
+        selector.backlogged(backlog)  # told again while it lasts
+        assert selector.select(timeout=0.002) == [] and selector.held == 1
+        backlog.backlogged = False
+        b.send(b"x")
+        assert selector.select(timeout=10.0) and selector.held == 1
+        backlog.backlogged = True  # not told again: not heard
+        assert not selector.gathers()
+
+
+def test_a_backlogged_loop_gathers_before_it_sleeps(pair: tuple[socket.socket, socket.socket]) -> None:
     """What arrived during the wait is returned by the poll after it, without a sleep in the kernel."""
     a, b = pair
-    with _loaded(0.001) as selector:
+    with _backlogged(0.001) as selector:
         selector.register(a, selectors.EVENT_READ)
         b.send(b"x")
         assert [key.fileobj for key, _ in selector.select(timeout=10.0)] == [a]
         assert (selector.held, selector.cut_short) == (1, 0)
 
 
-def test_a_loop_that_is_not_loaded_sleeps_at_once(pair: tuple[socket.socket, socket.socket]) -> None:
+def test_a_loop_without_a_backlog_sleeps_at_once(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     with GatheringSelector(budget_s=0.0, gather_s=30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
@@ -167,7 +169,7 @@ def test_a_loop_that_is_not_loaded_sleeps_at_once(pair: tuple[socket.socket, soc
 def test_a_socket_marked_to_wake_at_once_ends_the_wait(pair: tuple[socket.socket, socket.socket]) -> None:
     """A wait of 30 s ends as soon as the marked socket (a worker's, in the daemon) is readable."""
     a, b = pair
-    with _loaded(30.0) as selector:
+    with _backlogged(30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
         selector.wake_at_once(a.fileno())
         b.send(b"x")
@@ -178,7 +180,7 @@ def test_a_socket_marked_to_wake_at_once_ends_the_wait(pair: tuple[socket.socket
 def test_a_socket_no_longer_watched_no_longer_wakes(pair: tuple[socket.socket, socket.socket]) -> None:
     """Its descriptor may be reused for another socket once it is closed."""
     a, b = pair
-    with _loaded(0.001) as selector:
+    with _backlogged(0.001) as selector:
         selector.register(a, selectors.EVENT_READ)
         selector.wake_at_once(a.fileno())
         selector.unregister(a)
@@ -193,7 +195,7 @@ def test_a_marked_socket_closed_while_watched_is_forgotten(pair: tuple[socket.so
     marked still ends it."""
     a, _ = pair
     c, d = socket.socketpair()
-    with _loaded(30.0) as selector:
+    with _backlogged(30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
         selector.wake_at_once(a.fileno())
         selector.register(c, selectors.EVENT_READ)
@@ -219,7 +221,7 @@ def test_a_descriptor_past_fd_setsize_makes_the_wait_plain(
         raise ValueError("filedescriptor out of range in select()")
 
     monkeypatch.setattr(gather.select, "select", refuses)
-    with _loaded(0.001) as selector:
+    with _backlogged(0.001) as selector:
         selector.register(a, selectors.EVENT_READ)
         selector.wake_at_once(a.fileno())
         b.send(b"x")
@@ -229,7 +231,7 @@ def test_a_descriptor_past_fd_setsize_makes_the_wait_plain(
 
 def test_the_wait_ends_before_the_loops_next_timer(pair: tuple[socket.socket, socket.socket]) -> None:
     a, _ = pair
-    with _loaded(30.0) as selector:
+    with _backlogged(30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
         assert selector.select(timeout=0.001) == []
         assert selector.held == 1
@@ -239,7 +241,7 @@ def test_a_settling_pass_is_not_held(pair: tuple[socket.socket, socket.socket]) 
     """A loop that has settled runs its settle callbacks (a short batch's start) at once, never after a
     wait."""
     a, _ = pair
-    with _loaded(30.0) as selector:
+    with _backlogged(30.0) as selector:
         selector.register(a, selectors.EVENT_READ)
         settled: list[bool] = []
         selector.when_settled(lambda: settled.append(True))

@@ -720,14 +720,18 @@ def execution(
     return task, waiting
 
 
+class LastingBacklog:
+    backlogged = True
+
+
 def test_a_workers_answer_ends_a_gathering_wait_at_once() -> None:
-    """On a loop that gathers under load (`gather_us`), the channel's socket wakes the loop at once: the
-    batch behind an answer waits on it. Here the wait is 30 s and the loop counts as loaded throughout."""
+    """On a loop that gathers while a backlog lasts (`gather_us`), the channel's socket wakes the loop at
+    once: the batch behind an answer waits on it. Here the wait is 30 s and the backlog lasts throughout."""
 
     async def main() -> int:
         selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
         assert isinstance(selector, GatheringSelector)
-        selector.meter.entered = lambda: setattr(selector.meter, "loaded", True)  # type: ignore[method-assign]
+        selector.backlogged(LastingBacklog())
         channel, worker = await connected()
         assert worker._transport is not None  # the test's end of the socket wakes the loop too
         selector.wake_at_once(worker._transport.get_extra_info("socket").fileno())

@@ -16,6 +16,8 @@ from mpsd.daemon.supervise.restart import STABLE_AFTER_S, Backoff
 from mpsd.daemon.supervise.worker.process import WorkerLaunch
 from mpsd.errors import LoadError
 from mpsd.ipc.protocol import SEATS, ModelSpec
+from mpsd.net import gather
+from mpsd.net.gather import GatheringSelector
 
 LAUNCH = WorkerLaunch(ModelSpec("m", 1, "torchscript", "/nowhere", 8, (), ()), 0, "KIND_CPU", None, {})
 SETTINGS = SupervisorSettings(backoff_initial_s=0.5, backoff_max_s=2.0, stop_timeout_s=1.0)
@@ -78,7 +80,8 @@ class Rig:
         self.sleeps: list[float] = []
         self.sleep_gate = asyncio.Event()
         self.sleep_gate.set()
-        self.lane: Lane[str, FakeWorker] = Lane(self, self.execute, lambda: instances, self.instance_down)
+        self.lane: Lane[str, FakeWorker] = Lane(self, self.execute, lambda: self.lanes, self.instance_down)
+        self.lanes = [self.lane] * instances  # the version's lanes, as `Lane` sees them
         self.instance: Instance[FakeWorker] = Instance(
             LAUNCH, SETTINGS, self.new_worker, self.lane, sleep=self.sleep, clock=lambda: self.now
         )
@@ -393,3 +396,57 @@ def test_a_replacement_that_fails_to_start_leaves_the_old_worker_serving() -> No
         await rig.instance.stop()
 
     run(scenario)
+
+
+def _selector() -> GatheringSelector:
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    assert isinstance(selector, GatheringSelector)
+    return selector
+
+
+def test_a_lone_instance_with_both_seats_busy_lets_its_loop_gather_until_one_frees() -> None:
+    """With every lane of the version full, a request that arrives now waits for a worker's answer, which
+    wakes the loop at once: the lane tells the loop (`net/gather.py`), which gathers until it no longer is."""
+
+    async def scenario() -> None:
+        rig = Rig(1)
+        rig.execution_gate.clear()
+        await rig.instance.start()
+        rig.batches.put_nowait("b1")
+        await until(lambda: rig.running == 1)
+        assert not _selector().gathers()  # room for one more in the worker
+        rig.batches.put_nowait("b2")
+        await until(lambda: rig.running == SEATS)
+        assert _selector().gathers()
+        rig.execution_gate.set()
+        await until(lambda: rig.lane.direct_channel() is not None)  # idle
+        assert not _selector().gathers()
+        await rig.instance.stop()
+
+    gather.run(scenario(), 0.0, 0.001)
+
+
+def test_a_full_lane_beside_one_with_room_lets_no_loop_gather() -> None:
+    """One of two instances busy: the other would take a request that arrives now, so nothing is held."""
+
+    async def scenario() -> None:
+        rig, other = Rig(2), Rig(2)
+        rig.lanes = other.lanes = [rig.lane, other.lane]
+        rig.execution_gate.clear()
+        other.execution_gate.clear()
+        await rig.instance.start()
+        await other.instance.start()
+        rig.batches.put_nowait("b1")
+        await until(lambda: rig.running == 1)
+        assert rig.lane.full and not _selector().gathers()
+        other.batches.put_nowait("b2")
+        await until(lambda: other.running == 1)
+        assert _selector().gathers()
+        rig.execution_gate.set()
+        other.execution_gate.set()
+        await until(lambda: None is not rig.lane.direct_channel() and None is not other.lane.direct_channel())
+        assert not _selector().gathers()
+        await rig.instance.stop()
+        await other.instance.stop()
+
+    gather.run(scenario(), 0.0, 0.001)

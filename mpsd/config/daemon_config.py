@@ -295,11 +295,12 @@ class DaemonConfig(BaseModel):
         0,
         ge=0,
         le=10000,
-        description="Microseconds the daemon's event loop waits before it sleeps while it is busy (more than "
-        "a quarter of its time running), so that one pass reads the frames that arrive meanwhile instead of "
-        "waking for each; a worker's answer ends the wait at once. With ResNet-50 through front processes "
-        "on the H200 host, 300 took x0.88-0.92 of the daemon's CPU per image at 256 clients and cost x0.98-"
-        "0.99 of the images/s at 64. 0: never (the default). asyncio's loop only.",
+        description="Microseconds the daemon's event loop waits before it sleeps while every instance of "
+        "some model is full, so that one pass reads the frames that arrive meanwhile instead of waking for "
+        "each; a worker's answer ends the wait at once, and a request for another model waits up to this "
+        "long. With ResNet-50 through front processes on the H200 host, 1000 took x0.80-0.81 of the daemon's "
+        "CPU per image at 256 clients and cost 7% of the images/s at 64. 0: never (the default). asyncio's "
+        "loop only.",
     )
     open_files: int = Field(
         DEFAULT_OPEN_FILES,

@@ -3,14 +3,15 @@
 Nothing in mpsd depends on which loop runs it. uvloop (libuv) runs the same asyncio code with cheaper
 callbacks, futures and transports; on the shortened request path it measured no faster than asyncio's loop
 (docs/performance.md), so it is a setting, not the default. asyncio's loop busy-polls before it sleeps
-(`busy_poll`), gathers under load, and tells when it has settled (`settle`); uvloop's cannot be made to.
+(`busy_poll`), gathers while work waits (`gather`), and tells when it has settled (`settle`); uvloop's
+cannot be made to.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
 from mpsd.errors import ConfigError
@@ -33,7 +34,7 @@ def check(choice: Choice) -> None:
 def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0, gather_us: int = 0) -> T:
     """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap;
     asyncio's loop polls for up to `busy_poll_us` before each sleep that follows activity (0: never), and
-    under load first gathers for up to `gather_us` (0: never)."""
+    while a model's queue holds its next full batch first gathers for up to `gather_us` (0: never)."""
     keep_large_buffers_in_heap()
     if choice == "uvloop":
         import uvloop
@@ -67,6 +68,20 @@ def wake_at_once(sock: socket.socket) -> None:
     selector = _selector()
     if isinstance(selector, gather.GatheringSelector):
         selector.wake_at_once(sock.fileno())
+
+
+def backlog_reporter() -> Callable[[gather.Backlog], None]:
+    """What a backlog calls to tell the running loop it has one (`GatheringSelector.backlogged`); a no-op
+    on a loop that does not gather, or where no loop runs."""
+    try:
+        selector = _selector()
+    except RuntimeError:
+        return _unheard
+    return selector.backlogged if isinstance(selector, gather.GatheringSelector) else _unheard
+
+
+def _unheard(source: gather.Backlog) -> None:
+    pass
 
 
 def _selector() -> busy_poll.BusyPollSelector | None:

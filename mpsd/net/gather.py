@@ -1,11 +1,15 @@
-"""Gathering: a busy event loop waits a little before it sleeps, so that one pass takes in the frames that
-arrive meanwhile instead of waking for each, as a network card's interrupt moderation does.
+"""Gathering: while work already waits behind what runs next, the event loop waits a little before it sleeps,
+so that one pass takes in the frames that arrive meanwhile instead of waking for each, as a network card's
+interrupt moderation does.
 
 A loop under load that reads many sockets (the daemon reading its fronts' links) wakes for each frame that
-arrives while it sleeps: the wake-up, a pass of the loop and a read for one or two frames. Each request that
-arrives during a wait waits with it, which is worth it only while the loop is busy: below `LOADED` of its
-time running it sleeps at once. The sockets marked `wake_at_once` (the workers') end a wait as soon as they
-are readable: an answer never waits, and neither does the batch behind it.
+arrives while it sleeps: the wake-up, a pass of the loop and a read for one or two frames. A request that
+arrives during a wait waits with it. The loop gathers only while some `Backlog` says so (in the daemon, a
+model version whose lanes are all full, so that what arrives for it waits for a worker's answer anyway), and
+sleeps at once otherwise; measured, the wait still cost a moderately loaded daemon some of its throughput
+(docs/performance.md, "Gathering under load"), so it is off by default. The sockets marked `wake_at_once`
+(the workers') end a wait as soon as they are readable: an answer never waits, and neither does the batch
+behind it.
 """
 
 from __future__ import annotations
@@ -14,59 +18,48 @@ import os
 import select
 import selectors
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 from mpsd.net.busy_poll import BusyPollSelector, Events, run_on
 
 T = TypeVar("T")
 
-# The share of the last window that the loop spent running (not waiting in select) from which it gathers.
-LOADED = 0.25
-WINDOW_S = 0.02
 
+class Backlog(Protocol):
+    """Work that waits beyond what runs next (see `GatheringSelector.backlogged`)."""
 
-class LoadMeter:
-    """The share of time a loop spends running rather than waiting for events, over windows of
-    `WINDOW_S`; `loaded` is the last whole window's verdict."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        now = clock()
-        self._window_start = now
-        self._left = now  # when the loop last came back from select
-        self._running = 0.0  # the time it ran in this window
-        self.loaded = False
-
-    def entered(self) -> None:
-        """The loop asks for events: it ran from the last return until now."""
-        now = self._clock()
-        self._running += now - self._left
-        span = now - self._window_start
-        if span >= WINDOW_S:
-            self.loaded = self._running >= LOADED * span
-            self._window_start, self._running = now, 0.0
-
-    def left(self) -> None:
-        """Select returned: the loop runs from now."""
-        self._left = self._clock()
+    @property
+    def backlogged(self) -> bool: ...
 
 
 class GatheringSelector(BusyPollSelector):
-    """A busy-polling selector that, while its loop is loaded, waits up to `gather_s` before each sleep.
-    `held` counts those waits, `cut_short` the ones a socket marked `wake_at_once` ended."""
+    """A busy-polling selector that, while some backlog it was told of lasts, waits up to `gather_s` before
+    each sleep. `held` counts those waits, `cut_short` the ones a socket marked `wake_at_once` ended."""
 
     def __init__(self, budget_s: float, gather_s: float) -> None:
         super().__init__(budget_s)
         self.gather_s = gather_s
         self.held = 0
         self.cut_short = 0
-        self.meter = LoadMeter()
         self._urgent: set[int] = set()  # the descriptors whose events end a wait
+        self._backlogs: set[Backlog] = set()  # those that said they had one, until they no longer do
 
     def wake_at_once(self, fd: int) -> None:
         """Let `fd`'s events end a wait at once (until it is unregistered: its number may be reused)."""
         self._urgent.add(fd)
+
+    def backlogged(self, source: Backlog) -> None:
+        """`source` has a backlog: the loop gathers until it says it has none, which it is asked before
+        each sleep (so one that goes away, or forgets to say, holds nothing). Cheap to call again."""
+        self._backlogs.add(source)
+
+    def gathers(self) -> bool:
+        """Whether a sleep now would first gather: some backlog the loop was told of lasts."""
+        backlogs = self._backlogs
+        if backlogs:
+            backlogs.difference_update([source for source in backlogs if not source.backlogged])
+        return bool(backlogs)
 
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
         key = super().unregister(fileobj)
@@ -74,17 +67,13 @@ class GatheringSelector(BusyPollSelector):
         return key
 
     def select(self, timeout: float | None = None) -> Events:
-        self.meter.entered()
-        try:
-            # Not in a settling pass: its callbacks (a batch's start) run as soon as the loop has settled.
-            if self.meter.loaded and not self._on_settled and (timeout is None or timeout > 0):
-                events, timeout = self._gather(timeout)
-                if events:
-                    self._active = True
-                    return events
-            return super().select(timeout)
-        finally:
-            self.meter.left()
+        # Not in a settling pass: its callbacks (a batch's start) run as soon as the loop has settled.
+        if (timeout is None or timeout > 0) and not self._on_settled and self.gathers():
+            events, timeout = self._gather(timeout)
+            if events:
+                self._active = True
+                return events
+        return super().select(timeout)
 
     def _gather(self, timeout: float | None) -> tuple[Events, float | None]:
         """Wait up to `gather_s` (less when a timer is due sooner, or a socket that wakes at once is
@@ -126,6 +115,6 @@ def _open(fd: int) -> bool:
 
 
 def run(main: Coroutine[Any, Any, T], budget_s: float, gather_s: float) -> T:
-    """`asyncio.run(main)` on a loop that gathers for up to `gather_s` while loaded, and busy-polls for up
-    to `budget_s` before it sleeps."""
+    """`asyncio.run(main)` on a loop that gathers for up to `gather_s` while a backlog lasts, and
+    busy-polls for up to `budget_s` before it sleeps."""
     return run_on(main, lambda: GatheringSelector(budget_s, gather_s))

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from mpsd.ipc.protocol import SEATS
+from mpsd.net import eventloop
 from mpsd.net.tasks import TaskGroup
 
 
@@ -66,14 +67,14 @@ class Batches(Protocol[B]):
 
 
 class Lane(Generic[B, C]):
-    """`execute(batch, channel)` runs a batch and answers its requests, whatever happens; `lanes()` is how
-    many lanes the version has now; `down()` is called whenever the lane loses its channel."""
+    """`execute(batch, channel)` runs a batch and answers its requests, whatever happens; `lanes()` are the
+    version's lanes now (this one among them); `down()` is called whenever the lane loses its channel."""
 
     def __init__(
         self,
         batches: Batches[B],
         execute: Callable[[B, C], Awaitable[None]],
-        lanes: Callable[[], int],
+        lanes: Callable[[], Sequence[Lane[B, C]]],
         down: Callable[[], None],
     ) -> None:
         self.channel: C | None = None  # the ready worker's, while there is one
@@ -95,6 +96,7 @@ class Lane(Generic[B, C]):
         self._next_wake: asyncio.TimerHandle | None = None  # wakes the queue when the next batch may go
         self._next_wake_at: float | None = None
         self._clock = time.monotonic
+        self._tell_backlog = eventloop.backlog_reporter()
 
     @property
     def serving(self) -> bool:
@@ -115,10 +117,21 @@ class Lane(Generic[B, C]):
         """Executions this lane keeps in flight. With one lane the next batch waits in the worker while the
         current one runs, so the worker never idles between them; with several, each takes one at a time,
         so a batch always goes to an idle lane while there is one."""
-        return SEATS if self._lanes() == 1 else 1
+        return SEATS if len(self._lanes()) == 1 else 1
 
     def _busy(self) -> int:
         return self._dispatched + self._direct
+
+    @property
+    def full(self) -> bool:
+        """No room for another execution: what arrives now waits for an answer of the lane's worker."""
+        return self._busy() >= self._depth()
+
+    @property
+    def backlogged(self) -> bool:
+        """Every lane of the version is full: a request that arrives now waits for a worker's answer, which
+        wakes the loop at once, so the loop may gather before it sleeps (`net/gather.py`)."""
+        return all(lane.full for lane in self._lanes())
 
     async def dispatch(self, channel: C, done_with: asyncio.Event) -> None:
         """Feed `channel` batches from the queue until it refuses, the lane stops, or `done_with` is set."""
@@ -140,6 +153,7 @@ class Lane(Generic[B, C]):
                 continue
             self._started()
             self._dispatched += 1
+            self._told_if_full()
             self._running.spawn(self._execute(batch, channel)).add_done_callback(self._finished)
 
     def direct_channel(self) -> C | None:
@@ -159,6 +173,7 @@ class Lane(Generic[B, C]):
         has not started."""
         self._started()
         self._direct += 1
+        self._told_if_full()
         try:
             if gather:
                 batch = await self._batches.gather(batch)
@@ -217,6 +232,10 @@ class Lane(Generic[B, C]):
         if not self._busy():
             self._head_since = self._clock()
         self._idle.clear()
+
+    def _told_if_full(self) -> None:
+        if self._busy() >= self._depth():
+            self._tell_backlog(self)
 
     def _ended(self) -> None:
         now = self._clock()

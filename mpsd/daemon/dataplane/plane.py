@@ -76,10 +76,10 @@ class VersionPlane:
         self._direct: set[asyncio.Task[None]] = set()  # submitted requests' direct executions
 
     def new_lane(self) -> VersionLane:
-        return Lane(self.queue, self.execute, self._lane_count, self._lane_down)
+        return Lane(self.queue, self.execute, self._all_lanes, self._lane_down)
 
-    def _lane_count(self) -> int:
-        return len(self.lanes)
+    def _all_lanes(self) -> list[VersionLane]:
+        return self.lanes
 
     @property
     def inflight(self) -> int:

@@ -40,7 +40,7 @@ class SequenceLane(Lane[Batch, Channel]):
         self,
         slots: LaneSlots,
         execute: Callable[[Batch, Channel], Awaitable[None]],
-        lanes: Callable[[], int],
+        lanes: Callable[[], Sequence[Lane[Batch, Channel]]],
         down: Callable[[], None],
     ) -> None:
         super().__init__(slots, execute, lanes, down)
@@ -70,7 +70,7 @@ class SequencePlane(VersionPlane):
             self.tensors_type = BatchTensors  # no state in the worker: its executions need no slots
 
     def new_lane(self) -> VersionLane:
-        return SequenceLane(self.sequences.new_lane(), self.execute, self._lane_count, self._lane_down)
+        return SequenceLane(self.sequences.new_lane(), self.execute, self._all_lanes, self._lane_down)
 
     @property
     def holding(self) -> int:
