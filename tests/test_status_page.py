@@ -225,31 +225,42 @@ def _browser() -> Any:
 def test_the_page_shows_a_model_load_on_demand_and_unload_after_its_keep_alive(
     daemon: RunningDaemon, tmp_path: Path
 ) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ready
     from selenium.webdriver.support.wait import WebDriverWait
 
     browser = _browser()
     try:
-        wait = WebDriverWait(browser, 30, poll_frequency=0.1)
+        # The page redraws its tables on each refresh: an element found before a redraw is stale after it,
+        # so each read finds its element again until one read holds.
+        wait = WebDriverWait(
+            browser, 30, poll_frequency=0.1, ignored_exceptions=(StaleElementReferenceException,)
+        )
 
-        def row(model: str, resident: bool) -> Any:
-            css = f'tr[data-model="{model}"][data-resident="{str(resident).lower()}"]'
-            return wait.until(ready.presence_of_element_located((By.CSS_SELECTOR, css)))
+        def text(css: str, parent: bool = False) -> str:
+            def read(_: Any) -> str:
+                found = browser.find_element(By.CSS_SELECTOR, css)
+                return str((found.find_element(By.XPATH, "..") if parent else found).text)
+
+            return str(wait.until(read))
+
+        def row(model: str, resident: bool) -> str:
+            return text(f'tr[data-model="{model}"][data-resident="{str(resident).lower()}"]')
 
         browser.get(f"http://{daemon.http_address}/status")
         token = wait.until(ready.visibility_of_element_located((By.ID, "token")))  # the data needs one
         token.send_keys(TOKEN)
         browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
         lazy = row("lazy", resident=False)
-        names = [
-            r.get_attribute("data-model") for r in browser.find_elements(By.CSS_SELECTOR, "#models tbody tr")
-        ]
+        names = browser.execute_script(  # in one read: a redraw may come between two
+            "return [...document.querySelectorAll('#models tbody tr')].map(r => r.dataset.model);"
+        )
         assert names == ["add_sub", "auto", "big", "embed", "lazy"]
-        assert "not loaded yet: loads on its first request" in lazy.text
-        auto = browser.find_element(By.CSS_SELECTOR, 'tr[data-model="auto"]').text
+        assert "not loaded yet: loads on its first request" in lazy
+        auto = text('tr[data-model="auto"]')
         assert "1/1 ready on cpu" in auto and "cpu: " in auto and "cuda" not in auto, auto
-        caption = browser.find_element(By.CSS_SELECTOR, "#window").find_element(By.XPATH, "..").text
+        caption = text("#window", parent=True)
         assert re.fullmatch(r"Requests over the last \d+ (s|min \d+ s); p50 .*", caption, re.S), caption
         # With no model's figures (a repository without models, or no reading kept yet) the caption says
         # the window's length: the page's own drawing, given such a document's models.
@@ -261,7 +272,7 @@ def test_the_page_shows_a_model_load_on_demand_and_unload_after_its_keep_alive(
         infer_add_sub(daemon, 30)
         infer_lazy(daemon)
         lazy = row("lazy", resident=True)
-        assert "loaded" in lazy.text and "ready" in lazy.text and "1/1 ready on cpu" in lazy.text
+        assert "loaded" in lazy and "ready" in lazy and "1/1 ready on cpu" in lazy
         wait.until(
             lambda _: browser.find_element(By.CSS_SELECTOR, '#devices [data-device="cpu"]').text.count("lazy")
         )
@@ -270,8 +281,8 @@ def test_the_page_shows_a_model_load_on_demand_and_unload_after_its_keep_alive(
             shutil.copyfile(tmp_path / "status-page.png", SCREENSHOT)
 
         lazy = row("lazy", resident=False)  # after its keep-alive
-        assert f"unloaded after {KEEP_ALIVE_S} s idle" in lazy.text
-        events = browser.find_element(By.ID, "events").text
+        assert f"unloaded after {KEEP_ALIVE_S} s idle" in lazy
+        events = text("#events")
         assert "model loaded" in events and "model unloaded" in events
         severe = [
             e for e in browser.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]
