@@ -213,6 +213,13 @@ def expected(waves: list[Wave], executions: list[list[str]], max_rows: int, lane
     lanes=2,
     waves=[[(1, 2, True, 0), (1, 2, True, 0), (1, 2, True, 2), (1, 2, True, 1)]],
 )
+@example(  # submitted in one turn: 0 runs direct in a task of its own, not started yet when 1 and 2 arrive;
+    # the lane counts it at once, so 1 and 2 queue, instead of running direct too with 2 (full) ahead of 1
+    max_batch_size=2,
+    batching=True,
+    lanes=1,
+    waves=[[(1, 2, True, 0), (1, 2, True, 0), (2, 2, True, 0)]],
+)
 def test_the_direct_path_gives_the_answers_errors_and_order_the_queue_gives(
     max_batch_size: int, batching: bool, lanes: int, waves: list[Wave]
 ) -> None:

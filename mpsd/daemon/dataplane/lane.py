@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 from mpsd.ipc.protocol import SEATS
 from mpsd.net import eventloop
@@ -165,15 +165,22 @@ class Lane(Generic[B, C]):
             return None
         return channel
 
-    async def run_direct(self, batch: B, channel: C, gather: bool = True) -> None:
+    def run_direct(self, batch: B, channel: C, gather: bool = True) -> Coroutine[Any, Any, None]:
         """Run `batch` on `channel` in the caller's task, counted as this lane's execution: a request that
         finds its lane free skips the queue, the dispatcher's wake-up and a task of its own. With `gather`,
         requests that arrive while the queue gathers join it (`Batches.gather`). `execute` answers its
         requests; a cancelled caller leaves the execution to its channel, which skips it in the worker if it
-        has not started."""
+        has not started.
+
+        The lane counts the execution from this call, not from the coroutine's first step: a submitted
+        request's runs in a task that starts later, and a request that arrives in between must not find
+        the lane idle and start ahead of it (a full batch then overtook a short one gathering)."""
         self._started()
         self._direct += 1
         self._told_if_full()
+        return self._direct_run(batch, channel, gather)
+
+    async def _direct_run(self, batch: B, channel: C, gather: bool) -> None:
         try:
             if gather:
                 batch = await self._batches.gather(batch)
