@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable
@@ -84,21 +83,29 @@ class Pending:
     delay_at: float | None = None  # its level's timeout under DELAY: it moves behind its level's others
     delayed: bool = False  # moved behind them
     shape_key: Hashable | None = None  # a bucketed model's key (dataplane/buckets.py): lengths as buckets
+    _key: Hashable | None = field(default=None, repr=False, compare=False)  # `key`, once made
 
     @property
     def rank(self) -> int:
         """Where it belongs in the queue: a smaller rank is taken first (`priorities.py`)."""
         return self.level * 2 + self.delayed
 
-    @functools.cached_property
+    @property
     def key(self) -> Hashable:
         """Requests with equal keys can share a batch (made once: batches are formed again and again): the
         same datatypes and shapes past the batch dimension, and the same parameters for a model that reads
-        them."""
-        if self.shape_key is not None:
-            return self.shape_key
-        key = tuple((t.datatype, t.shape[1:]) for t in self.request.inputs)
-        return (key, self.request.parameters) if self.request.parameters else key
+        them. Kept in a field, not a `functools.cached_property`, whose lock on Python 3.11 doubled the
+        cost of the first read, made once for every request."""
+        key = self._key
+        if key is None:
+            if self.shape_key is not None:
+                key = self.shape_key
+            else:
+                key = tuple((t.datatype, t.shape[1:]) for t in self.request.inputs)
+                if self.request.parameters:
+                    key = (key, self.request.parameters)
+            self._key = key
+        return key
 
 
 class RequestQueue(BatchForming[Pending]):
