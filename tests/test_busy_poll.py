@@ -124,7 +124,7 @@ class Backlog:
 def _backlogged(gather_s: float) -> GatheringSelector:
     """A selector told of a backlog that lasts."""
     selector = GatheringSelector(budget_s=0.0, gather_s=gather_s)
-    selector.backlogged(Backlog())
+    selector.watch_backlog(Backlog())
     return selector
 
 
@@ -137,8 +137,8 @@ def test_a_loop_gathers_while_a_backlog_it_was_told_of_lasts(
     with GatheringSelector(budget_s=0.0, gather_s=0.001) as selector:
         selector.register(a, selectors.EVENT_READ)
         assert not selector.gathers()
-        selector.backlogged(backlog)
-        selector.backlogged(backlog)  # told again while it lasts
+        selector.watch_backlog(backlog)
+        selector.watch_backlog(backlog)  # told again while it lasts
         assert selector.select(timeout=0.002) == [] and selector.held == 1
         backlog.backlogged = False
         b.send(b"x")

@@ -731,7 +731,7 @@ def test_a_workers_answer_ends_a_gathering_wait_at_once() -> None:
     async def main() -> int:
         selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
         assert isinstance(selector, GatheringSelector)
-        selector.backlogged(LastingBacklog())
+        selector.watch_backlog(LastingBacklog())
         channel, worker = await connected()
         assert worker._transport is not None  # the test's end of the socket wakes the loop too
         selector.wake_at_once(worker._transport.get_extra_info("socket").fileno())

@@ -34,7 +34,7 @@ def check(choice: Choice) -> None:
 def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0, gather_us: int = 0) -> T:
     """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap;
     asyncio's loop polls for up to `busy_poll_us` before each sleep that follows activity (0: never), and
-    while a model's queue holds its next full batch first gathers for up to `gather_us` (0: never)."""
+    while every lane of some model version is full first gathers for up to `gather_us` (0: never)."""
     keep_large_buffers_in_heap()
     if choice == "uvloop":
         import uvloop
@@ -71,13 +71,13 @@ def wake_at_once(sock: socket.socket) -> None:
 
 
 def backlog_reporter() -> Callable[[gather.Backlog], None]:
-    """What a backlog calls to tell the running loop it has one (`GatheringSelector.backlogged`); a no-op
+    """What a backlog calls to tell the running loop it has one (`GatheringSelector.watch_backlog`); a no-op
     on a loop that does not gather, or where no loop runs."""
     try:
         selector = _selector()
     except RuntimeError:
         return _unheard
-    return selector.backlogged if isinstance(selector, gather.GatheringSelector) else _unheard
+    return selector.watch_backlog if isinstance(selector, gather.GatheringSelector) else _unheard
 
 
 def _unheard(source: gather.Backlog) -> None:

@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 
 class Backlog(Protocol):
-    """Work that waits beyond what runs next (see `GatheringSelector.backlogged`)."""
+    """Work that waits beyond what runs next (see `GatheringSelector.watch_backlog`)."""
 
     @property
     def backlogged(self) -> bool: ...
@@ -49,7 +49,7 @@ class GatheringSelector(BusyPollSelector):
         """Let `fd`'s events end a wait at once (until it is unregistered: its number may be reused)."""
         self._urgent.add(fd)
 
-    def backlogged(self, source: Backlog) -> None:
+    def watch_backlog(self, source: Backlog) -> None:
         """`source` has a backlog: the loop gathers until it says it has none, which it is asked before
         each sleep (so one that goes away, or forgets to say, holds nothing). Cheap to call again."""
         self._backlogs.add(source)

@@ -137,7 +137,7 @@ class Lane(Generic[B, C]):
         """Feed `channel` batches from the queue until it refuses, the lane stops, or `done_with` is set."""
         queue = self._batches
         while not self._stopping and not done_with.is_set():
-            if self._busy() >= self._depth():
+            if self.full:
                 self._freed.clear()
                 await self._freed.wait()
                 continue
@@ -148,7 +148,7 @@ class Lane(Generic[B, C]):
             if channel.refusing or self._stopping or done_with.is_set():
                 queue.requeue(batch)
                 return
-            if self._busy() >= self._depth():  # direct executions took the room while it waited
+            if self.full:  # direct executions took the room while it waited
                 queue.requeue(batch)
                 continue
             self._started()
@@ -241,7 +241,7 @@ class Lane(Generic[B, C]):
         self._idle.clear()
 
     def _told_if_full(self) -> None:
-        if self._busy() >= self._depth():
+        if self.full:
             self._tell_backlog(self)
 
     def _ended(self) -> None:
