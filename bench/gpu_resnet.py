@@ -254,6 +254,7 @@ def main() -> None:
             for r in range(args.rounds):
                 before = common.batch_stats(server, "resnet50")
                 requests_before = common.request_stats(server, "resnet50")
+                beside_before = daemon_stats(beside)
                 row: dict[str, Any] = {}
                 # The second mpsd goes before the first in every other round: neither always goes second.
                 order = [beside, server] if beside is not None and r % 2 else [server, beside]
@@ -266,11 +267,13 @@ def main() -> None:
                         row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
                 row["floor"] = load(floor, floor_request, args.duration, args.warmup)
                 row["mpsd"]["batches"] = common.stats_delta(common.batch_stats(server, "resnet50"), before)
-                # Where a request's time went inside the daemon (the beside tree's requests are not counted:
-                # it is another daemon). The rest of what its client saw was gRPC, the fronts and the client.
+                # Where a request's time went inside the daemon. The rest of what its client saw was gRPC,
+                # the fronts and the client.
                 row["mpsd"]["in_daemon_ms"] = common.per_request_ms(
                     common.request_stats(server, "resnet50"), requests_before
                 )
+                if beside is not None:  # the same figures for the second daemon: its own batches and times
+                    row["beside"] |= daemon_delta(beside, beside_before)
                 executions = {size: s["count"] for size, s in row["mpsd"]["batches"].items()}
                 variants = [("inprocess_host_to_host", True, False), ("inprocess_on_device", False, False)]
                 if args.cuda_graphs:  # the same technique in-process: mpsd's edge from it is only the graphs
@@ -326,6 +329,26 @@ def main() -> None:
     print(markdown(results))
 
 
+Stats = tuple[dict[int, dict[str, int]], dict[str, int]]
+
+
+def daemon_stats(target: common.Server | None) -> Stats | None:
+    """A daemon's batch and request statistics so far, or None without one."""
+    if target is None:
+        return None
+    return common.batch_stats(target, "resnet50"), common.request_stats(target, "resnet50")
+
+
+def daemon_delta(target: common.Server, before: Stats | None) -> dict[str, Any]:
+    """The batches a daemon formed since `before`, and where its requests' time went meanwhile."""
+    batches, requests = daemon_stats(target) or ({}, {})
+    was_batches, was_requests = before or ({}, {})
+    return {
+        "batches": common.stats_delta(batches, was_batches),
+        "in_daemon_ms": common.per_request_ms(requests, was_requests),
+    }
+
+
 def start_beside(args: argparse.Namespace, work: Path) -> common.Server | None:
     """The second mpsd of --beside-tree / --beside-busy-poll-us (same model repository), or None."""
     if all(
@@ -377,13 +400,24 @@ def round_line(row: dict[str, Any]) -> str:
             else ""
         )
         + f"; floor {row['floor']['throughput_rps']:.0f}/s"
-        + (f"; beside {row['beside']['throughput_rps']:.0f}/s" if "beside" in row else "")
+        + (f"; beside {beside_round(row['beside'])}" if "beside" in row else "")
         + (f"; fronts' shares {m['front_shares']}" if m.get("front_shares") else "")
         + (
             f"; in the daemon {d['success']:.1f} ms a request, {d['queue']:.1f} of it queued"
             if (d := m.get("in_daemon_ms"))
             else ""
         )
+    )
+
+
+def beside_round(b: dict[str, Any]) -> str:
+    """The second daemon's round: throughput, latency, batches and its requests' time inside it."""
+    d = b.get("in_daemon_ms") or {}
+    return (
+        f"{b['throughput_rps']:.0f}/s (p50 {b['p50_ms']:.1f} ms"
+        + (f", mean batch {report.mean_batch(b['batches']):.1f}" if b.get("batches") else "")
+        + (f", in the daemon {d['success']:.1f} ms a request, {d['queue']:.1f} of it queued" if d else "")
+        + ")"
     )
 
 
@@ -398,6 +432,7 @@ def beside_lines(results: dict[str, Any]) -> list[str]:
         f"Beside it, measured next to it in each round (first in every other one), mpsd ({what}): "
         f"{b['throughput_rps']:.0f} images/s, p50 {b['p50_ms']:.1f} ms, daemon and fronts "
         f"{b['server_cpu_us_per_request']:.0f} us of CPU per request"
+        + (f", mean batch {b['mean_batch']:.1f}" if b.get("mean_batch") else "")
         + (f", x{best:.2f} the GPU's best" if best is not None else "")
         + f"; mpsd / beside, median of the rounds' ratios: x{b['ratio_throughput_mpsd_beside']:.2f}."
     ]
@@ -441,6 +476,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "throughput_rps": med([b["throughput_rps"] for b in beside]),
             "p50_ms": med([b["p50_ms"] for b in beside]),
             "server_cpu_us_per_request": med([b["cpu_us_per_request"]["server"] for b in beside]),
+            "mean_batch": med([report.mean_batch(b["batches"]) for b in beside if b.get("batches")]),
             # Per round, measured next to mpsd: the host's drift between runs does not enter it.
             "ratio_throughput_mpsd_beside": med(
                 [m["throughput_rps"] / b["throughput_rps"] for m, b in zip(mp, beside, strict=True)]
