@@ -4,6 +4,7 @@ loop sleeps at once, one with a backlog gathers before it sleeps, and the daemon
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 import socket
 import time
@@ -117,8 +118,9 @@ def test_the_default_budget_on_macos_is_no_polling() -> None:
 class Backlog:
     """A backlog as the loop sees one (in the daemon: a version's lanes, all full)."""
 
-    def __init__(self, backlogged: bool = True) -> None:
+    def __init__(self, backlogged: bool = True, eases_at: float = math.inf) -> None:
         self.backlogged = backlogged
+        self.eases_at = eases_at
 
 
 def _backlogged(gather_s: float) -> GatheringSelector:
@@ -155,6 +157,49 @@ def test_a_backlogged_loop_gathers_before_it_sleeps(pair: tuple[socket.socket, s
         b.send(b"x")
         assert [key.fileobj for key, _ in selector.select(timeout=10.0)] == [a]
         assert (selector.held, selector.cut_short) == (1, 0)
+
+
+def test_what_a_wait_held_back_is_dated_from_the_waits_start_until_the_next_pass(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    backlog = Backlog()
+    with GatheringSelector(budget_s=0.0, gather_s=0.02) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.watch_backlog(backlog)
+        b.send(b"x")
+        before = time.perf_counter_ns()
+        assert selector.select(timeout=10.0) and selector.held == 1
+        assert before <= selector.arrived_ns() <= time.perf_counter_ns() - 0.02e9
+        a.recv(1)
+        backlog.backlogged = False
+        b.send(b"x")
+        assert selector.select(timeout=10.0) and selector.held == 1
+        before = time.perf_counter_ns()
+        assert selector.arrived_ns() >= before, "read without a wait: now"
+
+
+def test_a_wait_ends_a_waits_length_before_the_backlog_is_expected_to_ease(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """What a wait holds back is taken in before the worker's answer is due, not in one lump with it: the
+    wait is cut to end `gather_s` before then, and none starts closer to it than that (the backlog is kept,
+    and heard again once its answer is due later)."""
+    a, b = pair
+    backlog = Backlog()
+    with GatheringSelector(budget_s=0.0, gather_s=2.0) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.watch_backlog(backlog)
+        backlog.eases_at = time.monotonic() + 2.1
+        b.send(b"x")
+        started = time.monotonic()
+        assert selector.select(timeout=10.0) and selector.held == 1
+        assert time.monotonic() - started < 1.0, "cut to at most 0.1 s, not 2"
+        backlog.eases_at = time.monotonic() + 1.9
+        assert not selector.gathers()
+        assert selector.select(timeout=10.0) and selector.held == 1, "slept at once"
+        backlog.eases_at = math.inf
+        assert selector.gathers()
 
 
 def test_a_loop_without_a_backlog_sleeps_at_once(pair: tuple[socket.socket, socket.socket]) -> None:

@@ -195,6 +195,7 @@ def test_a_short_batch_goes_when_its_oldest_request_has_waited_the_queue_delay_a
         waited = loop.time_ns() - t0
         assert 1_000_000 <= waited < 1_001_000, waited  # the delay, to the microsecond
         assert batch == [first, second]
+        assert not queue.runs_full, "it went short"
 
     run(scenario)
 
@@ -223,6 +224,7 @@ def test_a_full_batch_goes_at_once_whatever_the_delay() -> None:
             queue.put(item)
         assert await queue.next_batch() == items
         assert loop.time_ns() == t0
+        assert queue.runs_full  # a lane may let its loop gather while it runs full batches
 
     run(scenario)
 
@@ -722,6 +724,7 @@ def execution(
 
 class LastingBacklog:
     backlogged = True
+    eases_at = math.inf  # no answer due
 
 
 def test_a_workers_answer_ends_a_gathering_wait_at_once() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -98,6 +99,8 @@ class Rig:
 
     def __len__(self) -> int:
         return self.batches.qsize()
+
+    runs_full = True  # its batches leave full (the queue's `runs_full`): full lanes let the loop gather
 
     def wake(self) -> None:
         pass
@@ -418,6 +421,8 @@ def test_a_lone_instance_with_both_seats_busy_lets_its_loop_gather_until_one_fre
         rig.batches.put_nowait("b2")
         await until(lambda: rig.running == SEATS)
         assert _selector().gathers()
+        rig.runs_full = False  # what arrives would fill a short batch: the loop takes it in at once
+        assert not _selector().gathers()
         rig.execution_gate.set()
         await until(lambda: rig.lane.direct_channel() is not None)  # idle
         assert not _selector().gathers()
@@ -450,3 +455,42 @@ def test_a_full_lane_beside_one_with_room_lets_no_loop_gather() -> None:
         await other.instance.stop()
 
     gather.run(scenario(), 0.0, 0.001)
+
+
+def test_the_version_is_expected_to_ease_when_its_first_lane_is_due_to_answer() -> None:
+    """A full version's backlog eases when the oldest execution of one of its lanes ends: it started being
+    the oldest at a known time, and an execution has typically been the oldest for so long. The loop stops
+    gathering a wait's length before then (`net/gather.py`). The lanes' clocks are the test's."""
+
+    async def scenario() -> None:
+        rig, other = Rig(2), Rig(2)
+        rig.lanes = other.lanes = [rig.lane, other.lane]
+        now = [100.0]
+        rig.lane._clock = other.lane._clock = lambda: now[0]
+        await rig.instance.start()
+        await other.instance.start()
+        rig.execution_gate.clear()
+        other.execution_gate.clear()
+        rig.batches.put_nowait("b1")  # takes 3 s, from 100 to 103
+        await until(lambda: rig.running == 1)
+        now[0] = 103.0
+        rig.execution_gate.set()
+        await until(lambda: rig.lane.direct_channel() is not None)  # idle
+        rig.execution_gate.clear()
+        assert rig.lane.eases_at == math.inf, "nothing runs"
+        now[0] = 110.0
+        rig.batches.put_nowait("b2")
+        await until(lambda: rig.running == 1)
+        now[0] = 111.0
+        other.batches.put_nowait("b3")  # the other's first: how long it takes is not known
+        await until(lambda: other.running == 1)
+        assert rig.lane.backlogged and rig.lane.eases_at == other.lane.eases_at == 113.0  # b2's: 110 + 3
+        other.lane._typical_s = 1.0  # as if it had run one before
+        assert rig.lane.eases_at == 112.0  # b3's end is due first now: 111 + 1
+        rig.execution_gate.set()
+        other.execution_gate.set()
+        await until(lambda: rig.running == other.running == 0)
+        await rig.instance.stop()
+        await other.instance.stop()
+
+    run(scenario)

@@ -296,11 +296,12 @@ class DaemonConfig(BaseModel):
         ge=0,
         le=10000,
         description="Microseconds the daemon's event loop waits before it sleeps while every instance of "
-        "some model is full, so that one pass reads the frames that arrive meanwhile instead of waking for "
-        "each; a worker's answer ends the wait at once, and a request for another model waits up to this "
-        "long. With ResNet-50 through front processes on the H200 host, 1000 took x0.80-0.81 of the daemon's "
-        "CPU per image at 256 clients and cost 7% of the images/s at 64. 0: never (the default). asyncio's "
-        "loop only.",
+        "some model is full and its batches leave full, so that one pass reads the frames that arrive "
+        "meanwhile instead of waking for each; a wait ends this long before a worker's answer is due, and "
+        "at once when one comes. A request for another model waits up to this long. With ResNet-50 through "
+        "front processes on the H200 host, 1000 took x0.77-0.86 of the daemon's CPU per image at 256 "
+        "clients for the same images/s, and x1.00-1.01 the images/s at 64. 0: never (the default). "
+        "asyncio's loop only.",
     )
     open_files: int = Field(
         DEFAULT_OPEN_FILES,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
@@ -78,6 +79,16 @@ def backlog_reporter() -> Callable[[gather.Backlog], None]:
     except RuntimeError:
         return _unheard
     return selector.watch_backlog if isinstance(selector, gather.GatheringSelector) else _unheard
+
+
+def arrival_clock(clock_ns: Callable[[], int] = time.perf_counter_ns) -> Callable[[], int]:
+    """What stamps a request as it arrives: `clock_ns`, or on a loop that gathers, its selector's
+    `arrived_ns` (perf_counter_ns), which dates what a gathering wait held back from the wait's start."""
+    try:
+        selector = _selector()
+    except RuntimeError:
+        return clock_ns
+    return selector.arrived_ns if isinstance(selector, gather.GatheringSelector) else clock_ns
 
 
 def _unheard(source: gather.Backlog) -> None:

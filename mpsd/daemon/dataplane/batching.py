@@ -58,6 +58,7 @@ class BatchForming(ABC, Generic[Item]):
     _arrived: asyncio.Event
     _settle: Callable[[], Awaitable[None]]
     _gathering: int
+    runs_full = False  # the last batch `next_batch` gave was full
     _clock_ns: Callable[[], int]
 
     @property
@@ -152,6 +153,7 @@ class BatchForming(ABC, Generic[Item]):
                 if batch is None:
                     batch, rows = self._form()
                 self._take(batch, rows)
+                self.runs_full = rows >= self.target_rows
                 return batch
             wanted = self._rows + 1 if batch is not None else self.target_rows
             if remaining <= 0:

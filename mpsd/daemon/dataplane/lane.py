@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Generic, Protocol, TypeVar
@@ -51,6 +52,11 @@ class Batches(Protocol[B]):
 
     def __len__(self) -> int:
         """Requests queued now."""
+        ...
+
+    @property
+    def runs_full(self) -> bool:
+        """The last batch `next_batch` gave was full."""
         ...
 
     def wake(self) -> None:
@@ -129,9 +135,21 @@ class Lane(Generic[B, C]):
 
     @property
     def backlogged(self) -> bool:
-        """Every lane of the version is full: a request that arrives now waits for a worker's answer, which
-        wakes the loop at once, so the loop may gather before it sleeps (`net/gather.py`)."""
-        return all(lane.full for lane in self._lanes())
+        """Every lane of the version is full and its batches leave full: a request that arrives now waits
+        for a worker's answer, which wakes the loop at once, and joins a batch that fills without it, so
+        the loop may gather before it sleeps (`net/gather.py`). Where batches leave short, what arrives
+        would fill them: gathering there cost 5% of the images/s at 64 clients on the H200."""
+        return self._batches.runs_full and all(lane.full for lane in self._lanes())
+
+    @property
+    def eases_at(self) -> float:
+        """When the first of the version's lanes is expected to answer: its oldest execution's typical end
+        (inf while none of the lanes that run one knows its typical time yet)."""
+        return min(lane._answer_due() for lane in self._lanes())
+
+    def _answer_due(self) -> float:
+        since, typical = self._head_since, self._typical_s
+        return math.inf if since is None or typical is None else since + typical
 
     async def dispatch(self, channel: C, done_with: asyncio.Event) -> None:
         """Feed `channel` batches from the queue until it refuses, the lane stops, or `done_with` is set."""

@@ -24,6 +24,7 @@ from mpsd.daemon.dataplane.priorities import Policy, Priorities, Sizes, place, q
 from mpsd.daemon.dataplane.request import InferRequest, InferResult, Timings
 from mpsd.daemon.dataplane.streaming import ResponseStream
 from mpsd.errors import DeadlineExceeded, MpsdError
+from mpsd.net import eventloop
 from mpsd.net.settle import settled
 
 
@@ -111,7 +112,8 @@ class Pending:
 class RequestQueue(BatchForming[Pending]):
     """`settle` waits until the requests already on their way have arrived (the loop's, by default).
     `clock` is the time deadlines are in, `clock_ns` the one requests are stamped with on arrival
-    (`Pending.enqueued_ns`): tests drive both from an event loop's virtual time."""
+    (`Pending.enqueued_ns`, by `arrival_ns`, which dates what a gathering loop held back from the start of
+    its wait): tests drive both from an event loop's virtual time."""
 
     def __init__(
         self,
@@ -124,6 +126,7 @@ class RequestQueue(BatchForming[Pending]):
         self.label = label
         self._clock = clock
         self._clock_ns = clock_ns
+        self.arrival_ns = eventloop.arrival_clock(clock_ns)
         db = config.dynamic_batching
         self.batching = db is not None and config.max_batch_size > 0
         self.max_rows = config.max_batch_size if self.batching else 1

@@ -39,8 +39,7 @@ LOST_REMEMBERED = 4096  # IDs of lost sequences kept for their clear error, olde
 
 @dataclass(eq=False)
 class Sequence:
-    """One live sequence: its slot (`lanes` None while in the backlog), requests waiting, and the one
-    running."""
+    """One live sequence: its slot (`lanes` None in the backlog), requests waiting, and the one running."""
 
     corrid: int | str
     lanes: LaneSlots | None = None
@@ -309,7 +308,9 @@ class SequenceScheduler:
 
 
 class LaneSlots:
-    """One lane's slots and its batches (the lane's `Batches`)."""
+    """One lane's slots and its batches (the lane's `Batches`), which never let its loop gather."""
+
+    runs_full = False
 
     def __init__(self, scheduler: SequenceScheduler) -> None:
         self.scheduler = scheduler
