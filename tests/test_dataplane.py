@@ -407,9 +407,8 @@ class FullLanes:
 
 def test_a_request_a_gathering_wait_held_back_counts_its_time_from_the_waits_start() -> None:
     """While every lane of a version is full the loop gathers, and a request that arrives meanwhile waits in
-    its socket. It is stamped with the wait's start, not the moment it is read: its queue delay and its
-    latency count the wait. Stamped late, a short batch waited out its whole delay again once a lane
-    freed (at 64 clients on the H200, 7% of the images/s)."""
+    its socket. One submitted as its frame is read is stamped with the wait's start, not the moment it is
+    read: its queue delay and its latency count the wait, which the daemon chose."""
     hold_s = 0.05
 
     async def main() -> tuple[int, int, int]:

@@ -195,7 +195,6 @@ def test_a_short_batch_goes_when_its_oldest_request_has_waited_the_queue_delay_a
         waited = loop.time_ns() - t0
         assert 1_000_000 <= waited < 1_001_000, waited  # the delay, to the microsecond
         assert batch == [first, second]
-        assert not queue.runs_full, "it went short"
 
     run(scenario)
 
@@ -224,7 +223,11 @@ def test_a_full_batch_goes_at_once_whatever_the_delay() -> None:
             queue.put(item)
         assert await queue.next_batch() == items
         assert loop.time_ns() == t0
-        assert queue.runs_full  # a lane may let its loop gather while it runs full batches
+        assert queue.last_batch_full  # a lane may let its loop gather while it runs full batches
+        short = pending(loop, 3)
+        queue.put(short)
+        assert await queue.next_batch() == [short]  # after the delay
+        assert not queue.last_batch_full
 
     run(scenario)
 
@@ -307,7 +310,13 @@ def test_a_gathered_batch_holds_at_most_max_batch_size_rows() -> None:
         first = pending(loop)
         # 1 + 3 + 2 + 2: exactly max_batch_size rows; the 3 in between would have made 9
         assert await queue.gather([first]) == [first, late[0], late[1], late[3]]
+        assert queue.last_batch_full, "a direct execution's batch counts as the queue's"
         assert await queue.next_batch() == [late[2], late[4]]
+        assert not queue.last_batch_full
+        queue.last_batch_full = True
+        alone = pending(loop)
+        assert await queue.gather([alone]) == [alone]  # nothing arrives while it settles now
+        assert not queue.last_batch_full
 
     run(scenario)
 

@@ -100,7 +100,7 @@ class Rig:
     def __len__(self) -> int:
         return self.batches.qsize()
 
-    runs_full = True  # its batches leave full (the queue's `runs_full`): full lanes let the loop gather
+    last_batch_full = True  # its batches leave full: full lanes let the loop gather
 
     def wake(self) -> None:
         pass
@@ -421,7 +421,7 @@ def test_a_lone_instance_with_both_seats_busy_lets_its_loop_gather_until_one_fre
         rig.batches.put_nowait("b2")
         await until(lambda: rig.running == SEATS)
         assert _selector().gathers()
-        rig.runs_full = False  # what arrives would fill a short batch: the loop takes it in at once
+        rig.last_batch_full = False  # what arrives would fill a short batch: the loop takes it in at once
         assert not _selector().gathers()
         rig.execution_gate.set()
         await until(lambda: rig.lane.direct_channel() is not None)  # idle
@@ -487,6 +487,8 @@ def test_the_version_is_expected_to_ease_when_its_first_lane_is_due_to_answer() 
         assert rig.lane.backlogged and rig.lane.eases_at == other.lane.eases_at == 113.0  # b2's: 110 + 3
         other.lane._typical_s = 1.0  # as if it had run one before
         assert rig.lane.eases_at == 112.0  # b3's end is due first now: 111 + 1
+        alone: Lane[str, FakeWorker] = Lane(rig, rig.execute, list, rig.instance_down)  # in no version
+        assert not alone.backlogged and alone.eases_at == math.inf
         rig.execution_gate.set()
         other.execution_gate.set()
         await until(lambda: rig.running == other.running == 0)

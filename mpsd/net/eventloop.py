@@ -35,7 +35,8 @@ def check(choice: Choice) -> None:
 def run(main: Coroutine[Any, Any, T], choice: Choice, busy_poll_us: int = 0, gather_us: int = 0) -> T:
     """Run a gRPC-serving process (the daemon, a front) on its loop, its large buffers kept in the heap;
     asyncio's loop polls for up to `busy_poll_us` before each sleep that follows activity (0: never), and
-    while every lane of some model version is full first gathers for up to `gather_us` (0: never)."""
+    while some model version's lanes are all full and its batches leave full first gathers for up to
+    `gather_us`, ending a wait that long before a worker's answer is due (0: never)."""
     keep_large_buffers_in_heap()
     if choice == "uvloop":
         import uvloop
@@ -82,8 +83,11 @@ def backlog_reporter() -> Callable[[gather.Backlog], None]:
 
 
 def arrival_clock(clock_ns: Callable[[], int] = time.perf_counter_ns) -> Callable[[], int]:
-    """What stamps a request as it arrives: `clock_ns`, or on a loop that gathers, its selector's
-    `arrived_ns` (perf_counter_ns), which dates what a gathering wait held back from the wait's start."""
+    """What stamps a request as it arrives: `clock_ns`, or where that is perf_counter_ns on a loop that
+    gathers, its selector's `arrived_ns`, which dates what a gathering wait held back from the wait's start
+    (another clock, a test's, is kept as it is)."""
+    if clock_ns is not time.perf_counter_ns:
+        return clock_ns
     try:
         selector = _selector()
     except RuntimeError:

@@ -44,8 +44,8 @@ class GatheringSelector(BusyPollSelector):
     each sleep. `held` counts those waits, `cut_short` the ones a socket marked `wake_at_once` ended.
 
     A wait ends `gather_s` before the backlog is expected to ease: what it held back is then taken in
-    while the worker still computes, not in one lump when its answer comes, ahead of the answer's replies
-    and the next batch (at 64 clients on the H200 that lump cost 7% of the images/s)."""
+    while the worker still computes, not in one lump with its answer, ahead of the answer's replies and
+    the next batch."""
 
     def __init__(self, budget_s: float, gather_s: float) -> None:
         super().__init__(budget_s)
@@ -89,9 +89,10 @@ class GatheringSelector(BusyPollSelector):
         return key
 
     def arrived_ns(self) -> int:
-        """When what the loop reads in this pass arrived, at the earliest (time.perf_counter_ns): the start
-        of the wait it was held through, or now. A request's queue delay and latency count from there: the
-        loop chose to leave it in its socket meanwhile."""
+        """The stamp of what the loop reads in this pass (time.perf_counter_ns): the start of the wait that
+        held it back, when the loop would otherwise have read it, or now. A request submitted as its frame
+        is read (a front link's) counts its queue delay and latency from there: the loop chose to leave it
+        in its socket meanwhile. Cleared at the next pass: what runs later is stamped when it runs."""
         since = self._held_since
         return time.perf_counter_ns() if since is None else since
 

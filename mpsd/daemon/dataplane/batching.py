@@ -58,7 +58,7 @@ class BatchForming(ABC, Generic[Item]):
     _arrived: asyncio.Event
     _settle: Callable[[], Awaitable[None]]
     _gathering: int
-    runs_full = False  # the last batch `next_batch` gave was full
+    last_batch_full = False  # the last batch formed here (`next_batch`, `gather`) reached the target
     _clock_ns: Callable[[], int]
 
     @property
@@ -109,6 +109,7 @@ class BatchForming(ABC, Generic[Item]):
         while the loop settles (`gathers`); meanwhile arrivals queue behind it."""
         rows = sum(item.request.batch_size for item in batch)
         if not self.gathers or rows >= self.target_rows:
+            self.last_batch_full = rows >= self.target_rows
             return batch
         self._gathering += 1
         try:
@@ -119,6 +120,7 @@ class BatchForming(ABC, Generic[Item]):
         own = len(batch)
         batch, total = self._joining(list(batch), rows, self._items)
         self._take(batch[own:], total - rows)
+        self.last_batch_full = total >= self.target_rows
         return batch
 
     async def next_batch(self, partial: Callable[[], bool] | None = None) -> list[Item]:
@@ -153,7 +155,7 @@ class BatchForming(ABC, Generic[Item]):
                 if batch is None:
                     batch, rows = self._form()
                 self._take(batch, rows)
-                self.runs_full = rows >= self.target_rows
+                self.last_batch_full = rows >= self.target_rows
                 return batch
             wanted = self._rows + 1 if batch is not None else self.target_rows
             if remaining <= 0:

@@ -184,7 +184,7 @@ class VersionPlane:
         A submitted one's future is `Told`: it is counted, and `then` runs, where it is settled."""
         if not self.ready and not self.holds(request):
             raise self.refusal()
-        start = self.queue.arrival_ns()
+        start = self.queue.arrival_clock()
         future: asyncio.Future[InferResult] = (
             Told(functools.partial(self._settled, start, request.batch_size, then))
             if submitted
@@ -235,7 +235,7 @@ class VersionPlane:
         early (the client went away) stops the model at its next response."""
         if not self.ready and not self.holds(request):
             raise self.refusal()
-        start = self.queue.arrival_ns()
+        start = self.queue.arrival_clock()
         future: asyncio.Future[InferResult] = asyncio.get_running_loop().create_future()
         responses = ResponseStream()
         if request.trace is not None:

@@ -112,8 +112,8 @@ class Pending:
 class RequestQueue(BatchForming[Pending]):
     """`settle` waits until the requests already on their way have arrived (the loop's, by default).
     `clock` is the time deadlines are in, `clock_ns` the one requests are stamped with on arrival
-    (`Pending.enqueued_ns`, by `arrival_ns`, which dates what a gathering loop held back from the start of
-    its wait): tests drive both from an event loop's virtual time."""
+    (`Pending.enqueued_ns`, by `arrival_clock`, which dates what a gathering loop held back from its wait's
+    start): tests drive both from an event loop's virtual time."""
 
     def __init__(
         self,
@@ -126,7 +126,7 @@ class RequestQueue(BatchForming[Pending]):
         self.label = label
         self._clock = clock
         self._clock_ns = clock_ns
-        self.arrival_ns = eventloop.arrival_clock(clock_ns)
+        self.arrival_clock = eventloop.arrival_clock(clock_ns)
         db = config.dynamic_batching
         self.batching = db is not None and config.max_batch_size > 0
         self.max_rows = config.max_batch_size if self.batching else 1

@@ -310,7 +310,7 @@ class SequenceScheduler:
 class LaneSlots:
     """One lane's slots and its batches (the lane's `Batches`), which never let its loop gather."""
 
-    runs_full = False
+    last_batch_full = False
 
     def __init__(self, scheduler: SequenceScheduler) -> None:
         self.scheduler = scheduler
