@@ -73,7 +73,7 @@ class OutputTensor(NamedTuple):
     data: bytes
 
 
-@dataclass
+@dataclass(slots=True)
 class Timings:
     """Nanoseconds spent in each phase of one request, as Triton's statistics split them."""
 
