@@ -130,6 +130,14 @@ def _backlogged(gather_s: float) -> GatheringSelector:
     return selector
 
 
+def _watching(sock: socket.socket, backlog: Backlog, gather_s: float) -> GatheringSelector:
+    """A selector reading `sock`, told of `backlog`."""
+    selector = GatheringSelector(budget_s=0.0, gather_s=gather_s)
+    selector.register(sock, selectors.EVENT_READ)
+    selector.watch_backlog(backlog)
+    return selector
+
+
 def test_a_loop_gathers_while_a_backlog_it_was_told_of_lasts(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
@@ -164,9 +172,7 @@ def test_what_a_wait_held_back_is_dated_from_the_waits_start_until_the_next_pass
 ) -> None:
     a, b = pair
     backlog = Backlog()
-    with GatheringSelector(budget_s=0.0, gather_s=0.02) as selector:
-        selector.register(a, selectors.EVENT_READ)
-        selector.watch_backlog(backlog)
+    with _watching(a, backlog, 0.02) as selector:
         b.send(b"x")
         before = time.perf_counter_ns()
         assert selector.select(timeout=10.0) and selector.held == 1
@@ -187,9 +193,7 @@ def test_a_wait_ends_a_waits_length_before_the_backlog_is_expected_to_ease(
     and heard again once its answer is due later)."""
     a, b = pair
     backlog = Backlog()
-    with GatheringSelector(budget_s=0.0, gather_s=30.0) as selector:
-        selector.register(a, selectors.EVENT_READ)
-        selector.watch_backlog(backlog)
+    with _watching(a, backlog, 30.0) as selector:
         backlog.eases_at = time.monotonic() + 31.0
         b.send(b"x")
         started = time.monotonic()
