@@ -17,7 +17,7 @@ import math
 import selectors
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import pytest
@@ -144,6 +144,23 @@ def request(rows: int = 1, width: int = 4) -> InferRequest:
 def pending(loop: VirtualLoop, rows: int = 1, width: int = 4, deadline: float | None = None) -> Pending:
     """A request arriving now, as `VersionPlane.infer` makes it (`deadline` is the client's)."""
     return Pending(request(rows, width), loop.create_future(), loop.time_ns(), deadline)
+
+
+@pytest.mark.parametrize("inputs", [1, 2])
+def test_requests_share_a_batch_key_only_with_equal_parameters(inputs: int) -> None:
+    """With one input or several, the parameters a model reads are part of the key (tests/test_request_
+    parameters.py through the daemon)."""
+
+    def keyed(width: int, parameters: tuple[tuple[str, bool | int | float | str], ...]) -> Hashable:
+        base = request(1, width)
+        tensors = base.inputs * inputs
+        made = dataclasses.replace(base, inputs=tensors, parameters=parameters)
+        return Pending(made, None, 0).key  # type: ignore[arg-type]
+
+    assert keyed(4, (("k", 1),)) == keyed(4, (("k", 1),))
+    assert keyed(4, (("k", 1),)) != keyed(4, (("k", 2),))
+    assert keyed(4, (("k", 1),)) != keyed(4, ())
+    assert keyed(4, ()) != keyed(5, ())
 
 
 def rows_of(batch: Sequence[Pending]) -> list[int]:

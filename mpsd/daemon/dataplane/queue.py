@@ -103,10 +103,11 @@ class Pending:
             inputs = self.request.inputs
             if self.shape_key is not None:
                 key = self.shape_key
-            elif len(inputs) == 1:  # most models: no loop over the inputs (0.4 against 1.2 us)
-                key = ((inputs[0].datatype, inputs[0].shape[1:]),)
             else:
-                key = tuple([(t.datatype, t.shape[1:]) for t in inputs])
+                if len(inputs) == 1:  # most models: no loop over the inputs (0.4 against 1.2 us)
+                    key = ((inputs[0].datatype, inputs[0].shape[1:]),)
+                else:
+                    key = tuple([(t.datatype, t.shape[1:]) for t in inputs])
                 if self.request.parameters:
                     key = (key, self.request.parameters)
             self._key = key
