@@ -252,9 +252,8 @@ def main() -> None:
                 load(beside, request, args.warmup * 2, 0.0)
             rounds = []
             for r in range(args.rounds):
-                before = common.batch_stats(server, "resnet50")
-                requests_before = common.request_stats(server, "resnet50")
-                beside_before = daemon_stats(beside)
+                before = daemon_stats(server)
+                beside_before = daemon_stats(beside) if beside is not None else None
                 row: dict[str, Any] = {}
                 # The second mpsd goes before the first in every other round: neither always goes second.
                 order = [beside, server] if beside is not None and r % 2 else [server, beside]
@@ -266,13 +265,10 @@ def main() -> None:
                             row["mpsd"] = load(server, request, args.duration, args.warmup)
                         row["mpsd"]["gpu_busy_percent"] = gpu.busy_percent
                 row["floor"] = load(floor, floor_request, args.duration, args.warmup)
-                row["mpsd"]["batches"] = common.stats_delta(common.batch_stats(server, "resnet50"), before)
-                # Where a request's time went inside the daemon. The rest of what its client saw was gRPC,
-                # the fronts and the client.
-                row["mpsd"]["in_daemon_ms"] = common.per_request_ms(
-                    common.request_stats(server, "resnet50"), requests_before
-                )
-                if beside is not None:  # the same figures for the second daemon: its own batches and times
+                # The batches formed, and where a request's time went inside the daemon (the rest of what
+                # its client saw was gRPC, the fronts and the client); the same for the second daemon.
+                row["mpsd"] |= daemon_delta(server, before)
+                if beside is not None and beside_before is not None:
                     row["beside"] |= daemon_delta(beside, beside_before)
                 executions = {size: s["count"] for size, s in row["mpsd"]["batches"].items()}
                 variants = [("inprocess_host_to_host", True, False), ("inprocess_on_device", False, False)]
@@ -332,17 +328,15 @@ def main() -> None:
 Stats = tuple[dict[int, dict[str, int]], dict[str, int]]
 
 
-def daemon_stats(target: common.Server | None) -> Stats | None:
-    """A daemon's batch and request statistics so far, or None without one."""
-    if target is None:
-        return None
+def daemon_stats(target: common.Server) -> Stats:
+    """A daemon's batch and request statistics so far."""
     return common.batch_stats(target, "resnet50"), common.request_stats(target, "resnet50")
 
 
-def daemon_delta(target: common.Server, before: Stats | None) -> dict[str, Any]:
+def daemon_delta(target: common.Server, before: Stats) -> dict[str, Any]:
     """The batches a daemon formed since `before`, and where its requests' time went meanwhile."""
-    batches, requests = daemon_stats(target) or ({}, {})
-    was_batches, was_requests = before or ({}, {})
+    batches, requests = daemon_stats(target)
+    was_batches, was_requests = before
     return {
         "batches": common.stats_delta(batches, was_batches),
         "in_daemon_ms": common.per_request_ms(requests, was_requests),
