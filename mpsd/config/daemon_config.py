@@ -249,7 +249,7 @@ class DaemonConfig(BaseModel):
         description="gRPC front processes sharing the TCP port (SO_REUSEPORT, Linux), so that gRPC's own "
         "work spreads over cores while batching and workers stay in the daemon. 0: the daemon serves "
         "gRPC itself. auto: 0 on macOS, on a Unix socket, on machines of at most 4 CPUs and beside "
-        "front_ports; else one per 4 CPUs, at most 4.",
+        "front_ports; else one per 2 CPUs the daemon may run on, at most 8.",
     )
     front_ports: list[Annotated[int, Field(ge=1, le=65535)]] = Field(
         [],
