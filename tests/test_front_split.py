@@ -13,16 +13,26 @@ from typing import Any
 
 import grpc
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_front_arena import Recorder, _settle
 from test_wire_split import requests
 from tritonclient.grpc import service_pb2 as pb
 
 from mpsd.daemon.supervise.fronts.link import FrontLink
+from mpsd.errors import Internal
 from mpsd.front.headers import MAX_DECLARED, DeclaredHeaders
 from mpsd.front.main import CoreLink
-from mpsd.ipc.front_arena import ARENA_MIN
+from mpsd.ipc.front_arena import ARENA_MIN, INFER_REF, Chunk, referenced_request
 from mpsd.ipc.front_wire import Kind
-from mpsd.ipc.infer_wire import MAX_KEY_BYTES, SplitRequest, split_from_spans, split_request, split_spans
+from mpsd.ipc.infer_wire import (
+    MAX_KEY_BYTES,
+    Spans,
+    SplitRequest,
+    split_from_spans,
+    split_request,
+    split_spans,
+    unpack_spans,
+)
 from mpsd.ipc.shm import Region
 
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
@@ -184,3 +194,67 @@ def test_calls_that_name_what_the_daemon_does_not_have_are_answered_with_errors(
         assert seen == []
 
     asyncio.run(run())
+
+
+def _stepwise(link: FrontLink, payload: bytes) -> tuple[SplitRequest, Chunk | None]:
+    """An INFER_SPLIT_SHM payload read step by step, as any other split call is: the spans, then the arena
+    reference, then the split rebuilt from them."""
+    found = unpack_spans(payload)
+    if found is None:
+        raise Internal("malformed request spans")
+    header_id, spans, end = found
+    data, chunk = referenced_request(link.arena, memoryview(payload)[end:])
+    key = link.headers.get(header_id)
+    if key is None:
+        raise Internal("not declared")
+    split = split_from_spans(data, key, spans)
+    if split is None:
+        raise Internal("reach outside")
+    return split, chunk
+
+
+def _outcome(read: Any) -> Any:
+    try:
+        split, chunk = read()
+    except Internal:
+        return "Internal"
+    return split.key, [bytes(r) for r in split.raw], split.request_id, bytes(split.rest), chunk
+
+
+ARENA = 1 << 16
+near = st.one_of(st.integers(-2, 70), st.integers(ARENA - 70, ARENA + 2), st.integers(0, ARENA))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    header_id=st.integers(0, 3),
+    raw=st.tuples(near, near),
+    request_id=st.tuples(st.integers(-1, 70), st.integers(-1, 70)),
+    ref=st.tuples(near, near, near),
+    entries=st.integers(0, 2),
+)
+def test_a_call_of_one_raw_entry_in_the_arena_is_read_as_the_steps_read_it(
+    header_id: int,
+    raw: tuple[int, int],
+    request_id: tuple[int, int],
+    ref: tuple[int, int, int],
+    entries: int,
+) -> None:
+    """Such calls (most calls) are read in one unpack: whatever the fields, the split and chunk it gives, or
+    its Internal error, are those of the steps every other split call takes."""
+    region = Region.create(ARENA)
+    try:
+        region.buf[:ARENA] = bytes(range(256)) * (ARENA // 256)
+        loop = asyncio.new_event_loop()
+        link = FrontLink(0, None, lambda _: None, ready=loop.create_future(), arena=region)  # type: ignore[arg-type]
+        loop.close()
+        link.headers = {1: b"key one", 2: b"key two"}
+        spans = Spans(*request_id, tuple(max(0, n) for n in raw)).pack(header_id)
+        if entries != 1:  # the count says otherwise: the one-unpack read must not trust the layout
+            spans = spans[:4] + entries.to_bytes(2, "big") + spans[6:]
+        payload = spans + INFER_REF.pack(*(max(0, n) for n in ref))
+        assert len(payload) == 62
+        fast = _outcome(lambda: link._request(Kind.INFER_SPLIT_SHM, payload))
+        assert fast == _outcome(lambda: _stepwise(link, payload))
+    finally:
+        region.unlink()

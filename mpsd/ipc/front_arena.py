@@ -58,9 +58,14 @@ def referenced_request(arena: Region | None, ref: Buffer) -> tuple[memoryview, C
     never reads, nor later writes, outside it whatever a front sends.
     """
     start, length, capacity = INFER_REF.unpack(ref) if len(ref) == INFER_REF.size else (0, 1, 0)
+    return arena_view(arena, start, length, capacity), Chunk(start, capacity)
+
+
+def arena_view(arena: Region | None, start: int, length: int, capacity: int) -> memoryview:
+    """`referenced_request`'s view, from the reference's fields; Internal when they reach past the arena."""
     if arena is None or length > capacity or start + capacity > arena.size:
         raise Internal(f"arena reference out of bounds: {start}+{length} (chunk {capacity})")
-    return arena.buf[start : start + length], Chunk(start, capacity)
+    return arena.buf[start : start + length]
 
 
 def write_reply(arena: Region, chunk: Chunk, parts: Sequence[Buffer]) -> bytes | None:

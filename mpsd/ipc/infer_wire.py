@@ -158,6 +158,7 @@ def _spans_struct(n: int) -> struct.Struct:
 
 
 _SPANS_HEAD = _spans_struct(0)
+ONE_RAW = _spans_struct(1)  # the spans of a request of one raw entry, most requests
 
 
 def split_spans(data: bytes | bytearray | memoryview) -> tuple[bytes, Spans] | None:
@@ -188,20 +189,25 @@ def unpack_spans(payload: bytes | bytearray | memoryview) -> tuple[int, Spans, i
 def split_from_spans(data: bytes | bytearray | memoryview, key: bytes, spans: Spans) -> SplitRequest | None:
     """The `split_request` of `data` rebuilt from a front's spans and the key it declared, without walking
     the message; None when a span reaches outside the bytes."""
-    view = memoryview(data)
+    return split_at(memoryview(data), key, spans.id_start, spans.id_end, spans.raw)
+
+
+def split_at(
+    view: memoryview, key: bytes, id_start: int, id_end: int, raw_spans: Sequence[int]
+) -> SplitRequest | None:
+    """`split_from_spans` on the spans' fields, as a front's frame carries them (`Spans.pack`)."""
     size = len(view)
-    raw_spans = spans.raw
     raw: list[memoryview] = []
     for i in range(0, len(raw_spans), 2):
         start, end = raw_spans[i], raw_spans[i + 1]
         if not 0 <= start <= end <= size:
             return None
         raw.append(view[start:end])
-    if spans.id_start < 0:
+    if id_start < 0:
         return SplitRequest(key, raw, None, (key,))
-    if not 0 <= spans.id_start <= spans.id_end <= size:
+    if not 0 <= id_start <= id_end <= size:
         return None
-    request_id = bytes(view[spans.id_start : spans.id_end])
+    request_id = bytes(view[id_start:id_end])
     return SplitRequest(key, raw, request_id, (key, _ID_TAG, varint_bytes(len(request_id)), request_id))
 
 

@@ -7,6 +7,7 @@ link knows frames, the arena and flow control, and nothing of models.
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import structlog
 
 from mpsd.daemon.dataplane.arenas import ARENAS
 from mpsd.errors import Internal, MpsdError
-from mpsd.ipc.front_arena import Chunk, referenced_request, write_reply
+from mpsd.ipc.front_arena import INFER_REF, Chunk, arena_view, referenced_request, write_reply
 from mpsd.ipc.front_protocol import FrontReady, MalformedMessage
 
 # A front holds its calls to MAX_IN_FLIGHT; should one ever send more, the daemon stops reading its socket.
@@ -31,7 +32,7 @@ from mpsd.ipc.front_wire import (
     frame,
     frame_of,
 )
-from mpsd.ipc.infer_wire import SplitRequest, split_from_spans, unpack_spans
+from mpsd.ipc.infer_wire import ONE_RAW, SplitRequest, split_at, split_from_spans, unpack_spans
 from mpsd.ipc.shm import Region
 from mpsd.net.status import grpc_status
 
@@ -63,9 +64,17 @@ MAX_DECLARED = 4096
 _CALLS = frozenset((Kind.INFER, Kind.INFER_SHM, Kind.INFER_SPLIT, Kind.INFER_SPLIT_SHM))
 _SPLIT = frozenset((Kind.INFER_SPLIT, Kind.INFER_SPLIT_SHM))
 _IN_ARENA = frozenset((Kind.INFER_SHM, Kind.INFER_SPLIT_SHM))
+# An INFER_SPLIT_SHM payload of one raw entry: its spans (`Spans.pack`), then its arena reference.
+_ONE_RAW_IN_ARENA = struct.Struct(ONE_RAW.format + INFER_REF.format.lstrip("!"))
 
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
+
+
+def _spanned(split: SplitRequest | None) -> SplitRequest:
+    if split is None:
+        raise Internal("request spans reach outside the request")
+    return split
 
 
 class FrontFailed(Exception):
@@ -155,6 +164,8 @@ class FrontLink:
         """A call's request, as its bytes or as its front split them, and its arena chunk (None when it
         came in the frame). Internal when a reference or a span is malformed or names what is not there:
         the daemon reads nothing outside the frame or the arena, whatever a front sends."""
+        if kind == Kind.INFER_SPLIT_SHM and len(payload) == _ONE_RAW_IN_ARENA.size:
+            return self._one_raw_in_arena(payload)
         data: bytes | bytearray | memoryview = payload
         found = None
         if kind in _SPLIT:
@@ -168,13 +179,25 @@ class FrontLink:
         if found is None:
             return data, chunk
         header_id, spans, _ = found
+        return _spanned(split_from_spans(data, self._key(header_id), spans)), chunk
+
+    def _one_raw_in_arena(self, payload: bytes | bytearray) -> tuple[SplitRequest, Chunk]:
+        """`_request` for most calls, those of one raw entry in the arena: the spans and the reference read
+        in one unpack instead of three steps (2.0 against 3.1 us on the 2-core VM, timeit)."""
+        header_id, n, id_start, id_end, raw_start, raw_end, start, length, capacity = (
+            _ONE_RAW_IN_ARENA.unpack(payload)
+        )
+        if n != 1:
+            raise Internal("malformed request spans")
+        key = self._key(header_id)
+        view = arena_view(self.arena, start, length, capacity)
+        return _spanned(split_at(view, key, id_start, id_end, (raw_start, raw_end))), Chunk(start, capacity)
+
+    def _key(self, header_id: int) -> bytes:
         key = self.headers.get(header_id)
         if key is None:
             raise Internal(f"request header {header_id} not declared")
-        split = split_from_spans(data, key, spans)
-        if split is None:
-            raise Internal("request spans reach outside the request")
-        return split, chunk
+        return key
 
     def _submitted(
         self, call_id: int, request: SplitRequest, deadline: float | None, chunk: Chunk | None
