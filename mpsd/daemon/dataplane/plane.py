@@ -10,7 +10,6 @@ opens and closes the plane; supervision attaches and detaches the lanes' channel
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import AsyncGenerator, Callable, Hashable
 
@@ -50,7 +49,8 @@ class InFlight:
 
     def __enter__(self) -> None:
         self.count += 1
-        self.idle.clear()
+        if self.count == 1:
+            self.idle.clear()
 
     def __exit__(self, *exc: object) -> None:
         self.count -= 1
@@ -74,6 +74,7 @@ class VersionPlane:
         self.flight = InFlight()
         self.buckets = Buckets(config) if config.shape_buckets is not None else None
         self._direct: set[asyncio.Task[None]] = set()  # submitted requests' direct executions
+        self._tell = self._settled  # bound once, not for every submitted request
 
     def new_lane(self) -> VersionLane:
         return Lane(self.queue, self.execute, self._all_lanes, self._lane_down)
@@ -124,9 +125,7 @@ class VersionPlane:
 
     async def infer(self, request: InferRequest, deadline: float | None = None) -> InferResult:
         """Run the request on an idle lane at once, or queue it for the next batch, and wait for its result.
-
-        `deadline` (time.monotonic()) is the client's: a request still queued past it is dropped, not run.
-        """
+        `deadline` (time.monotonic()) is the client's: a request still queued past it is dropped, not run."""
         item, direct = self._enter(request, deadline)
         future, start = item.future, item.enqueued_ns
         try:
@@ -165,15 +164,16 @@ class VersionPlane:
             run.add_done_callback(self._direct.discard)
         return item.future
 
-    def _settled(self, start: int, rows: int, then: Then | None, future: asyncio.Future[InferResult]) -> None:
+    def _settled(self, future: Told) -> None:
         """A submitted request's end, counted as `infer` counts its own (a cancelled one not at all)."""
         self.flight.__exit__()
         if not future.cancelled():
             error = future.exception()
             if error is None:
-                self.stats.record_success(time.perf_counter_ns() - start, rows)
+                self.stats.record_success(time.perf_counter_ns() - future.start, future.rows)
             elif isinstance(error, MpsdError):
-                self.stats.record_failure(time.perf_counter_ns() - start, error.code.value)
+                self.stats.record_failure(time.perf_counter_ns() - future.start, error.code.value)
+        then, future.then = future.then, None  # let go of it, as `Told` lets go of `tell`: no cycle left
         if then is not None:
             then(future)
 
@@ -185,11 +185,10 @@ class VersionPlane:
         if not self.ready and not self.holds(request):
             raise self.refusal()
         start = self.queue.arrival_clock()
-        future: asyncio.Future[InferResult] = (
-            Told(functools.partial(self._settled, start, request.batch_size, then))
-            if submitted
-            else asyncio.get_running_loop().create_future()
-        )
+        if submitted:
+            future: asyncio.Future[InferResult] = Told(self._tell, start, request.batch_size, then)
+        else:
+            future = asyncio.get_running_loop().create_future()
         shape_key = None if self.buckets is None else self._bucketed(request, self.buckets)
         item = Pending(request, future, start, deadline, shape_key=shape_key)
         if request.trace is not None:
