@@ -10,6 +10,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -34,6 +35,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the benchmark as Ctrl-C does, through its `finally` blocks: the servers it started are
+    stopped rather than left running in sessions of their own (`start_new_session`), which the signal
+    to the benchmark does not reach. Only from the main thread, and only where nobody set a handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+        signal.SIG_DFL,
+        None,
+    ):
+        signal.signal(signal.SIGTERM, _exit_143)
+
+
+def _exit_143(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 class Server:
     """A server process on loopback (mpsd or the floor), with a stub for control RPCs."""
 
@@ -46,6 +62,7 @@ class Server:
         cwd: Path | None = None,
         cpus: Collection[int] | None = None,
     ):
+        exit_on_sigterm()
         self.address = address
         self.http_address: str | None = None  # mpsd's HTTP/REST port
         self.log_path = log_path
