@@ -1,7 +1,8 @@
 """The architecture the tree shows is the one the code has: layers import only downward (the contracts
 in pyproject.toml, checked by import-linter), no module takes part in an import cycle, the daemon's, the
-worker's and the config's modules stay small enough to have one job, and no function in mpsd/ is longer
-than a screen (cyclomatic complexity is ruff's C901, in pyproject.toml)."""
+worker's and the config's modules stay small enough to have one job, no function in mpsd/ is longer
+than a screen (cyclomatic complexity is ruff's C901, in pyproject.toml), and the daemon builds its requests
+in one module."""
 
 from __future__ import annotations
 
@@ -140,3 +141,29 @@ def test_the_architecture_page_names_files_that_exist() -> None:
         if not any(path.is_file() for path in candidates):
             missing.append(name)
     assert missing == []
+
+
+REQUEST_BUILDER = "mpsd/daemon/core/requests.py"
+
+
+def request_builders(root: Path) -> set[str]:
+    """The files under `root` that call `InferRequest(...)` (by that name or as an attribute)."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Call):
+                called = node.func
+                name = called.id if isinstance(called, ast.Name) else getattr(called, "attr", None)
+                if name == "InferRequest":
+                    found.add(str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name)
+    return found
+
+
+def test_the_daemon_builds_every_request_in_one_module(tmp_path: Path) -> None:
+    """docs/architecture.md: every request the daemon serves is built in `core/requests.py`, one factory per
+    source, so that priority, parameters, deadline and the cache follow one set of rules. A known header's
+    request is that module's request with another id and other bytes (`known_headers._rebound`), not a
+    new one. The check itself finds a call made another way too."""
+    assert request_builders(ROOT / "mpsd" / "daemon") == {REQUEST_BUILDER}
+    (tmp_path / "m.py").write_text("import r\nr.InferRequest('m', '1', '', (), ('y',))\n")
+    assert request_builders(tmp_path) == {"m.py"}
