@@ -144,9 +144,17 @@ def test_models_lists_the_models_that_opted_in_with_their_state(served: Served) 
     extra = listed["chat"].model_extra or {}
     assert extra["task"] == "chat" and extra["endpoint"] == "/v1/chat/completions"
     assert client.models.retrieve("transcriber").id == "transcriber"
+    unnamed = openai_requests(served, "", "models", 404)
     with pytest.raises(openai.NotFoundError) as raised:
         client.models.retrieve("plain")
     assert raised.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # docs/observability.md: a request naming no model that serves the API is counted with `model` empty,
+    # so that the names clients send make no new series
+    assert openai_requests(served, "", "models", 404) == unnamed + 2
+    assert openai_requests(served, "no-such-model", "models", 404) == 0
+    assert openai_requests(served, "transcriber", "models", 200) >= 1
 
 
 # ---- embeddings ----------------------------------------------------------------------------------------

@@ -48,8 +48,8 @@ class ModelsHandler:
     @counted("models")
     async def retrieve(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info.get("model", "")
-        request[MODEL_KEY] = name
         for model in self.ops.models():
             if model[0] == name and model[1].openai is not None:
+                request[MODEL_KEY] = name  # only a model that serves the API: a client's names make no labels
                 return web.Response(body=dumps(self._object(*model)), content_type=JSON)
         raise NotFound(f"The model `{name}` does not exist or does not serve OpenAI's API")
