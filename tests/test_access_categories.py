@@ -61,3 +61,4 @@ def test_each_rpc_needs_its_documented_category_and_no_other(method: str) -> Non
         else:
             assert isinstance(refusal, PermissionDenied), (other, refusal)
             assert f"needs category '{category}'" in refusal.message
+            assert refusal.message.endswith(f"this token allows: {other}")  # docs/security.md: what it opens

@@ -117,6 +117,14 @@ def test_shape_whose_byte_size_overflows_is_refused(
     assert "overflows 64 bits" in message and "IN" in message
 
 
+def test_a_shape_of_more_than_16_dimensions_is_refused(
+    stub: service_pb2_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """docs/security.md: at most 16 dimensions, checked before the config's dims are compared."""
+    code, message = refused(lambda: stub.ModelInfer(raw_request("mat", [1] * 17), timeout=30))
+    assert code == INVALID and "shape has 17 dimensions; the limit is 16" in message, message
+
+
 def test_negative_dimension_is_refused(stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
     code, message = refused(lambda: stub.ModelInfer(raw_request("vec", [-4]), timeout=30))
     assert code == INVALID and "negative" in message, message

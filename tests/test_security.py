@@ -444,6 +444,14 @@ def test_bad_addresses_are_config_errors(address: str) -> None:
         parse_address(address)
 
 
+def test_a_socket_path_of_103_bytes_is_the_longest_taken() -> None:
+    """docs/security.md: macOS's sun_path holds 103 bytes and a NUL (Linux's 107), so 103 is the limit
+    everywhere: a path that works on Linux is never one that a Mac refuses."""
+    assert parse_address("unix:///" + "x" * 102).unix_path == Path("/" + "x" * 102)
+    with pytest.raises(ConfigError, match="longer than 103 bytes"):
+        parse_address("unix:///" + "x" * 103)
+
+
 # ---- TLS -----------------------------------------------------------------------------------------------
 
 
