@@ -339,7 +339,7 @@ class DaemonConfig(BaseModel):
         "the worker runs, so by default only the model's own folder may hold it.",
     )
 
-    @field_validator("metrics_address", mode="before")
+    @field_validator("http_address", "openai_address", "metrics_address", mode="before")
     @classmethod
     def _yaml_off(cls, value: object) -> object:
         """YAML reads a bare `off` (or `false`, `no`) as false: it means off, as the string does."""

@@ -114,8 +114,9 @@ def _parse_config_file(path: Path, text: str, dir_name: str) -> tuple[ModelConfi
 
 
 def _is_version_name(name: str) -> bool:
-    """`1`, `2`, `10`: ASCII digits in canonical form (not `01`, not other scripts' digits)."""
-    return name.isascii() and name.isdigit() and str(int(name)) == name
+    """`1`, `2`, `10`: a positive integer in canonical ASCII digits (not `0`, `01` or other scripts'
+    digits); Triton ignores a version folder whose name starts with 0 too."""
+    return name.isascii() and name.isdigit() and str(int(name)) == name and name != "0"
 
 
 def _fingerprint_dir(directory: Path) -> str:
