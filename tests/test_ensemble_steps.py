@@ -105,6 +105,7 @@ class StepModels:
     def __init__(self) -> None:
         self.log: list[str] = []
         self.versions: dict[str, Version] = {}
+        self.asked: list[tuple[str, str]] = []  # (model, version) of each step's acquire
 
     def add(
         self,
@@ -120,6 +121,7 @@ class StepModels:
         return plane
 
     async def acquire(self, name: str, version: str, deadline: float | None) -> Any:
+        self.asked.append((name, version))
         return self.versions[name]
 
     def touch(self, name: str) -> None:
@@ -173,6 +175,17 @@ def test_steps_run_in_the_graphs_order_and_each_reads_and_makes_the_tensors_its_
     assert seen.outputs == ("sum", "diff")
     assert result.model == "chain" and list(arrays(result)) == ["SUM"]  # what the request asked for
     np.testing.assert_array_equal(arrays(result)["SUM"], X * 3)
+
+
+def test_a_steps_model_version_0_or_minus_1_is_the_latest_and_another_is_that_version() -> None:
+    """docs/configuration.md: a step's `model_version` -1, or 0 (what a config.pbtxt that leaves it out
+    says), asks for the step model's latest version; any other asks for that one."""
+    models = StepModels()
+    models.add("double", ("x",), ("y",), lambda t: {"y": t["x"] * 2})
+    for version, asked in ((0, ""), (-1, ""), (2, "2")):
+        steps = [{**step("double", {"x": "X"}, {"y": "Y"}), "model_version": version}]
+        asyncio.run(models.plane(ensemble("pinned", steps, ("Y",))).infer(request("pinned", ("Y",))))
+        assert models.asked[-1] == ("double", asked), version
 
 
 def test_independent_steps_run_at_the_same_time() -> None:
