@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import structlog
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -28,7 +29,7 @@ from mpsd.daemon.core.registry import Registry
 from mpsd.daemon.core.residency.manager import NOT_LOADED_YET, Residency
 from mpsd.daemon.core.rollout import ModelEntry, ModelState
 from mpsd.daemon.supervise.instance import SupervisorSettings
-from mpsd.errors import Unavailable
+from mpsd.errors import DeadlineExceeded, Unavailable
 from tests import models
 from tests.conftest import ROOT, RunningDaemon, http_request, wait_for
 
@@ -252,6 +253,34 @@ def test_a_load_on_demand_keeps_an_unexpected_error_in_the_models_entry(tmp_path
             await residency.ensure_loaded(entry, deadline=None)
         assert "internal error: KeyError: 'no such device'" in refused.value.message
         assert entry.error == "internal error: KeyError: 'no such device'" and not entry.loading
+
+    with structlog.testing.capture_logs() as logged:
+        asyncio.run(scenario())
+    # docs/troubleshooting.md: the error nobody foresaw is in the log with its traceback
+    [unexpected] = [e for e in logged if e["event"] == "unexpected error in a model's load"]
+    assert unexpected["model"] == "cold" and isinstance(unexpected["exc_info"], KeyError)
+
+
+def test_a_request_waits_for_a_load_on_demand_at_most_load_timeout_s(tmp_path: Path) -> None:
+    """docs/memory.md: a request waits for its model's load at most `load_timeout_s` (or its own deadline),
+    then hears DEADLINE_EXCEEDED while the load goes on."""
+    models.add_sub(tmp_path / "repo", name="cold", dims=4)
+    entry = ModelEntry(
+        "cold", source=load_model_source(tmp_path / "repo" / "cold"), cold_reason=NOT_LOADED_YET
+    )
+    never = asyncio.Event()
+
+    async def apply(_source: Any) -> bool:
+        await never.wait()  # a load that does not end
+        return True
+
+    async def scenario() -> None:
+        config = DaemonConfig.model_validate({"residency": {"load_timeout_s": 0.2}})
+        residency = Residency(config, {"cold": entry}, apply, lambda _n: asyncio.Lock(), lambda: 1.0)
+        with pytest.raises(DeadlineExceeded, match=r"not loaded within 0\.2 s .*load_timeout_s"):
+            await residency.ensure_loaded(entry, deadline=None)
+        assert entry.load_task is not None and not entry.load_task.done()  # the load goes on
+        entry.load_task.cancel()
 
     asyncio.run(scenario())
 
