@@ -11,6 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+import structlog
+
 from mpsd import osfacts
 from mpsd.config.daemon_config import DaemonConfig
 from mpsd.config.repository import load_model_source
@@ -19,6 +22,7 @@ from mpsd.daemon.core.residency.manager import NOT_LOADED_YET, Residency
 from mpsd.daemon.core.rollout import ModelEntry
 from mpsd.daemon.supervise.device_memory import DeviceSizes
 from mpsd.daemon.supervise.launch import plan_version
+from mpsd.errors import ResourceExhausted
 from tests import models
 
 GIB = 2**30
@@ -124,3 +128,34 @@ def test_an_mps_workers_host_memory_counts_on_unified_memory() -> None:
     with osfacts.use(osfacts.DARWIN):
         assert measure("mps", snapshot) == 5 * GIB
         assert measure("cpu", snapshot) == 2 * GIB
+
+
+def test_the_residency_events_name_an_eviction_and_a_model_that_does_not_fit(tmp_path: Path) -> None:
+    """docs/memory.md's events: `model unloaded` with its reason and `unload_kind` (evicted here), and `model
+    does not fit the memory budget` with the figures a refused load reports."""
+    with osfacts.use(osfacts.DARWIN), structlog.testing.capture_logs() as logged:
+        load_both(tmp_path / "repo")
+    [unloaded] = [e for e in logged if e["event"] == "model unloaded"]
+    assert (unloaded["model"], unloaded["unload_kind"]) == ("on_cpu", "evicted")
+    assert unloaded["reason"] == "evicted for 'on_mps'" and unloaded["event_kind"] == "residency"
+
+    declared(tmp_path / "repo", "huge", "KIND_CPU", 2 * RAM)
+    entry = ModelEntry(
+        "huge", source=load_model_source(tmp_path / "repo" / "huge"), cold_reason=NOT_LOADED_YET
+    )
+
+    async def never(_source: Any) -> bool:
+        raise AssertionError("a model that does not fit is not placed")
+
+    async def scenario() -> None:
+        residency = Residency(DaemonConfig(), {"huge": entry}, never, lambda _n: asyncio.Lock(), lambda: 1.0)
+        residency.sizes = DeviceSizes(ram_bytes=lambda: RAM)
+        assert entry.source is not None
+        with pytest.raises(ResourceExhausted) as refused:
+            await residency.load(entry, entry.source, "test")
+        [event] = [e for e in logged if e["event"] == "model does not fit the memory budget"]
+        assert event["model"] == "huge" and event["reason"] == refused.value.message
+        assert "huge" in event["reason"]
+
+    with osfacts.use(osfacts.LINUX), structlog.testing.capture_logs() as logged:
+        asyncio.run(scenario())
