@@ -104,8 +104,8 @@ def _check_one_choice(body: Mapping[str, Any]) -> None:
         value = body.get(key)
         if value is not None and value != 1:
             raise InvalidField(key, f"'{key}' must be 1: each request gets one choice")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") is not None:
+    logprobs = body.get("logprobs")  # `is`, not `in`: 0 == False, and completions' logprobs: 0 asks for some
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:
         raise InvalidField("logprobs", "log probabilities are not given: the model answers with text")
 
 
