@@ -80,6 +80,14 @@ def test_install_refuses_a_python_in_downloads(env: Env, tmp_path: Path) -> None
     assert env.calls() == []
 
 
+def test_install_refuses_a_working_directory_on_a_volume(env: Env) -> None:
+    work = Path("/Volumes/External/mpsd")
+    proc = env.cli("install", "--config", str(env.config), "--working-dir", str(work), "--no-wait", **DARWIN)
+    assert proc.returncode == 1, proc.stderr
+    assert f"working directory {work}" in proc.stderr
+    assert env.calls() == []
+
+
 def test_install_goes_ahead_outside_the_protected_folders_or_when_allowed(env: Env) -> None:
     proc = env.cli("install", "--config", str(env.config), "--no-wait", **DARWIN)
     assert proc.returncode == 0, proc.stderr
@@ -89,3 +97,24 @@ def test_install_goes_ahead_outside_the_protected_folders_or_when_allowed(env: E
     proc = env.cli("install", "--config", str(config), "--no-wait", "--allow-protected-folders", **DARWIN)
     assert proc.returncode == 0, proc.stderr
     assert "bootstrap" in [call[0] for call in env.mutating_calls()[2:]]
+
+
+def test_a_job_opens_its_checkout_interpreter_config_repository_and_working_directory(tmp_path: Path) -> None:
+    """docs/service.md: install checks each of them, the working directory and mpsd's own checkout too; the
+    hint names the interpreter's real file, which Full Disk Access is granted to, not the venv's link."""
+    real = tmp_path / "python3.12"
+    real.write_text("")
+    link = tmp_path / "venv-python"
+    link.symlink_to(real)
+    config, repo, work = tmp_path / "mpsd.yaml", tmp_path / "models", tmp_path / "work"
+    paths = privacy.service_paths(str(link), config, repo, work)
+    assert paths == [
+        ("checkout", privacy.checkout()),
+        ("venv python", link),
+        ("config", config),
+        ("model repository", repo),
+        ("working directory", work),
+    ]
+    found = [privacy.ProtectedPath("working directory", work, Path("/Volumes"))]
+    said = privacy.hint(found, str(link))
+    assert f"Full Disk Access to {real} " in said and "/Volumes" in said
