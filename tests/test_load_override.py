@@ -221,6 +221,7 @@ def test_files_sent_by_the_client_load_and_go_with_their_model(daemon: RunningDa
         ("file:1//model.pt", "empty component"),
         ("file:" + "A" * 256, "longer than 255 bytes"),
         ("file:config.pbtxt", "the model's config is the 'config' parameter"),
+        ("file:" + "/".join(["d"] * 17), "more than 16 levels deep"),
     ],
 )
 def test_paths_that_leave_the_model_directory_are_refused(daemon: RunningDaemon, key: str, why: str) -> None:

@@ -185,6 +185,26 @@ def test_balanced_target_names_every_host() -> None:
             balanced_target(mixed)
 
 
+def test_a_balanced_channel_retries_unavailable_on_the_documented_methods_only() -> None:
+    """docs/scale-out.md: ModelInfer and the read-only calls are retried on UNAVAILABLE (another daemon
+    takes them); `methods=()` retries none."""
+    import json
+
+    config = json.loads(dict(balanced_channel_args())["grpc.service_config"])
+    [methods] = config["methodConfig"]
+    assert {n["method"] for n in methods["name"]} == {
+        "ModelInfer",
+        "ModelReady",
+        "ModelMetadata",
+        "ModelConfig",
+        "ServerReady",
+        "ServerMetadata",
+    }
+    assert methods["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    none = json.loads(dict(balanced_channel_args(methods=()))["grpc.service_config"])
+    assert none["methodConfig"][0]["name"] == []
+
+
 # ---- client-side balancing: the stock tritonclient with gRPC's round_robin, health checks, retries ---
 
 

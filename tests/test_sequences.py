@@ -458,6 +458,10 @@ def test_triton_errors_for_requests_that_are_no_sequence_step(daemon: RunningDae
         "inference request to model 'acc_direct' must specify batch-size 1 due to requirements of sequence "
         "batcher",
     )
+    assert _refusal(lambda: _step(client, "acc_direct", "a" * 129, 1, start=True)) == (
+        "StatusCode.INVALID_ARGUMENT",
+        "string correlation ID cannot be longer than 128 characters",  # docs/api.md, as Triton's
+    )
     status, message = _refusal(lambda: _step(client, "acc_direct", "abc", 1, start=True))
     assert (
         status == "StatusCode.INVALID_ARGUMENT"
