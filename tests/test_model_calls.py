@@ -370,6 +370,29 @@ def test_a_call_back_to_a_version_its_request_came_through_is_refused() -> None:
     assert called.seen == []
 
 
+def test_another_version_of_a_model_its_request_came_through_may_be_called() -> None:
+    """docs/calling-models.md: only the versions on the path are refused; version 2 may call version 1."""
+    called = Called("called", doubled)
+    models = Models(Version("called", config(), called))  # the latest is version 1
+
+    async def body(worker: Worker) -> object:
+        worker.execution(chain=frozenset({("called", 2)}))
+        worker.router.received(call(outputs=("y",)))
+        return await worker.next()
+
+    done = run(models, body)
+    assert isinstance(done, p.CallDone), done
+    assert len(called.seen) == 1
+
+
+def test_a_called_models_outputs_past_what_a_call_carries_are_resource_exhausted() -> None:
+    """docs/calling-models.md: a call's outputs travel inline, at most MAX_CALL_BYTES (60 MiB)."""
+    big = Called("called", lambda x: {"y": np.zeros(p.MAX_CALL_BYTES // 4 + 1, np.float32)})
+    failed = _failed(Models(Version("called", config(), big)), call(outputs=("y",)))
+    assert failed.code == ErrorCode.RESOURCE_EXHAUSTED.value, failed
+    assert f"a call carries at most {p.MAX_CALL_BYTES} bytes" in failed.message
+
+
 def test_a_worker_whose_daemon_runs_no_calls_is_refused() -> None:
     async def body() -> object:
         router = CallRouter(None)
