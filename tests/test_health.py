@@ -7,6 +7,7 @@ the connection closes, and an open Watch does not hold the drain.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from collections.abc import Iterator
@@ -233,27 +234,28 @@ def test_a_shutdown_that_comes_while_a_watch_writes_still_reaches_the_watcher() 
     assert asyncio.run(scenario()) == [SERVING, NOT_SERVING]
 
 
+class WatchContext:
+    """A Watch call's context, in-process: what the service writes, in order."""
+
+    def __init__(self) -> None:
+        self.sent: asyncio.Queue[int] = asyncio.Queue()
+
+    async def write(self, reply: health_pb2.HealthCheckResponse) -> None:
+        await self.sent.put(int(reply.status))
+
+
 def test_a_lifecycle_event_rechecks_the_watches_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/observability.md: a Watch re-evaluates on every lifecycle event, not only at its once-a-second
     recheck, which is pushed out of reach here (an hour): the change reaches the watcher only through the
     event."""
-    import asyncio
-
     from mpsd.daemon.api.grpc import health
     from mpsd.logs.events import EventBus
 
     monkeypatch.setattr(health, "WATCH_RECHECK_S", 3600.0)
     statuses = {"model": SERVING}
 
-    class Context:
-        def __init__(self) -> None:
-            self.sent: asyncio.Queue[int] = asyncio.Queue()
-
-        async def write(self, reply: health_pb2.HealthCheckResponse) -> None:
-            await self.sent.put(int(reply.status))
-
     async def scenario() -> int:
-        service, bus, context = health.HealthService(statuses.get), EventBus(), Context()
+        service, bus, context = health.HealthService(statuses.get), EventBus(), WatchContext()
         service.follow(bus)
         watching = asyncio.create_task(service.Watch(health_pb2.HealthCheckRequest(service="model"), context))
         assert await asyncio.wait_for(context.sent.get(), 5) == SERVING
@@ -271,22 +273,13 @@ def test_a_watch_rechecks_once_a_second_without_an_event() -> None:
     """Watches re-evaluate on lifecycle events, and once a second as a safety net: a change of readiness
     that no event announced still reaches the watcher within the second (2 s allowed for a slow machine;
     the bounds are the documented second, not the module's constant, so a slower re-check fails)."""
-    import asyncio
-
     from mpsd.daemon.api.grpc.health import HealthService
 
     statuses = {"model": SERVING}
 
-    class Context:
-        def __init__(self) -> None:
-            self.sent: asyncio.Queue[int] = asyncio.Queue()
-
-        async def write(self, reply: health_pb2.HealthCheckResponse) -> None:
-            await self.sent.put(int(reply.status))
-
     async def scenario() -> tuple[int, float]:
         service = HealthService(statuses.get)
-        context = Context()
+        context = WatchContext()
         loop = asyncio.get_running_loop()
         watching = asyncio.create_task(service.Watch(health_pb2.HealthCheckRequest(service="model"), context))
         assert await asyncio.wait_for(context.sent.get(), 5) == SERVING
