@@ -425,6 +425,14 @@ def test_transcriptions_of_a_wav_file_in_each_format(served: Served, tmp_path: P
             model="transcriber", file=file, response_format="verbose_json", language="en"
         )
     assert verbose.text == "[en] " + expected and verbose.language == "en" and verbose.duration == 0.5
+    with audio.open("rb") as file:  # docs/openai.md: without a language, verbose_json's is "unknown"
+        unsaid = client.audio.transcriptions.create(
+            model="transcriber", file=file, response_format="verbose_json"
+        )
+    assert unsaid.language == "unknown"
+    with audio.open("rb") as file, pytest.raises(openai.BadRequestError) as streamed:
+        client.audio.transcriptions.create(model="transcriber", file=file, extra_body={"stream": "true"})
+    assert streamed.value.body["param"] == "stream"  # type: ignore[index]
     with audio.open("rb") as file:
         srt = client.audio.transcriptions.create(model="transcriber", file=file, response_format="srt")
     assert srt == f"1\n00:00:00,000 --> 00:00:00,500\n{expected}\n\n"
