@@ -3,19 +3,23 @@ UNAVAILABLE with a reason that names the file, the field and the problem."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from mpsd.config.model_file import parse_model_config
 from mpsd.config.repository import load_model_source, scan_repository
 from mpsd.errors import ModelConfigError
 from tests import models
-from tests.conftest import RunningDaemon
+from tests.conftest import RunningDaemon, http_request
 
 GOOD_BODY = "return {'y': inputs['x'] * 2}"
 
@@ -296,6 +300,21 @@ def test_repository_index_gives_state_and_reason(daemon: RunningDaemon) -> None:
         assert str(daemon.repo / name) in reason or name == "wrong_dims", reason
         for word in words:
             assert word in reason, f"{name}: {word!r} not in {reason!r}"
+    # docs/api.md: `ready` lists the ready versions only, over gRPC, HTTP and `mpsd models --ready`
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        ready = stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(ready=True), timeout=30).models
+    assert [(m.name, m.state) for m in ready] == [("good", "READY")]
+    status, body, _ = http_request(daemon.http_address, "POST", "/v2/repository/index", b'{"ready": true}')
+    assert status == 200 and [m["name"] for m in body] == ["good"], body
+    listed = subprocess.run(
+        [sys.executable, "-m", "mpsd", "models", "--ready", "--address", daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0 and "good" in listed.stdout, listed.stderr
+    assert not any(name in listed.stdout for name in BROKEN), listed.stdout
 
 
 def test_broken_models_leave_no_worker_running(daemon: RunningDaemon) -> None:
