@@ -39,9 +39,9 @@ class Told(asyncio.Future[InferResult]):
     def __init__(
         self,
         tell: Callable[[Told], None],
-        start: int = 0,
-        rows: int = 0,
-        then: Callable[[asyncio.Future[InferResult]], None] | None = None,
+        start: int,
+        rows: int,
+        then: Callable[[asyncio.Future[InferResult]], None] | None,
     ) -> None:
         super().__init__()
         self._tell: Callable[[Told], None] | None = tell
